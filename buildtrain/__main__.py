@@ -1,0 +1,7 @@
+"""`python -m buildtrain` is `bt`."""
+
+import sys
+
+from buildtrain.cli import main
+
+sys.exit(main())

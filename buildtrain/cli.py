@@ -1,0 +1,357 @@
+"""`bt`: a thin command line over buildtrain. Parse, call one function per command, print, map
+errors to exit codes. Heavy modules (the executor, torch) are imported only by the commands
+that need them, so `bt plan` and a null `bt run` stay instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, UsageError
+from buildtrain.store.store import Store
+
+EPILOG = """\
+exit codes:
+  0  success                      4  not reproduced (bt verify found a difference)
+  1  a step failed (NaN, OOM)     5  corrupt object in the store (bt fsck)
+  2  usage or preset error        6  plan compiled for another toolchain or machine
+  3  interrupted, resumable       7  step locked by another bt (with --no-wait)
+
+examples:
+  bt run $(bt plan presets/tiny.toml)
+  bt plan presets/tiny.toml --set train.lr=3e-4 --set model.n_layers=6
+  bt diff 3fa9c1 8e02d4
+  bt verify 3fa9c1 --resume-at 50,120
+"""
+
+
+def _store(args: argparse.Namespace) -> Store:
+    return Store.at(args.store)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _is_preset(ref: str) -> bool:
+    return ref.endswith(".toml") or os.path.sep in ref or Path(ref).is_file()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from buildtrain.plan.planner import plan_preset
+    from buildtrain.report import plan_summary
+
+    store = _store(args)
+    planned = plan_preset(args.preset, args.set, store)
+    print(planned.plan.hash, flush=True)
+    if not args.quiet:
+        _err(plan_summary(store, planned.plan))
+    return ExitCode.OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from buildtrain.report import show_json, show_text
+
+    store = _store(args)
+    plan = store.load_plan(args.plan)
+    print(show_json(store, plan) if args.json else show_text(store, plan))
+    return ExitCode.OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from buildtrain.plan.diff import diff_plans
+    from buildtrain.report import diff_json, diff_text
+
+    store = _store(args)
+    a, b = store.load_plan(args.plan_a), store.load_plan(args.plan_b)
+    changes, steps = diff_plans(a, b)
+    print(diff_json(a, b, changes, steps) if args.json else diff_text(a, b, changes, steps))
+    return ExitCode.OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.report import ls_rows, ls_text
+
+    rows = ls_rows(_store(args))
+    print(json.dumps(rows, indent=2) if args.json else ls_text(rows))
+    return ExitCode.OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from buildtrain.executor.run import RunOptions, run_plan
+
+    store = _store(args)
+    threads = args.threads
+    if _is_preset(args.plan):
+        from buildtrain.plan.planner import plan_preset
+
+        planned = plan_preset(args.plan, args.set, store)
+        plan = planned.plan
+        threads = threads or planned.threads or None
+    else:
+        if args.set:
+            raise UsageError("--set applies to a preset; give a preset path, or plan first with bt plan")
+        plan = store.load_plan(args.plan)
+    options = RunOptions(
+        threads=threads,
+        experiments=Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments"),
+        wait=not args.no_wait,
+        progress=None if args.progress == "auto" else args.progress == "on",
+        log_every=args.log_every,
+    )
+    return run_plan(store, plan, options)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from buildtrain.verify.verify import VerifyOptions, verify_plan
+
+    store = _store(args)
+    plan = store.load_plan(args.plan)
+    options = VerifyOptions(
+        resume_at=_parse_steps(args.resume_at),
+        threads=args.threads,
+        steps=args.steps,
+        json=args.json,
+        keep=args.keep_scratch,
+    )
+    return verify_plan(store, plan, options)
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from buildtrain.verify.fsck import fsck
+
+    return fsck(_store(args), json_output=args.json)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from buildtrain.store.gc import collect
+
+    return collect(_store(args), drop=args.drop, dry_run=args.dry_run)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from buildtrain.steps.export import export_to
+
+    store = _store(args)
+    plan = store.load_plan(args.plan)
+    destination = export_to(store, plan, Path(args.dest) if args.dest else None)
+    print(destination)
+    return ExitCode.OK
+
+
+def _parse_steps(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        steps = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise UsageError(f"--resume-at expects step numbers like 50,120 (got {text!r})") from None
+    if any(step < 1 for step in steps):
+        raise UsageError("--resume-at steps must be >= 1")
+    return steps
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bt",
+        description="buildtrain: compile training presets into content-hashed plans and run them "
+        "reproducibly. Identical plan hashes reproduce identical weights, bit for bit.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--store", metavar="DIR", help="store directory (default: $BT_STORE or ./.bt)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=description,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.add_argument(
+            "--store",
+            metavar="DIR",
+            default=argparse.SUPPRESS,
+            help="store directory (default: $BT_STORE or ./.bt)",
+        )
+        return sub
+
+    sub = command(
+        "plan",
+        "compile a preset into a stored plan; print its hash",
+        "Compile PRESET (and any --set overrides) into a content-hashed plan and store it. stdout is "
+        "the 64-hex plan hash and nothing else, so `bt run $(bt plan PRESET)` composes; a summary of "
+        "the steps (cached or to run) goes to stderr. Problems in the preset are all listed, one per "
+        "line, as FILE: KEY: MESSAGE, with exit code 2.",
+    )
+    sub.add_argument("preset", help="a preset TOML file")
+    sub.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key with a TOML value, e.g. train.lr=3e-4 or stages.finetune.train.steps=50 (repeatable)",
+    )
+    sub.add_argument("-q", "--quiet", action="store_true", help="print only the hash")
+    sub.set_defaults(func=cmd_plan)
+
+    sub = command(
+        "run",
+        "execute a plan (or plan and execute a preset)",
+        "Execute the steps of PLAN (a hash, a unique prefix, or a preset path) in order: data, train "
+        "stage(s), eval, export. Steps already in the store are cache hits. An interrupted step "
+        "resumes from its newest valid checkpoint, bit for bit. Ctrl-C finishes the current optimizer "
+        "step, checkpoints and exits with code 3. Every run writes a record to experiments/.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix, or a preset path")
+    sub.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="overrides, when PLAN is a preset"
+    )
+    sub.add_argument(
+        "--threads",
+        type=_positive,
+        help="intra-op threads for a portable plan (default: preset or all cores)",
+    )
+    sub.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where run records go (default: $BT_EXPERIMENTS or ./experiments)",
+    )
+    sub.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit with code 7 instead of waiting when another bt builds a step",
+    )
+    sub.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="progress bar (default: on a terminal)",
+    )
+    sub.add_argument(
+        "--log-every",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="log a training line every N steps (default 10)",
+    )
+    sub.set_defaults(func=cmd_run)
+
+    sub = command(
+        "verify",
+        "re-execute a plan from scratch and compare bit for bit",
+        "Re-execute every step of PLAN in a scratch store, each in a fresh process, and compare each "
+        "output with the recorded one by canonical tensor digests. On a difference, name the first "
+        "training step that diverged and the tensors that differ. An unbuilt plan is built, then "
+        "checked against a second independent execution. Exit 0: reproduced; 4: not reproduced.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument(
+        "--resume-at", metavar="N[,M]", help="hard-kill the re-execution after these steps and resume"
+    )
+    sub.add_argument("--threads", type=_positive, help="re-execute with this many threads (portable plans)")
+    sub.add_argument(
+        "--steps", type=_positive, metavar="N", help="spot check: only the first N steps of each train stage"
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    sub.add_argument("--keep-scratch", action="store_true", help="keep the scratch store for inspection")
+    sub.set_defaults(func=cmd_verify)
+
+    sub = command(
+        "fsck",
+        "re-hash every object in the store",
+        "Re-hash every plan, step output, checkpoint and evaluation result in the store and "
+        "report each damaged one with the plans and steps that reference it (exit 5).",
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    sub.set_defaults(func=cmd_fsck)
+
+    sub = command(
+        "show",
+        "show a plan: config, steps, hashes, inputs",
+        "Show the resolved config of PLAN and its steps with their hashes, inputs and status.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=cmd_show)
+
+    sub = command(
+        "diff",
+        "which keys differ between two plans and which steps that invalidates",
+        "Compare two plans: the config keys that differ, and for each step whether it is reused "
+        "from the store or invalidated, and why.",
+    )
+    sub.add_argument("plan_a", help="plan hash or prefix")
+    sub.add_argument("plan_b", help="plan hash or prefix")
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=cmd_diff)
+
+    sub = command(
+        "ls", "list stored plans", "List stored plans with name, creation time, steps and build status."
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=cmd_ls)
+
+    sub = command(
+        "gc",
+        "remove what no plan needs",
+        "Remove step outputs no stored plan references, leftover temporary and work folders of "
+        "completed steps, quarantined outputs and unreferenced evaluation results.",
+    )
+    sub.add_argument(
+        "--drop", action="append", default=[], metavar="PLAN", help="forget this plan first (repeatable)"
+    )
+    sub.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    sub.set_defaults(func=cmd_gc)
+
+    sub = command(
+        "export",
+        "copy a built plan's export package out of the store",
+        "Copy the export package of a built PLAN (weights, config, tokenizer description, "
+        "checksums) to DEST (default ./export/NAME-HASH), read-only.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
+    sub.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        for line in exc.problems:
+            _err(line)
+        count = len(exc.problems)
+        _err(f"bt {args.command}: {count} problem{'s' if count != 1 else ''} in the preset; nothing was run")
+        return exc.exit_code
+    except BuildtrainError as exc:
+        _err(f"bt {args.command}: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        _err(f"bt {args.command}: interrupted")
+        return ExitCode.INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

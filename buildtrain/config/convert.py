@@ -1,0 +1,101 @@
+"""The one cattrs converter that turns plain data into config objects and back.
+
+Strict about types on purpose: TOML already tells integers, floats, strings and booleans apart, so
+`steps = 1.5` or `lr = "fast"` is a mistake to report, not a value to coerce.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from typing import Any
+
+import cattrs
+from cattrs.errors import IterableValidationError, IterableValidationNote
+
+
+def describe(value: Any) -> str:
+    """A value as a user wrote it, with its TOML type, for error messages."""
+    kind = {
+        bool: "boolean",
+        int: "integer",
+        float: "float",
+        str: "string",
+        list: "array",
+        dict: "table",
+    }.get(type(value), type(value).__name__)
+    shown = repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return f"{shown} ({kind})"
+
+
+def _strict_int(value: Any, _: type) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {describe(value)}")
+    return value
+
+
+def _strict_float(value: Any, _: type) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number, got {describe(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {describe(value)}")
+    return float(value)
+
+
+def _strict_str(value: Any, _: type) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {describe(value)}")
+    return value
+
+
+def _strict_bool(value: Any, _: type) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {describe(value)}")
+    return value
+
+
+def _is_tuple(cls: Any) -> bool:
+    return typing.get_origin(cls) is tuple
+
+
+def _tuple_hook(converter: cattrs.Converter, cls: Any) -> Any:
+    args = typing.get_args(cls)
+    homogeneous = len(args) == 2 and args[1] is Ellipsis
+
+    def structure(value: Any, _: type) -> tuple[Any, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected an array, got {describe(value)}")
+        if not homogeneous and len(value) != len(args):
+            raise TypeError(f"expected an array of {len(args)} values, got {len(value)}")
+        items, errors = [], []
+        for index, item in enumerate(value):
+            item_type = args[0] if homogeneous else args[index]
+            try:
+                items.append(converter.structure(item, item_type))
+            except Exception as exc:  # collected and re-raised as a group below
+                exc.__notes__ = [
+                    *getattr(exc, "__notes__", []),
+                    IterableValidationNote(f"Structuring {cls} @ index {index}", index, item_type),
+                ]
+                errors.append(exc)
+        if errors:
+            raise IterableValidationError(f"While structuring {cls}", errors, cls)
+        return tuple(items)
+
+    return structure
+
+
+def make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    # Primitive hooks first: the generated class hooks look them up when they are built.
+    converter.register_structure_hook(int, _strict_int)
+    converter.register_structure_hook(float, _strict_float)
+    converter.register_structure_hook(str, _strict_str)
+    converter.register_structure_hook(bool, _strict_bool)
+    converter.register_structure_hook_factory(_is_tuple, lambda cls: _tuple_hook(converter, cls))
+    return converter
+
+
+converter = make_converter()

@@ -1,0 +1,111 @@
+"""Pre-flight checks that need the machine, not just the preset: data presence, memory, device.
+
+They run at `bt plan` time so that a doomed run fails in a fraction of a second instead of an hour
+in. The memory estimate mirrors the model in `steps/train/model.py`; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+from buildtrain.config.loader import LoadedPreset, Problem, key_text
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+
+GIB = 1 << 30
+
+
+def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str]]:
+    """Files matched by the patterns, each once; and the patterns that matched nothing."""
+    found: dict[str, Path] = {}
+    empty: list[str] = []
+    for pattern in patterns:
+        matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(m)]
+        if not matches:
+            empty.append(pattern)
+        for match in matches:
+            found.setdefault(os.path.realpath(match), Path(match))
+    return list(found.values()), empty
+
+
+def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
+    head_dim = model.dim // model.n_heads
+    kv_dim = model.n_kv_heads * head_dim
+    norm = model.dim * (2 if model.norm == "layernorm" else 1)
+    attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2
+    mlp = model.dim * model.ffn_hidden * (3 if model.mlp == "swiglu" else 2)
+    block = attention + mlp + 2 * norm
+    embeddings = vocab_size * model.dim * (1 if model.tie_embeddings else 2)
+    return embeddings + model.n_layers * block + norm
+
+
+def memory_estimate(model: ModelConfig, train: TrainConfig) -> int:
+    """Bytes for float32 weights, gradients, two AdamW moments and one micro-batch of activations."""
+    state = parameter_count(model) * 4 * 4
+    tokens = train.micro_batch_size * train.seq_len
+    per_layer = (
+        tokens * (12 * model.dim + 3 * model.ffn_hidden)
+        + train.micro_batch_size * model.n_heads * train.seq_len**2 * 2
+    )
+    activations = (model.n_layers * per_layer + tokens * BYTE_VOCAB_SIZE * 3) * 4
+    return state + activations
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is visible, asked without importing torch."""
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def preflight(loaded: LoadedPreset) -> tuple[dict[str, list[Path]], list[str]]:
+    """Source files per stage, and every machine-level problem with the preset."""
+    config = loaded.config
+    problems: list[Problem] = []
+    sources: dict[str, list[Path]] = {}
+    for index, stage in enumerate(config.stages):
+        if stage.data.source != "files":
+            sources[stage.name] = []
+            continue
+        files, empty = expand_sources(stage.data.files)
+        sources[stage.name] = files
+        key = (
+            ("stages", index, "data", "files")
+            if ("stages", index, "data", "files") in loaded.provenance
+            else ("data", "files")
+        )
+        for pattern in empty:
+            problems.append(Problem(loaded.source_of(key), key_text(key), f"'{pattern}' matches no file"))
+
+    available = machine_memory()
+    for stage in config.stages:
+        needed = memory_estimate(config.model, stage.train)
+        if needed > available:
+            problems.append(
+                Problem(
+                    loaded.source_of(("model",)),
+                    "model",
+                    f"training stage '{stage.name}' needs about {needed / GIB:.1f} GiB "
+                    f"(weights, gradients, AdamW state, activations) but this machine has {available / GIB:.1f} GiB; "
+                    "reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len",
+                )
+            )
+            break
+
+    if config.numerics.device == "cuda" and not cuda_available():
+        problems.append(
+            Problem(
+                loaded.source_of(("numerics", "device")),
+                "numerics.device",
+                "is 'cuda' but no CUDA device is visible on this machine; use device = \"cpu\"",
+            )
+        )
+    lines: list[str] = []
+    for problem in problems:
+        if str(problem) not in lines:
+            lines.append(str(problem))
+    return sources, lines

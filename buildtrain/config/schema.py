@@ -1,0 +1,221 @@
+"""The typed preset language: one frozen attrs class per preset section.
+
+Every field has a default, a one-line doc and its validators beside it; cross-field rules live in
+validator methods of the field they guard. Each component later receives only its own section.
+The resolved `Config` is what a plan is compiled from: every default materialized, one fully
+merged `Stage` per training stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from buildtrain.config.checks import at_least, at_most, below, greater_than, one_of, setting
+
+# Byte-level tokenizer: 256 byte values plus one end-of-document token.
+BYTE_VOCAB_SIZE = 257
+END_OF_DOCUMENT = 256
+
+
+@attrs.frozen(kw_only=True)
+class SyntheticConfig:
+    """A built-in corpus generated from a seed, so a preset runs on any machine with no data."""
+
+    kind: str = setting("arithmetic", "generator of the synthetic corpus", one_of("arithmetic"))
+    documents: int = setting(2000, "number of documents generated", at_least(1))
+    lines: int = setting(16, "lines (problems) per document", at_least(1))
+    seed: int = setting(0, "seed of the generator", at_least(0))
+
+
+@attrs.frozen(kw_only=True)
+class DataConfig:
+    """Where the tokens come from and how they are split and sharded."""
+
+    source: str = setting(
+        "synthetic", "'synthetic' (built-in corpus) or 'files'", one_of("synthetic", "files")
+    )
+    files: tuple[str, ...] = setting(
+        (), "paths or globs of text files, relative to the preset that names them"
+    )
+    synthetic: SyntheticConfig = setting(attrs.Factory(SyntheticConfig), "the built-in corpus")
+    tokenizer: str = setting("bytes", "tokenizer: bytes (256 values + end-of-document)", one_of("bytes"))
+    heldout_fraction: float = setting(
+        0.05, "fraction of split blocks held out for evaluation", greater_than(0.0), at_most(0.5)
+    )
+    split_block: int = setting(1024, "tokens per block when assigning train/held-out", at_least(16))
+    split_seed: int = setting(0, "seed of the train/held-out assignment", at_least(0))
+    shard_tokens: int = setting(1 << 20, "tokens per shard file", at_least(1024))
+
+    @files.validator
+    def _files_match_source(self, _: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+        if self.source == "files" and not value:
+            raise ValueError("source is 'files' but no files are listed; add data.files = [\"corpus/*.txt\"]")
+        if self.source == "synthetic" and value:
+            raise ValueError("files are listed but source is 'synthetic'; set data.source = \"files\"")
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+    dim: int = setting(64, "width of the residual stream", at_least(1))
+    n_layers: int = setting(2, "number of transformer blocks", at_least(1))
+    n_heads: int = setting(4, "attention (query) heads; must divide dim", at_least(1))
+    n_kv_heads: int = setting(
+        2, "key/value heads (grouped-query attention); must divide n_heads", at_least(1)
+    )
+    ffn_hidden: int = setting(176, "hidden width of the feed-forward block", at_least(1))
+    mlp: str = setting("swiglu", "feed-forward block: swiglu or gelu", one_of("swiglu", "gelu"))
+    norm: str = setting("rmsnorm", "normalization: rmsnorm or layernorm", one_of("rmsnorm", "layernorm"))
+    norm_eps: float = setting(1e-5, "epsilon of the normalization", greater_than(0.0))
+    rope_theta: float = setting(10000.0, "RoPE base frequency", greater_than(0.0))
+    tie_embeddings: bool = setting(True, "share the input embedding and the output projection")
+    dropout: float = setting(
+        0.0, "dropout probability (seeded per step and micro-batch)", at_least(0.0), below(1.0)
+    )
+    init_std: float = setting(0.02, "standard deviation of the initial weights", greater_than(0.0))
+
+    @n_heads.validator
+    def _heads_divide_dim(self, _: attrs.Attribute[Any], value: int) -> None:
+        if value >= 1 and self.dim % value:
+            raise ValueError(f"{value} does not divide model.dim {self.dim}; choose a divisor of {self.dim}")
+        if value >= 1 and self.dim % value == 0 and (self.dim // value) % 2:
+            raise ValueError(f"gives an odd head size {self.dim // value}; RoPE needs an even dim / n_heads")
+
+    @n_kv_heads.validator
+    def _kv_heads_divide_heads(self, _: attrs.Attribute[Any], value: int) -> None:
+        if value >= 1 and self.n_heads % value:
+            raise ValueError(
+                f"{value} does not divide model.n_heads {self.n_heads}; choose a divisor of {self.n_heads}"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    """One training stage: optimizer, schedule, batch, length, seed and checkpoint cadence."""
+
+    steps: int = setting(200, "optimizer steps", at_least(1))
+    seed: int = setting(0, "seed of initial weights, data order and dropout", at_least(0))
+    seq_len: int = setting(64, "tokens per training sequence (packed, no padding)", at_least(2))
+    batch_size: int = setting(16, "sequences per optimizer step", at_least(1))
+    micro_batch_size: int = setting(16, "sequences per forward pass; must divide batch_size", at_least(1))
+    optimizer: str = setting("adamw", "optimizer", one_of("adamw"))
+    lr: float = setting(3e-3, "peak learning rate", greater_than(0.0))
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
+    eps: float = setting(1e-8, "AdamW epsilon", greater_than(0.0))
+    weight_decay: float = setting(0.1, "decoupled weight decay (matrices only)", at_least(0.0))
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off)", at_least(0.0))
+    schedule: str = setting(
+        "cosine", "learning-rate schedule after warmup", one_of("cosine", "linear", "constant")
+    )
+    warmup_steps: int = setting(20, "linear warmup steps", at_least(0))
+    min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of lr", at_least(0.0), at_most(1.0))
+    checkpoint_every: int = setting(50, "steps between checkpoints", at_least(1))
+    keep_checkpoints: int = setting(2, "checkpoints kept (the last one is the final state)", at_least(1))
+    digest_every: int = setting(1, "steps between full training-state digests in the trace", at_least(1))
+
+    @betas.validator
+    def _betas_in_range(self, _: attrs.Attribute[Any], value: tuple[float, float]) -> None:
+        for beta in value:
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"each beta must be in [0, 1) (got {list(value)})")
+
+    @micro_batch_size.validator
+    def _micro_divides_batch(self, _: attrs.Attribute[Any], value: int) -> None:
+        if value >= 1 and self.batch_size % value:
+            raise ValueError(
+                f"{value} does not divide train.batch_size {self.batch_size}; "
+                f"choose a divisor of {self.batch_size}"
+            )
+
+    @warmup_steps.validator
+    def _warmup_within_steps(self, _: attrs.Attribute[Any], value: int) -> None:
+        if value > self.steps:
+            raise ValueError(f"{value} exceeds train.steps {self.steps}")
+
+
+@attrs.frozen(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation, after training and optionally during it."""
+
+    suite: str = setting("heldout", "evaluation suite", one_of("heldout"))
+    every: int = setting(0, "also evaluate every N training steps (0 = only after training)", at_least(0))
+    seq_len: int = setting(64, "tokens per evaluation window", at_least(2))
+    batch_size: int = setting(8, "windows per evaluation batch", at_least(1))
+    max_batches: int = setting(
+        0, "evaluate at most this many batches (0 = the whole held-out split)", at_least(0)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class NumericsConfig:
+    """How numbers are computed; enters the toolchain fingerprint, not the step configs."""
+
+    profile: str = setting(
+        "portable",
+        "portable: same bits at any thread count on any AVX2 x86-64; native: fastest, pinned to this machine",
+        one_of("portable", "native"),
+    )
+    device: str = setting("cpu", "cpu or cuda", one_of("cpu", "cuda"))
+    dtype: str = setting(
+        "float32", "compute dtype: float32 or bfloat16 (autocast)", one_of("float32", "bfloat16")
+    )
+    threads: int = setting(
+        0, "intra-op threads (0 = all cores); pinned in the hash only under native", at_least(0)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ExportConfig:
+    """The exported package: final weights, config, tokenizer description, checksums."""
+
+    enabled: bool = setting(True, "add an export step to the plan")
+    dtype: str = setting("float32", "dtype of the exported weights", one_of("float32", "bfloat16"))
+
+
+@attrs.frozen(kw_only=True)
+class Stage:
+    """One resolved training stage: its name, its parent, and its fully merged data and train."""
+
+    name: str = setting("main", "stage name, unique within the preset")
+    init_from: str | None = setting(None, "an earlier stage whose final weights start this one")
+    data: DataConfig = setting(attrs.Factory(DataConfig), "this stage's data")
+    train: TrainConfig = setting(attrs.Factory(TrainConfig), "this stage's training")
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """A fully resolved preset: what a plan is compiled from."""
+
+    name: str = setting("unnamed", "a label for people; in the plan hash, not in step hashes")
+    model: ModelConfig = setting(attrs.Factory(ModelConfig), "the model")
+    eval: EvalConfig = setting(attrs.Factory(EvalConfig), "evaluation")
+    numerics: NumericsConfig = setting(attrs.Factory(NumericsConfig), "numerics profile")
+    export: ExportConfig = setting(attrs.Factory(ExportConfig), "export")
+    stages: tuple[Stage, ...] = setting((Stage(),), "training stages, in order")
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(name)
+
+    @property
+    def final_stage(self) -> Stage:
+        """The stage that eval and export apply to: the last one."""
+        return self.stages[-1]
+
+
+# The sections of a preset file, in the order the reference documents them.
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "numerics": NumericsConfig,
+    "export": ExportConfig,
+}
+STAGE_KEYS = ("name", "init_from", "data", "train")
+TOP_LEVEL_KEYS = ("name", "extends", *SECTIONS, "stages")

@@ -1,0 +1,84 @@
+"""What a person sees on the terminal during `bt run` (stderr): one line per step, and while a
+train step runs a progress bar with loss and tokens/s (or, off a terminal, a line every N steps).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+
+class Reporter:
+    def __init__(self, progress: bool | None, log_every: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.progress_bar = self.stream.isatty() if progress is None else progress
+        self.log_every = log_every
+        self._progress: Any = None
+        self._task: Any = None
+        self._label = ""
+
+    def say(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, highlight=False, markup=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def step(self, label: str, status: str, detail: str = "") -> None:
+        self.say(f"  {label:<16} {status}{'  ' + detail if detail else ''}")
+
+    def train_started(self, label: str) -> None:
+        self._label = label
+        if not self.progress_bar:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn(f"  {label:<16}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[speed]} tok/s"),
+            TimeRemainingColumn(),
+            console=Console(file=self.stream, force_terminal=self.stream.isatty() or None),
+            transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(label, total=None, loss="-", speed="-")
+
+    def event(self, line: dict[str, Any]) -> None:
+        name = line.get("event")
+        if name == "train_step":
+            self._train_step(line)
+        elif name == "resumed":
+            self.step(self._label, f"resuming from checkpoint at step {line['step']}")
+        elif name == "checkpoint_skipped":
+            self.step(self._label, f"skipping damaged checkpoint {line['checkpoint']}: {line['reason']}")
+        elif name == "eval":
+            at = f" at step {line['step']}" if "step" in line else ""
+            self.step(
+                self._label, f"held-out loss {line['loss']:.4f}, {line['bits_per_token']:.4f} bits/token{at}"
+            )
+        elif name == "step_crashed":
+            self.say(line.get("traceback", ""))
+
+    def _train_step(self, line: dict[str, Any]) -> None:
+        step, steps = line["step"], line["steps"]
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=step,
+                total=steps,
+                loss=f"{line['loss']:.4f}",
+                speed=f"{line['tokens_per_s']:,.0f}",
+            )
+        elif step % self.log_every == 0 or step == steps or step == 1:
+            self.step(
+                self._label,
+                f"step {step}/{steps}  loss {line['loss']:.4f}  lr {line['lr']:.2e}  "
+                f"grad {line['grad_norm']:.3f}  {line['tokens_per_s']:,.0f} tok/s",
+            )
+
+    def train_finished(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

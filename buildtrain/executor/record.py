@@ -1,0 +1,96 @@
+"""Run records: `experiments/<UTC timestamp>-<plan hash prefix>/`, one per `bt run`, never overwritten.
+
+config.json     the resolved config the plan was compiled from (and the preset it came from)
+plan.json       the plan snapshot
+train.log       every event as a JSON line (executor and step processes alike)
+metrics.jsonl   training and evaluation metrics, one JSON line each
+summary.json    per step: cache hit or executed, duration, output digests; and the outcome
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from buildtrain.plan.plan import Plan
+from buildtrain.store.objects import write_bytes_durably
+
+METRIC_EVENTS = ("train_step", "eval")
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1e6) % 1_000_000:06d}Z"
+
+
+class RunRecord:
+    def __init__(self, folder: Path, plan: Plan) -> None:
+        self.folder = folder
+        self.plan = plan
+        self.steps: list[dict[str, Any]] = []
+        self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    @classmethod
+    def create(cls, root: Path, plan: Plan, meta: dict[str, Any]) -> RunRecord:
+        root.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        base = f"{stamp}-{plan.hash[:12]}"
+        for attempt in range(1000):
+            folder = root / (base if attempt == 0 else f"{base}.{attempt}")
+            try:
+                folder.mkdir()
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise RuntimeError(f"could not create a run record under {root}")
+        config = {
+            "name": plan.name,
+            "config": plan.config,
+            "preset": meta.get("preset"),
+            "overrides": meta.get("overrides", []),
+        }
+        write_bytes_durably(folder / "config.json", json.dumps(config, indent=2).encode())
+        write_bytes_durably(
+            folder / "plan.json", json.dumps({"hash": plan.hash, **plan.to_body()}, indent=2).encode()
+        )
+        return cls(folder, plan)
+
+    @property
+    def run_id(self) -> str:
+        return self.folder.name
+
+    def event(self, event: str, **fields: Any) -> None:
+        """An executor event, in the same shape as the step processes' structlog lines."""
+        self.forward({"event": event, "level": "info", "timestamp": _now(), **fields})
+
+    def forward(self, line: dict[str, Any]) -> None:
+        self._log.write(json.dumps(line, sort_keys=True) + "\n")
+        self._log.flush()
+        if line.get("event") in METRIC_EVENTS:
+            metric = {k: v for k, v in line.items() if k not in ("level",)}
+            self._metrics.write(json.dumps(metric, sort_keys=True) + "\n")
+            self._metrics.flush()
+
+    def step_result(self, **result: Any) -> None:
+        self.steps.append(result)
+
+    def close(self, outcome: str, exit_code: int, duration: float) -> None:
+        summary = {
+            "run_id": self.run_id,
+            "plan": self.plan.hash,
+            "name": self.plan.name,
+            "outcome": outcome,
+            "exit_code": exit_code,
+            "duration_s": round(duration, 3),
+            "executed": sum(s["action"] == "executed" for s in self.steps),
+            "cached": sum(s["action"] == "cached" for s in self.steps),
+            "steps": self.steps,
+            "pid": os.getpid(),
+        }
+        write_bytes_durably(self.folder / "summary.json", json.dumps(summary, indent=2).encode())
+        self._log.close()
+        self._metrics.close()

@@ -1,0 +1,178 @@
+"""The process that executes one step: `python -m buildtrain.executor.worker --job JOB.json`.
+
+It is started by the executor with the numerics environment already in place, imports torch only
+after checking that, logs structured JSON events to a pipe the executor reads, builds the step's
+output in a temporary folder and publishes it atomically. Exit status: 0 done, 1 failed,
+3 interrupted (a checkpoint was written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
+from buildtrain.executor import numerics
+from buildtrain.store import objects
+from buildtrain.store.store import Store
+
+TORCH_STEPS = ("train", "eval")
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: if the executor is killed outright, take this process down with it, so no orphan
+    keeps training (and writing) behind a new `bt run`'s back."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def configure_logging(stream: Any) -> Any:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(sort_keys=True),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        cache_logger_on_first_use=True,
+    )
+    return structlog.get_logger()
+
+
+def _interrupt_now(number: int, _: object) -> None:
+    raise Interrupted(f"stopped by {signal.Signals(number).name}")
+
+
+def execute(job: dict[str, Any], log: Any) -> int:
+    from buildtrain.steps.context import StepContext, verified_inputs
+
+    store = Store(Path(job["store"]))
+    plan = store.load_plan(job["plan"])
+    step = plan.step(job["step"])
+    log = log.bind(label=step.label)
+
+    if step.kind in TORCH_STEPS or (step.kind == "export" and step.config["export"]["dtype"] != "float32"):
+        settings = job["numerics"]
+        numerics.check_before_import(settings["profile"], settings["device"], settings["threads"])
+        import torch  # only now: the numerics environment is in place
+
+        applied = numerics.apply_after_import(torch, settings["device"], settings["threads"])
+        log.info("numerics_applied", profile=settings["profile"], **applied)
+
+    extra: dict[str, Any] = {}
+    if step.kind == "train":
+        from buildtrain.steps.train.trainer import Hooks, StopRequest
+
+        stop = StopRequest()
+        stop.install()
+        extra["stop"] = stop
+        extra["hooks"] = Hooks(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in job.get("hooks", {}).items()}
+        )
+        if job.get("watch"):
+            from buildtrain.verify.watch import Watcher
+
+            extra["watch"] = Watcher.from_job(job["watch"], log)
+    else:
+        signal.signal(signal.SIGTERM, _interrupt_now)
+        signal.signal(signal.SIGINT, _interrupt_now)
+
+    ctx = StepContext(
+        store=store,
+        plan=plan,
+        step=step,
+        inputs=verified_inputs(store, step),
+        sources=[Path(p) for p in job.get("sources", [])],
+        log=log,
+        extra=extra,
+    )
+    out = store.new_temp(step.label.replace(":", "-"))
+    try:
+        digests = _dispatch(ctx, out)
+        if digests is None:
+            log.info("stopped_early")
+            return ExitCode.OK
+        if job.get("commit", True):
+            objects.seal(out, digests)
+            objects.commit(out, store.output(step.hash))
+            if step.kind == "train":
+                objects.remove_tree(store.work_dir(step.hash))
+        log.info("step_done", digests=digests)
+        return ExitCode.OK
+    finally:
+        objects.remove_tree(out)
+
+
+def _dispatch(ctx: Any, out: Path) -> dict[str, str] | None:
+    kind = ctx.step.kind
+    if kind == "data":
+        from buildtrain.steps import data
+
+        return data.build(ctx.step.to_body(), ctx.sources, out, ctx.log)
+    if kind == "train":
+        from buildtrain.steps.train import step as train_step
+
+        return train_step.execute(ctx, out)
+    if kind == "eval":
+        from buildtrain.steps import eval as eval_step
+
+        return eval_step.execute(ctx, out)
+    from buildtrain.steps import export
+
+    return export.execute(ctx, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
+    parser.add_argument("--job", required=True, help="JSON job description written by the executor")
+    parser.add_argument("--events-fd", type=int, required=True, help="pipe for JSON event lines")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    stream = os.fdopen(args.events_fd, "w", buffering=1, encoding="utf-8")
+    log = configure_logging(stream)
+    job = json.loads(Path(args.job).read_text(encoding="utf-8"))
+    try:
+        return execute(job, log)
+    except Interrupted as exc:
+        log.warning("interrupted", message=str(exc))
+        return ExitCode.INTERRUPTED
+    except (StepFailed, MemoryError) as exc:
+        message = str(exc) if isinstance(exc, StepFailed) else "out of memory; the last checkpoint is intact"
+        log.error("step_failed", message=message)
+        return ExitCode.FAILED
+    except BuildtrainError as exc:
+        log.error("step_failed", message=str(exc), exit_code=int(exc.exit_code))
+        return exc.exit_code
+    except Exception as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
+            log.error(
+                "step_failed",
+                message="out of memory on the device; the last checkpoint is intact; lower train.micro_batch_size",
+            )
+            return ExitCode.FAILED
+        log.error("step_crashed", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        return ExitCode.FAILED
+    finally:
+        stream.flush()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Outputs are sealed and fsynced by now; skip the interpreter's teardown, which costs about a
+    # second once torch is loaded.
+    os._exit(code)

@@ -1,0 +1,135 @@
+"""The plan: a DAG of steps, each named by the digest of everything that determines its output.
+
+A step's hash covers its kind, the slice of config it reads, its inputs (upstream step hashes, or
+the content digests of source files) and the toolchain fingerprint. A plan's hash covers its name,
+its (path-free) resolved config, its steps and its targets. The stored form of a plan is exactly
+the canonical bytes it was hashed from, so loading re-derives and checks every hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from buildtrain.plan.canonical import digest
+
+PLAN_FORMAT = 1
+STEP_KINDS = ("data", "train", "eval", "export")
+
+
+@attrs.frozen
+class SourceFile:
+    """A data file as a plan sees it: its content, never its name or place."""
+
+    blake3: str
+    size: int
+
+
+@attrs.frozen(kw_only=True)
+class Step:
+    """One unit of work with declared inputs; `hash` names its output in the store."""
+
+    label: str
+    kind: str = attrs.field(validator=attrs.validators.in_(STEP_KINDS))
+    config: Mapping[str, Any]
+    inputs: Mapping[str, Any]
+    toolchain: Mapping[str, Any]
+    hash: str
+
+    @staticmethod
+    def spec_of(kind: str, config: Any, inputs: Any, toolchain: Any) -> dict[str, Any]:
+        return {"kind": kind, "config": config, "inputs": inputs, "toolchain": toolchain}
+
+    @classmethod
+    def create(
+        cls,
+        label: str,
+        kind: str,
+        config: Mapping[str, Any],
+        inputs: Mapping[str, Any],
+        toolchain: Mapping[str, Any],
+    ) -> Step:
+        step_hash = digest("step", cls.spec_of(kind, config, inputs, toolchain))
+        return cls(label=label, kind=kind, config=config, inputs=inputs, toolchain=toolchain, hash=step_hash)
+
+    @property
+    def upstream(self) -> dict[str, str]:
+        """Input name -> hash of the step it comes from (source files are not steps)."""
+        return {name: value for name, value in self.inputs.items() if isinstance(value, str)}
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "hash": self.hash,
+            **self.spec_of(self.kind, self.config, self.inputs, self.toolchain),
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Step:
+        step = cls.create(body["label"], body["kind"], body["config"], body["inputs"], body["toolchain"])
+        if step.hash != body["hash"]:
+            raise ValueError(f"step {body['label']}: recorded hash does not match its content")
+        return step
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    name: str
+    config: Mapping[str, Any]
+    steps: tuple[Step, ...]
+    targets: tuple[str, ...]
+    hash: str
+
+    @staticmethod
+    def _body(name: str, config: Any, steps: tuple[Step, ...], targets: tuple[str, ...]) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "name": name,
+            "config": config,
+            "steps": [step.to_body() for step in steps],
+            "targets": list(targets),
+        }
+
+    @classmethod
+    def create(
+        cls, name: str, config: Mapping[str, Any], steps: tuple[Step, ...], targets: tuple[str, ...]
+    ) -> Plan:
+        plan_hash = digest("plan", cls._body(name, config, steps, targets))
+        return cls(name=name, config=config, steps=steps, targets=targets, hash=plan_hash)
+
+    def to_body(self) -> dict[str, Any]:
+        return self._body(self.name, self.config, self.steps, self.targets)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Plan:
+        """Rebuild a stored plan, checking every step hash and the DAG's references."""
+        if body.get("format") != PLAN_FORMAT:
+            raise ValueError(f"unknown plan format {body.get('format')!r}")
+        steps = tuple(Step.from_body(step) for step in body["steps"])
+        plan = cls.create(body["name"], body["config"], steps, tuple(body["targets"]))
+        seen: set[str] = set()
+        for step in plan.steps:
+            missing = set(step.upstream.values()) - seen
+            if missing:
+                raise ValueError(f"step {step.label} depends on a step that does not precede it")
+            seen.add(step.hash)
+        if not set(plan.targets) <= seen:
+            raise ValueError("a target is not a step of the plan")
+        return plan
+
+    def step(self, step_hash: str) -> Step:
+        for step in self.steps:
+            if step.hash == step_hash:
+                return step
+        raise KeyError(step_hash)
+
+    def by_label(self, label: str) -> Step:
+        for step in self.steps:
+            if step.label == label:
+                return step
+        raise KeyError(label)
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)

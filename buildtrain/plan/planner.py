@@ -1,0 +1,56 @@
+"""`bt plan` as a function: preset -> validated config -> source digests -> stored plan.
+
+Never imports torch: everything here has to answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+
+from buildtrain.config.loader import LoadedPreset, load_preset
+from buildtrain.config.preflight import preflight
+from buildtrain.errors import ConfigError
+from buildtrain.plan.compile import compile_plan
+from buildtrain.plan.plan import Plan, SourceFile
+from buildtrain.store.store import Store
+
+
+@attrs.frozen
+class Planned:
+    plan: Plan
+    loaded: LoadedPreset
+    threads: int  # the preset's numerics.threads, an execution setting under `portable`
+    hashed_bytes: int  # source bytes hashed (0 when the stat cache knew every file)
+
+
+def plan_preset(path: str | Path, overrides: Iterable[str], store: Store) -> Planned:
+    overrides = list(overrides)
+    loaded = load_preset(path, overrides)
+    source_paths, problems = preflight(loaded)
+    if problems:
+        raise ConfigError(problems)
+
+    cache = store.stat_cache()
+    sources: dict[str, list[SourceFile]] = {}
+    locations: dict[str, list[str]] = {}
+    for stage, paths in source_paths.items():
+        sources[stage] = []
+        for source_path in paths:
+            try:
+                source = cache.digest_of(source_path)
+            except OSError as exc:
+                raise ConfigError([f"{source_path}: cannot read data file: {exc.strerror}"]) from None
+            sources[stage].append(source)
+            known = locations.setdefault(source.blake3, [])
+            if str(source_path.absolute()) not in known:
+                known.append(str(source_path.absolute()))
+    cache.save()
+
+    plan = compile_plan(loaded.config, sources)
+    store.save_plan(plan, preset=str(loaded.path), overrides=overrides, sources=locations)
+    return Planned(
+        plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
+    )

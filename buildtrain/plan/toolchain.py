@@ -1,0 +1,128 @@
+"""The toolchain fingerprint: everything outside the config that changes the numbers.
+
+Computed without importing torch (the version comes from package metadata) so that `bt plan`
+stays instant. What enters depends on the numerics profile: `portable` promises the same bits at
+any thread count on any x86-64 CPU with AVX2, so it records that target, not this CPU; `native`
+promises nothing beyond this machine, so it records the thread count and the CPU itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from buildtrain.config.schema import NumericsConfig
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+# Step kinds that never compute with torch only depend on buildtrain's own code.
+TORCH_FREE_KINDS = frozenset({"data", "export"})
+
+
+@functools.cache
+def source_digest() -> str:
+    """blake3 over buildtrain's own Python source: relative path and bytes of every module."""
+    hasher = blake3.blake3()
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_ROOT).as_posix().encode()
+        content = path.read_bytes()
+        hasher.update(len(relative).to_bytes(8, "little") + relative)
+        hasher.update(len(content).to_bytes(8, "little") + content)
+    return hasher.hexdigest()
+
+
+@functools.cache
+def torch_build() -> str:
+    """The installed torch release and build tag (for example `2.13.0+cpu`)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not-installed"
+
+
+@functools.cache
+def cpu_facts() -> dict[str, str]:
+    flags: set[str] = set()
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() == "flags" and not flags:
+                    flags = set(value.split())
+                elif name.strip() == "model name":
+                    model = value.strip()
+    except OSError:
+        pass
+    if "avx512f" in flags:
+        isa = "avx512"
+    elif "avx2" in flags and "fma" in flags:
+        isa = "avx2"
+    else:
+        isa = "baseline"
+    return {"arch": platform.machine(), "isa": isa, "cpu": model}
+
+
+def portable_target() -> str:
+    """The CPU class the portable profile computes for (what its bits are identical across)."""
+    arch = platform.machine()
+    return "x86_64-avx2" if arch in ("x86_64", "AMD64") else arch
+
+
+@functools.cache
+def cuda_facts() -> dict[str, str]:
+    """GPU model, driver and CUDA version from nvidia-smi (no torch import)."""
+    if shutil.which("nvidia-smi") is None:
+        return {"gpu": "none"}
+    try:
+        output = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {"gpu": "unknown"}
+    name, _, driver = output.partition(",")
+    return {"gpu": name.strip(), "driver": driver.strip()}
+
+
+def resolved_threads(numerics: NumericsConfig) -> int:
+    return numerics.threads or os.cpu_count() or 1
+
+
+def fingerprint(kind: str, numerics: NumericsConfig, threads: int | None = None) -> dict[str, Any]:
+    """The toolchain part of a step's hash, for a step of `kind` under `numerics`.
+
+    `threads` overrides the thread count a native plan pins (the executor checks a machine with
+    the count the plan will run at).
+    """
+    facts: dict[str, Any] = {"buildtrain": source_digest()}
+    if kind in TORCH_FREE_KINDS:
+        return facts
+    facts.update(torch=torch_build(), device=numerics.device, dtype=numerics.dtype, profile=numerics.profile)
+    if numerics.device == "cuda":
+        facts.update(cuda_facts())
+    if numerics.profile == "portable":
+        facts["target"] = portable_target()
+    else:
+        facts.update(cpu_facts(), threads=threads or resolved_threads(numerics))
+    return facts
+
+
+def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Human lines naming each fingerprint field that differs."""
+    lines = []
+    for key in sorted(set(recorded) | set(current)):
+        if recorded.get(key) != current.get(key):
+            lines.append(f"{key}: plan has {recorded.get(key)!r}, this machine has {current.get(key)!r}")
+    return lines

@@ -1,0 +1,177 @@
+"""Human-readable text for plans, diffs and listings (the CLI prints it on stderr or stdout).
+
+Plain text on purpose: these commands must stay instant, and they must read well in a CI log.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from buildtrain.plan.diff import Change, StepChange
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store.objects import MANIFEST
+from buildtrain.store.store import Store
+
+SHORT = 12
+
+
+def step_status(store: Store, step: Step) -> tuple[str, str]:
+    """(action, reason) for one step, without hashing anything: the dry run of `bt run`."""
+    if store.has_output(step.hash):
+        return "cached", "output in store"
+    checkpoints = sorted((store.work_dir(step.hash) / "checkpoints").glob("step-*/" + MANIFEST))
+    if checkpoints:
+        step_number = int(checkpoints[-1].parent.name.removeprefix("step-"))
+        return "will run", f"resume from checkpoint at step {step_number}"
+    return "will run", "not built"
+
+
+def plan_summary(store: Store, plan: Plan) -> str:
+    statuses = [step_status(store, step) for step in plan.steps]
+    cached = sum(action == "cached" for action, _ in statuses)
+    width = max(len(step.label) for step in plan.steps)
+    lines = [
+        f"plan {plan.hash[:SHORT]} '{plan.name}': {len(plan.steps)} steps, "
+        f"{cached} cached, {len(plan.steps) - cached} to run"
+    ]
+    for step, (action, reason) in zip(plan.steps, statuses, strict=True):
+        lines.append(f"  {step.label:<{width}}  {step.hash[:SHORT]}  {action}: {reason}")
+    return "\n".join(lines)
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def show_text(store: Store, plan: Plan) -> str:
+    meta = store.plan_meta(plan.hash)
+    lines = [f"plan    {plan.hash}", f"name    {plan.name}"]
+    if meta.get("preset"):
+        lines.append(
+            f"preset  {meta['preset']}"
+            + (f"  (--set {' '.join(meta['overrides'])})" if meta.get("overrides") else "")
+        )
+    if meta.get("created"):
+        lines.append(f"created {meta['created']}")
+    lines.append("")
+    lines.append("steps")
+    by_hash = {step.hash: step.label for step in plan.steps}
+    for step in plan.steps:
+        action, reason = step_status(store, step)
+        target = "  (target)" if step.hash in plan.targets else ""
+        lines.append(f"  {step.label}  {step.hash}{target}")
+        lines.append(f"      {action}: {reason}")
+        for name, value in step.inputs.items():
+            if name == "sources":
+                total = sum(s["size"] for s in value)
+                lines.append(f"      <- sources: {len(value)} files, {total} bytes")
+            elif value is not None:
+                lines.append(f"      <- {name}: {by_hash.get(value, '?')} {value[:SHORT]}")
+    lines.append("")
+    lines.append("config")
+    from buildtrain.plan.diff import flatten
+
+    for key, value in flatten({"name": plan.name, **plan.config}).items():
+        lines.append(f"  {key} = {_value(value)}")
+    return "\n".join(lines)
+
+
+def show_json(store: Store, plan: Plan) -> str:
+    body = plan.to_body()
+    body["hash"] = plan.hash
+    body["meta"] = store.plan_meta(plan.hash)
+    for step in body["steps"]:
+        action, reason = step_status(store, plan.step(step["hash"]))
+        step["status"] = {"action": action, "reason": reason}
+    return json.dumps(body, indent=2)
+
+
+def diff_text(a: Plan, b: Plan, changes: list[Change], steps: list[StepChange]) -> str:
+    lines = [f"plan {a.hash[:SHORT]} -> {b.hash[:SHORT]}"]
+    if not changes:
+        lines.append("config: no differences")
+    else:
+        lines.append(f"config: {len(changes)} key(s) differ")
+        for change in changes:
+            lines.append(f"  {change.key}: {_value(change.before)} -> {_value(change.after)}")
+    lines.append("steps:")
+    width = max(len(s.label) for s in steps)
+    for step in steps:
+        line = f"  {step.label:<{width}}  {step.status}"
+        if step.reasons:
+            line += ": " + "; ".join(step.reasons)
+        lines.append(line)
+    invalid = [s.label for s in steps if s.status in ("invalidated", "added")]
+    reused = [s.label for s in steps if s.status == "reused"]
+    lines.append(f"{len(invalid)} step(s) to rebuild, {len(reused)} reused")
+    return "\n".join(lines)
+
+
+def diff_json(a: Plan, b: Plan, changes: list[Change], steps: list[StepChange]) -> str:
+    return json.dumps(
+        {
+            "from": a.hash,
+            "to": b.hash,
+            "config": [{"key": c.key, "before": c.before, "after": c.after} for c in changes],
+            "steps": [
+                {
+                    "label": s.label,
+                    "status": s.status,
+                    "before": s.before,
+                    "after": s.after,
+                    "reasons": list(s.reasons),
+                }
+                for s in steps
+            ],
+        },
+        indent=2,
+    )
+
+
+def ls_rows(store: Store) -> list[dict[str, Any]]:
+    rows = []
+    for plan_hash in store.plan_hashes():
+        meta = store.plan_meta(plan_hash)
+        try:
+            plan = store.load_plan(plan_hash)
+        except Exception:  # a damaged plan is listed, not fatal; fsck says more
+            rows.append(
+                {
+                    "hash": plan_hash,
+                    "name": "?",
+                    "created": meta.get("created", "?"),
+                    "steps": 0,
+                    "status": "damaged",
+                }
+            )
+            continue
+        built = sum(store.has_output(step.hash) for step in plan.steps)
+        status = (
+            "built"
+            if built == len(plan.steps)
+            else ("not built" if built == 0 else f"partial {built}/{len(plan.steps)}")
+        )
+        rows.append(
+            {
+                "hash": plan_hash,
+                "name": plan.name,
+                "created": meta.get("created", "?"),
+                "steps": len(plan.steps),
+                "status": status,
+            }
+        )
+    rows.sort(key=lambda r: r["created"])
+    return rows
+
+
+def ls_text(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no plans in this store; compile one with: bt plan PRESET"
+    header = f"{'plan':<{SHORT}}  {'name':<16}  {'created':<20}  {'steps':>5}  status"
+    lines = [header]
+    for row in rows:
+        lines.append(
+            f"{row['hash'][:SHORT]:<{SHORT}}  {row['name'][:16]:<16}  {row['created']:<20}  {row['steps']:>5}  {row['status']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""What the executor hands a step: its plan node, verified inputs, a logger and a place to write.
+
+Torch-free, so the executor can complete steps that need no computation (an evaluation already in
+the content cache) without starting a process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from buildtrain.errors import CorruptObject
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store import objects
+from buildtrain.store.store import Store
+
+RESULT = "result.json"
+
+
+@attrs.frozen(kw_only=True)
+class StepContext:
+    store: Store
+    plan: Plan
+    step: Step
+    inputs: dict[str, Path]  # upstream step outputs by input name, verified on read
+    sources: list[Path]  # data files in plan order (the data step only)
+    log: Any
+    extra: dict[str, Any] = attrs.Factory(dict)  # train-only: hooks, stop request, watcher
+
+
+def verified_inputs(store: Store, step: Step) -> dict[str, Path]:
+    """Upstream outputs, each re-hashed against its manifest before anything reads it."""
+    found = {}
+    for name, step_hash in step.upstream.items():
+        path = store.output(step_hash)
+        problems = objects.verify(path)
+        if problems:
+            raise CorruptObject(
+                f"input {name} of {step.label} (step {step_hash[:12]}) does not verify: {problems[0]}; "
+                "run bt fsck, then bt run again to rebuild it"
+            )
+        found[name] = path
+    return found
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_bytes())
+
+
+def output_digests(path: Path) -> dict[str, str]:
+    """The logical digests a sealed output declares (what verify compares)."""
+    return objects.read_manifest(path)["digests"]

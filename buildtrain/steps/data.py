@@ -1,0 +1,175 @@
+"""The data step: ingest, tokenize (bytes), split train/held-out, write token shards.
+
+Streams from start to end: files are read in chunks, tokens go out in shards of fixed size, and only
+one split block is held in memory. Sources are read in the order of their content digests, which is
+how the plan lists them, so neither file names nor locations influence the tokens. Needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from buildtrain.config.schema import END_OF_DOCUMENT
+from buildtrain.errors import StepFailed
+from buildtrain.plan.canonical import canonical_bytes, digest
+from buildtrain.steps.seeds import derive_seed, derive_unit
+from buildtrain.store.objects import write_bytes_durably
+from buildtrain.store.tensors import tensor_digest
+
+DATA_FORMAT = 1
+DATA_INDEX = "data.json"
+READ_CHUNK = 1 << 20
+
+
+class SplitMix64:
+    """A tiny, fully specified PRNG for the synthetic corpus (stable across Python versions)."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & 0xFFFFFFFFFFFFFFFF
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        return z ^ (z >> 31)
+
+    def below(self, bound: int) -> int:
+        return self.next() % bound
+
+
+def arithmetic_document(seed: int, index: int, lines: int) -> bytes:
+    """`lines` additions like `417+38=455`, one per line: structure a small model learns quickly."""
+    rng = SplitMix64(derive_seed(seed, "synthetic-arithmetic", index))
+    rows = []
+    for _ in range(lines):
+        a, b = rng.below(10 ** (1 + rng.below(3))), rng.below(10 ** (1 + rng.below(3)))
+        rows.append(f"{a}+{b}={a + b}\n")
+    return "".join(rows).encode("ascii")
+
+
+def documents(config: dict[str, Any], sources: list[Path]) -> Iterator[Iterator[bytes]]:
+    """Each document as an iterator of byte chunks."""
+    if config["source"] == "synthetic":
+        synthetic = config["synthetic"]
+        for index in range(synthetic["documents"]):
+            yield iter((arithmetic_document(synthetic["seed"], index, synthetic["lines"]),))
+        return
+    for path in sources:
+        yield _chunks(path)
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as handle:
+        while chunk := handle.read(READ_CHUNK):
+            yield chunk
+
+
+def widen(chunk: bytes) -> bytearray:
+    """Bytes as uint16 little-endian tokens, at C speed: each byte becomes a low byte."""
+    wide = bytearray(2 * len(chunk))
+    wide[0::2] = chunk
+    return wide
+
+
+END_OF_DOCUMENT_BYTES = END_OF_DOCUMENT.to_bytes(2, "little")
+
+
+class ShardWriter:
+    """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int) -> None:
+        self.folder, self.split, self.shard_bytes = folder, split, 2 * shard_tokens
+        self.buffer = bytearray()
+        self.shards: list[dict[str, Any]] = []
+
+    def write(self, tokens: bytes | bytearray) -> None:
+        self.buffer += tokens
+        while len(self.buffer) >= self.shard_bytes:
+            self._flush(bytes(self.buffer[: self.shard_bytes]))
+            del self.buffer[: self.shard_bytes]
+
+    def close(self) -> None:
+        if self.buffer:
+            self._flush(bytes(self.buffer))
+            self.buffer = bytearray()
+
+    def _flush(self, raw: bytes) -> None:
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        (self.folder / name).write_bytes(raw)
+        count = len(raw) // 2
+        self.shards.append(
+            {"file": name, "tokens": count, "digest": tensor_digest(name, "u16", [count], raw)}
+        )
+
+    @property
+    def tokens(self) -> int:
+        return sum(shard["tokens"] for shard in self.shards)
+
+
+def build(spec: dict[str, Any], sources: list[Path], out: Path, log: Any) -> dict[str, str]:
+    """Write shards and `data.json` into `out`; return the logical digests of the output."""
+    config = spec["config"]["data"]
+    block_size, fraction, split_seed = config["split_block"], config["heldout_fraction"], config["split_seed"]
+    writers = {split: ShardWriter(out, split, config["shard_tokens"]) for split in ("train", "heldout")}
+    block = bytearray()  # the current split block, as uint16 little-endian bytes
+    block_bytes = 2 * block_size
+    block_index = 0
+    document_count = 0
+
+    def route(tokens: bytes | bytearray) -> None:
+        nonlocal block_index
+        held_out = derive_unit(split_seed, "heldout", block_index) < fraction
+        writers["heldout" if held_out else "train"].write(tokens)
+        block_index += 1
+
+    def append(tokens: bytes | bytearray) -> None:
+        nonlocal block
+        position = 0
+        while position < len(tokens):
+            take = min(block_bytes - len(block), len(tokens) - position)
+            block += tokens[position : position + take]
+            position += take
+            if len(block) == block_bytes:
+                route(block)
+                block = bytearray()
+
+    for document in documents(config, sources):
+        for chunk in document:
+            append(widen(chunk))
+        append(END_OF_DOCUMENT_BYTES)
+        document_count += 1
+        if document_count % 1000 == 0:
+            log.info("data_progress", documents=document_count, blocks=block_index)
+    if block:
+        route(block)
+    for writer in writers.values():
+        writer.close()
+
+    for split, writer in writers.items():
+        if writer.tokens < 2:
+            raise StepFailed(
+                f"the {split} split is empty: the corpus has {block_index} blocks of {block_size} tokens; "
+                "use more data, a smaller data.split_block, or another data.heldout_fraction"
+            )
+    index = {
+        "format": DATA_FORMAT,
+        "tokenizer": spec["config"]["tokenizer"],
+        "documents": document_count,
+        "splits": {
+            split: {"tokens": writer.tokens, "shards": writer.shards} for split, writer in writers.items()
+        },
+    }
+    write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
+    digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
+    digests["data"] = digest("data", {split: [s["digest"] for s in w.shards] for split, w in writers.items()})
+    log.info(
+        "data_built",
+        documents=document_count,
+        train_tokens=writers["train"].tokens,
+        heldout_tokens=writers["heldout"].tokens,
+        blocks=block_index,
+    )
+    return digests

@@ -1,0 +1,75 @@
+"""The export step: an immutable package of final weights, config, tokenizer and checksums.
+
+    model.safetensors   final weights (cast to export.dtype)
+    config.json         model, training, data and numerics settings of the final stage
+    tokenizer.json      how text becomes tokens
+    eval.json           the held-out evaluation of these weights
+    BLAKE3SUMS          `<blake3>  <file>` per file, checkable with b3sum -c
+
+`bt export PLAN DEST` copies the package out of the store, read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.plan.canonical import canonical_bytes, digest
+from buildtrain.plan.plan import Plan
+from buildtrain.steps.context import StepContext
+from buildtrain.store import objects
+from buildtrain.store.store import Store
+from buildtrain.store.tensors import combine, safetensors_digests
+
+WEIGHTS = "model.safetensors"
+CHECKSUMS = "BLAKE3SUMS"
+
+
+def execute(ctx: StepContext, out: Path) -> dict[str, str]:
+    from buildtrain.steps.eval import EVAL_RESULT
+    from buildtrain.steps.train.step import final_weights
+
+    config = ctx.step.config
+    source = final_weights(ctx.inputs["weights"])
+    if config["export"]["dtype"] == "float32":
+        shutil.copyfile(source, out / WEIGHTS)
+    else:
+        import safetensors.torch
+        import torch
+
+        tensors = safetensors.torch.load_file(str(source))
+        safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out / WEIGHTS))
+    (out / "config.json").write_bytes(canonical_bytes({k: v for k, v in config.items() if k != "tokenizer"}))
+    (out / "tokenizer.json").write_bytes(canonical_bytes(config["tokenizer"]))
+    shutil.copyfile(ctx.inputs["eval"] / EVAL_RESULT, out / "eval.json")
+    lines = [
+        f"{objects.hash_file(path)[0]}  {path.name}\n" for path in sorted(out.iterdir()) if path.is_file()
+    ]
+    (out / CHECKSUMS).write_text("".join(lines), encoding="utf-8")
+    return {"weights": combine(safetensors_digests(out / WEIGHTS)), "package": digest("package", lines)}
+
+
+def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
+    """Copy a built plan's export package to `destination` (default ./export/NAME-HASH), read-only."""
+    steps = [step for step in plan.steps if step.kind == "export"]
+    if not steps:
+        raise UsageError(f"plan {plan.hash[:12]} has no export step (export.enabled = false)")
+    step = steps[0]
+    if not store.has_output(step.hash):
+        raise UsageError(f"plan {plan.hash[:12]} is not built yet; run: bt run {plan.hash[:12]}")
+    problems = store.verify_output(step.hash)
+    if problems:
+        raise CorruptObject(f"the export output {step.hash[:12]} does not verify: {problems[0]}; run bt fsck")
+    destination = destination or Path("export") / f"{plan.name}-{plan.hash[:12]}"
+    if destination.exists():
+        raise UsageError(f"{destination} already exists; exports are immutable, choose another destination")
+    temporary = destination.with_name(f".{destination.name}.tmp")
+    objects.remove_tree(temporary)
+    shutil.copytree(store.output(step.hash), temporary, ignore=shutil.ignore_patterns(objects.MANIFEST))
+    for path in temporary.iterdir():
+        os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+    os.rename(temporary, destination)
+    return destination

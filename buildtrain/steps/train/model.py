@@ -1,0 +1,141 @@
+"""A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One config (`ModelConfig`), five small modules, shapes in comments. Weights are initialized from
+an explicit generator in parameter order, and dropout draws from a generator the caller passes, so
+nothing here touches torch's global RNG.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from buildtrain.config.schema import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.dim, config.norm_eps)
+    return nn.LayerNorm(config.dim, eps=config.norm_eps)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (T, head_dim / 2)."""
+    frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), frequencies)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, nh, T, hs) by position-dependent angles."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+def dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Dropout drawn from an explicit generator (off when there is none, as in evaluation)."""
+    if generator is None or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+    return x * keep / (1.0 - p)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeats = self.n_heads // self.n_kv_heads  # each key/value head serves a group of query heads
+        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(config)
+        self.attention = Attention(config)
+        self.ffn_norm = make_norm(config)
+        self.ffn = FeedForward(config)
+        self.p = config.dropout
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        x = x + dropout(self.attention(self.attention_norm(x), cos, sin), self.p, generator)
+        return x + dropout(self.ffn(self.ffn_norm(x)), self.p, generator)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(vocab_size, config.dim)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = make_norm(config)
+        self.output = nn.Linear(config.dim, vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for tokens (B, T)."""
+        _, T = tokens.shape
+        cos, sin = rope_tables(self.config.dim // self.config.n_heads, T, self.config.rope_theta)
+        cos, sin = cos.to(tokens.device), sin.to(tokens.device)
+        x = dropout(self.embedding(tokens), self.config.dropout, generator)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin, generator)
+        return self.output(self.norm(x))  # (B, T, vocab)
+
+    @torch.no_grad()
+    def initialize(self, generator: torch.Generator) -> None:
+        """Deterministic init in parameter order; residual projections scaled by depth (GPT-2)."""
+        residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        for name, parameter in self.named_parameters():
+            if parameter.dim() == 1:
+                parameter.fill_(1.0) if name.endswith("weight") else parameter.zero_()
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else self.config.init_std
+            values = torch.empty(parameter.shape, dtype=torch.float32)
+            values.normal_(0.0, std, generator=generator)
+            parameter.copy_(values)

@@ -1,0 +1,101 @@
+"""The training state on disk and its digests: weights, optimizer moments, counters.
+
+Tensors go to safetensors (no pickle on any load path), structure to JSON. The same tensor names
+serve the files, the digests in the trace and the divergence report of `bt verify`, so a report can
+say `model.blocks.0.attention.wq.weight` and a reader can open that tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from buildtrain.store.tensors import DTYPE_CODES, combine, tensor_digest
+
+# File names inside a checkpoint; constants because resume, verify and export all read them.
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+TRAIN_STATE = "train_state.json"
+TRACE = "trace.jsonl"
+
+OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def digest_tensor(name: str, tensor: torch.Tensor) -> str:
+    """The canonical digest of a tensor, hashed in place through a zero-copy view (no numpy)."""
+    tensor = tensor.detach().contiguous().cpu()  # stays referenced while its bytes are read
+    size = tensor.numel() * tensor.element_size()
+    view = memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B") if size else b""
+    dtype = DTYPE_CODES[str(tensor.dtype).removeprefix("torch.")]
+    return tensor_digest(name, dtype, list(tensor.shape), view)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters by name; a tied weight appears once, under its first name."""
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW moments and step counts by parameter name (`<param>.exp_avg`, ...)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    found: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            for slot, value in optimizer.state.get(parameter, {}).items():
+                found[f"{names[id(parameter)]}.{slot}"] = value.detach()
+    return found
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state, with `model.` and `optimizer.` prefixes."""
+    tensors = {f"model.{k}": v for k, v in model_tensors(model).items()}
+    tensors.update({f"optimizer.{k}": v for k, v in optimizer_tensors(model, optimizer).items()})
+    return tensors
+
+
+def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: digest_tensor(name, tensor) for name, tensor in sorted(tensors.items())}
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    return combine(digests(model_tensors(model)))
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    safetensors.torch.save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+
+def load_model(model: torch.nn.Module, path: Path) -> None:
+    """Load weights by name; every parameter must be present and nothing else."""
+    loaded = safetensors.torch.load_file(str(path))
+    expected = set(model_tensors(model))
+    if set(loaded) != expected:
+        missing, extra = sorted(expected - set(loaded)), sorted(set(loaded) - expected)
+        raise ValueError(
+            f"{path.name}: tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(loaded[name])
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Restore AdamW moments and step counts saved by `optimizer_tensors`."""
+    loaded = safetensors.torch.load_file(str(path))
+    names = {id(p): name for name, p in model.named_parameters()}
+    state_dict = optimizer.state_dict()
+    index = 0
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            slots = {
+                slot: loaded[f"{names[id(parameter)]}.{slot}"]
+                for slot in OPTIMIZER_SLOTS
+                if f"{names[id(parameter)]}.{slot}" in loaded
+            }
+            if slots:
+                state_dict["state"][index] = slots
+            index += 1
+    optimizer.load_state_dict(state_dict)

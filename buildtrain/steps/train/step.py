@@ -1,0 +1,109 @@
+"""The train step: run the trainer for one stage, then publish its output.
+
+Output layout (sealed by MANIFEST.json):
+
+    result.json              final step, weights path, digests
+    trace.jsonl              one line per update: loss and grad-norm bits, lr, state digests
+    checkpoints/step-N/      the retained checkpoints, the last one being the final state
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
+from buildtrain.plan.canonical import canonical_bytes, digest
+from buildtrain.steps.context import RESULT, StepContext, read_json
+from buildtrain.steps.data import DATA_INDEX
+from buildtrain.steps.train import checkpoint
+from buildtrain.steps.train.state import MODEL, TRACE
+from buildtrain.steps.train.trainer import Hooks, StopRequest, TrainJob, TrainResult, train
+from buildtrain.store import objects
+from buildtrain.store.tensors import combine, safetensors_digests
+
+RESULT_FORMAT = 1
+
+
+def final_weights(train_output: Path) -> Path:
+    """Where a train step's output keeps its final weights."""
+    return train_output / read_json(train_output / RESULT)["weights"]
+
+
+def make_job(ctx: StepContext) -> TrainJob:
+    config = ctx.step.config
+    numerics = ctx.plan.config["numerics"]
+    data_dir = ctx.inputs["data"]
+    init = ctx.inputs.get("init")
+    return TrainJob(
+        model=converter.structure(config["model"], ModelConfig),
+        train=converter.structure(config["train"], TrainConfig),
+        eval=converter.structure(config["eval"], EvalConfig) if "eval" in config else None,
+        device=numerics["device"],
+        dtype=numerics["dtype"],
+        data=(data_dir, read_json(data_dir / DATA_INDEX)),
+        init_weights=final_weights(init) if init is not None else None,
+        work=ctx.store.work_dir(ctx.step.hash) / "checkpoints",
+        identity={"step_hash": ctx.step.hash},
+    )
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """Hard-link a checkpoint into the output (instant, and the work copy stays valid until commit)."""
+    for path in source.rglob("*"):
+        destination = target / path.relative_to(source)
+        if path.is_dir():
+            destination.mkdir(parents=True, exist_ok=True)
+            continue
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, destination)
+        except OSError:
+            shutil.copy2(path, destination)
+
+
+def publish(job: TrainJob, result: TrainResult, out: Path) -> dict[str, str]:
+    """Assemble the output folder from the retained checkpoints and the trace."""
+    retained = checkpoint.candidates(job.work)[: job.train.keep_checkpoints]
+    final_step, final_path = retained[0]
+    assert final_step == job.train.steps, (final_step, job.train.steps)
+    for _, path in retained:
+        _link_tree(path, out / "checkpoints" / path.name)
+    (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in result.trace))
+    weights = f"checkpoints/{final_path.name}/{MODEL}"
+    weights_digest = combine(safetensors_digests(out / weights))
+    final_entry = next(e for e in reversed(result.trace) if "state" in e)
+    digests = {
+        "weights": weights_digest,
+        "state": final_entry["state"],
+        "trace": digest("trace", result.trace),
+    }
+    body: dict[str, Any] = {
+        "format": RESULT_FORMAT,
+        "steps": final_step,
+        "weights": weights,
+        "final_loss": final_entry["loss"],
+        "checkpoints": [path.name for _, path in retained],
+        "digests": digests,
+    }
+    (out / RESULT).write_bytes(canonical_bytes(body))
+    return digests
+
+
+def execute(ctx: StepContext, out: Path) -> dict[str, str] | None:
+    """Train (resuming if a checkpoint exists) and publish; None when a hook stopped it early."""
+    job = make_job(ctx)
+    hooks: Hooks = ctx.extra.get("hooks", Hooks())
+    stop: StopRequest = ctx.extra.get("stop", StopRequest())
+    result = train(job, ctx.log, stop, hooks, ctx.extra.get("watch"))
+    ctx.extra["result"] = result
+    if result.steps_done < job.train.steps:
+        return None
+    return publish(job, result, out)
+
+
+def cleanup(ctx: StepContext) -> None:
+    objects.remove_tree(ctx.store.work_dir(ctx.step.hash))

@@ -1,0 +1,234 @@
+"""The training loop of one stage, resumable bit for bit.
+
+Per update: forward, loss, backward (once per micro-batch, summed in a fixed order), gradient
+clipping, optimizer step, zero grads, log. Everything random is a pure function of (seed, purpose,
+counters): the initial weights, the data order and dropout. So the state a checkpoint must hold is
+the weights, the optimizer moments and two integers, and a resume cannot get the randomness wrong.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig, TrainConfig
+from buildtrain.errors import Interrupted, StepFailed
+from buildtrain.steps.heldout import evaluate
+from buildtrain.steps.seeds import derive_seed
+from buildtrain.steps.train import checkpoint
+from buildtrain.steps.train.batches import Batches, TokenStream
+from buildtrain.steps.train.model import Transformer
+from buildtrain.steps.train.schedule import learning_rate
+from buildtrain.steps.train.state import digests, load_model, state_tensors
+from buildtrain.store.tensors import combine
+
+TENSOR_DIGEST_CHARS = 16
+
+
+def float_bits(value: float) -> str:
+    """The exact float32 bit pattern of a value, as hex: the trace compares bits, not decimals."""
+    return struct.pack(">f", value).hex()
+
+
+def seeded(seed: int, purpose: str, *counters: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(derive_seed(seed, purpose, *counters))
+    return generator
+
+
+@attrs.frozen(kw_only=True)
+class TrainJob:
+    """What one train step needs: its typed config sections and where its inputs and state live."""
+
+    model: ModelConfig
+    train: TrainConfig
+    eval: EvalConfig | None
+    device: str
+    dtype: str
+    data: tuple[Path, dict[str, Any]]  # the data step's output folder and its index
+    init_weights: Path | None
+    work: Path  # checkpoints of this step in progress
+    identity: dict[str, Any]  # what a checkpoint must match to be resumed (the step hash)
+
+
+@attrs.frozen(kw_only=True)
+class Hooks:
+    """Deliberate faults and limits, used by `bt verify` and by the test suite."""
+
+    kill_after: tuple[int, ...] = ()  # checkpoint, then SIGKILL this process after these updates
+    kill_in_checkpoint: int | None = None  # SIGKILL while writing this checkpoint
+    step_delay: float = 0.0  # seconds to sleep per update, to make signals land mid-run in tests
+    perturb: tuple[int, str, float] | None = None  # (update, tensor, delta): inject a difference
+    skip_cursor_restore: bool = False  # negative control: a resume that forgets the data cursor
+    stop_after: int | None = None  # spot checks: train only this many updates
+
+
+@attrs.define
+class StopRequest:
+    """Set by SIGINT/SIGTERM; the loop finishes the update in flight, checkpoints and exits."""
+
+    signal_name: str | None = None
+
+    def install(self) -> None:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, self._handle)
+
+    def _handle(self, number: int, _: object) -> None:
+        self.signal_name = signal.Signals(number).name
+
+
+@attrs.frozen
+class TrainResult:
+    steps_done: int
+    trace: list[dict[str, Any]]
+    resumed_from: int
+
+
+Watch = Callable[[dict[str, Any], dict[str, torch.Tensor]], bool]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices, not gains and biases."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+
+
+def max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train(
+    job: TrainJob, log: Any, stop: StopRequest, hooks: Hooks, watch: Watch | None = None
+) -> TrainResult:
+    cfg = job.train
+    device = torch.device(job.device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16")
+
+    model = Transformer(job.model, BYTE_VOCAB_SIZE)
+    model.initialize(seeded(cfg.seed, "init"))
+    if job.init_weights is not None:
+        load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
+    model.to(device)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
+    )
+    data_dir, index = job.data
+    batches = Batches(
+        TokenStream(data_dir, index["splits"]["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
+    )
+    heldout = TokenStream(data_dir, index["splits"]["heldout"]) if job.eval is not None else None
+    micro_batches = cfg.batch_size // cfg.micro_batch_size
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    step, cursor, trace = 0, 0, []
+    resumed = checkpoint.load_newest(
+        job.work,
+        model,
+        optimizer,
+        job.identity,
+        on_skip=lambda path, why: log.warning("checkpoint_skipped", checkpoint=path.name, reason=why),
+    )
+    if resumed is not None:
+        step, trace = resumed.step, resumed.trace
+        cursor = 0 if hooks.skip_cursor_restore else resumed.state["cursor"]
+        log.info("resumed", step=step, checkpoint=resumed.path.name)
+    resumed_from = step
+    last = cfg.steps if hooks.stop_after is None else min(cfg.steps, hooks.stop_after)
+
+    def save(at: int, *, kill_midway: bool = False) -> None:
+        state = {**job.identity, "step": at, "cursor": cursor, "tokens": at * tokens_per_step}
+        path = checkpoint.save(job.work, at, model, optimizer, state, trace, kill_midway=kill_midway)
+        checkpoint.prune(job.work, cfg.keep_checkpoints)
+        log.info("checkpoint_saved", step=at, checkpoint=path.name)
+
+    model.train()
+    while step < last:
+        started = time.perf_counter()
+        step += 1
+        lr = learning_rate(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(micro_batches):
+            x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
+            x, y = x.to(device), y.to(device)
+            generator = seeded(cfg.seed, "dropout", step, micro) if job.model.dropout else None
+            with autocast:
+                logits = model(x, generator)  # (B, T, vocab)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
+            loss.backward()
+            loss_sum += loss.detach()
+        loss_value = loss_sum.item()
+        if not torch.isfinite(loss_sum):
+            saved = checkpoint.candidates(job.work)
+            raise StepFailed(
+                f"loss is {loss_value} at step {step}; nothing was written for this step "
+                f"(newest checkpoint: {saved[0][1].name if saved else 'none'}). "
+                "Lower train.lr or raise train.warmup_steps."
+            )
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        cursor += cfg.batch_size
+
+        if hooks.perturb is not None and hooks.perturb[0] == step:
+            with torch.no_grad():
+                dict(model.named_parameters())[hooks.perturb[1]].view(-1)[0] += hooks.perturb[2]
+
+        entry: dict[str, Any] = {
+            "step": step,
+            "loss": float_bits(loss_value),
+            "grad_norm": float_bits(grad_norm),
+            "lr": lr,
+            "cursor": cursor,
+        }
+        tensors: dict[str, torch.Tensor] = {}
+        if step % cfg.digest_every == 0 or step == cfg.steps:
+            tensors = state_tensors(model, optimizer)
+            tensor_digests = digests(tensors)
+            entry["state"] = combine(tensor_digests)
+            entry["tensors"] = {k: v[:TENSOR_DIGEST_CHARS] for k, v in tensor_digests.items()}
+        trace.append(entry)
+        if heldout is not None and job.eval is not None and step % job.eval.every == 0:
+            result = evaluate(model, heldout, job.eval, device, autocast)
+            trace.append({"step": step, "eval": result})
+            log.info("eval", step=step, **result)
+            model.train()
+
+        elapsed = time.perf_counter() - started
+        log.info(
+            "train_step",
+            step=step,
+            steps=cfg.steps,
+            loss=round(loss_value, 6),
+            lr=lr,
+            grad_norm=round(grad_norm, 6),
+            tokens_per_s=round(tokens_per_step / elapsed, 1),
+            max_rss_mb=round(max_rss_mb(), 1),
+        )
+        if hooks.step_delay:
+            time.sleep(hooks.step_delay)
+        if watch is not None and watch(entry, tensors or state_tensors(model, optimizer)):
+            return TrainResult(step, trace, resumed_from)  # a spot check or a divergence ends here
+
+        if step in hooks.kill_after:
+            save(step)
+            log.info("hard_kill", step=step)
+            signal.raise_signal(signal.SIGKILL)
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.signal_name:
+            save(step, kill_midway=hooks.kill_in_checkpoint == step)
+        if stop.signal_name:
+            raise Interrupted(f"stopped by {stop.signal_name} after step {step}; checkpoint written")
+    return TrainResult(step, trace, resumed_from)
