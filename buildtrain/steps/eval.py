@@ -12,7 +12,7 @@ from typing import Any
 
 from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Step
-from buildtrain.steps.context import StepContext, output_digests, read_json
+from buildtrain.steps.context import StepContext, final_weights, output_digests, read_json
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.store import Store
 
@@ -65,7 +65,6 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     from buildtrain.steps.train.batches import TokenStream
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import load_model
-    from buildtrain.steps.train.step import final_weights
 
     key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
     cached = lookup(ctx.store, key)

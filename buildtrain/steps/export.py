@@ -19,7 +19,7 @@ from pathlib import Path
 from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Plan
-from buildtrain.steps.context import StepContext
+from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
@@ -30,7 +30,6 @@ CHECKSUMS = "BLAKE3SUMS"
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     from buildtrain.steps.eval import EVAL_RESULT
-    from buildtrain.steps.train.step import final_weights
 
     config = ctx.step.config
     source = final_weights(ctx.inputs["weights"])

@@ -17,7 +17,7 @@ from typing import Any
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
 from buildtrain.plan.canonical import canonical_bytes, digest
-from buildtrain.steps.context import RESULT, StepContext, read_json
+from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.steps.data import DATA_INDEX
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.state import MODEL, TRACE
@@ -26,11 +26,6 @@ from buildtrain.store import objects
 from buildtrain.store.tensors import combine, safetensors_digests
 
 RESULT_FORMAT = 1
-
-
-def final_weights(train_output: Path) -> Path:
-    """Where a train step's output keeps its final weights."""
-    return train_output / read_json(train_output / RESULT)["weights"]
 
 
 def make_job(ctx: StepContext) -> TrainJob:
