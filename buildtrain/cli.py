@@ -104,6 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         wait=not args.no_wait,
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
+        target=args.target,
     )
     return run_plan(store, plan, options)
 

@@ -39,11 +39,21 @@ from buildtrain.store import objects
 from buildtrain.store.sources import locate
 from buildtrain.store.store import Store
 
-# Test-only fault injection, read from the environment of `bt run` and passed to the step process.
+
+def _perturbation(text: str) -> list[Any]:
+    """`STEP:TENSOR:DELTA`, e.g. `7:blocks.0.attention.wq.weight:1e-3`."""
+    step, tensor, delta = text.split(":")
+    return [int(step), tensor, float(delta)]
+
+
+# Test-only fault injection, read from the environment of `bt run`/`bt verify` and passed to the
+# step process. Never set in normal use; they exist so that the test suite can prove that resume,
+# verify and the checkpoint protocol detect what they claim to detect.
 TEST_HOOKS = {
     "BT_TEST_STEP_DELAY": ("step_delay", float),
     "BT_TEST_KILL_IN_CHECKPOINT": ("kill_in_checkpoint", int),
     "BT_TEST_SKIP_CURSOR_RESTORE": ("skip_cursor_restore", bool),
+    "BT_TEST_PERTURB": ("perturb", _perturbation),
 }
 
 
@@ -54,7 +64,7 @@ class RunOptions:
     wait: bool = True
     progress: bool | None = None
     log_every: int = 10
-    quiet: bool = False
+    target: str | None = None  # build only this step (by label) and what it needs
 
 
 @attrs.frozen(kw_only=True)
@@ -114,7 +124,7 @@ def test_hooks_from_environment() -> dict[str, Any]:
     for variable, (name, kind) in TEST_HOOKS.items():
         value = os.environ.get(variable)
         if value:
-            hooks[name] = value not in ("0", "false") if kind is bool else kind(value)
+            hooks[name] = value not in ("0", "false") if kind is bool else kind(value)  # type: ignore[operator]
     return hooks
 
 
@@ -318,19 +328,35 @@ def build_step(
     return result("executed")
 
 
+def steps_for(plan: Plan, target: str | None) -> list[Step]:
+    """All steps, or the target step and its transitive inputs, in plan order."""
+    if target is None:
+        return list(plan.steps)
+    try:
+        wanted = {plan.by_label(target).hash}
+    except KeyError:
+        labels = ", ".join(step.label for step in plan.steps)
+        raise UsageError(f"plan {plan.hash[:12]} has no step '{target}'; its steps are: {labels}") from None
+    for step in reversed(plan.steps):
+        if step.hash in wanted:
+            wanted.update(step.upstream.values())
+    return [step for step in plan.steps if step.hash in wanted]
+
+
 def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     started = time.perf_counter()
+    steps = steps_for(plan, options.target)
     threads = resolve_threads(plan, options.threads)
     check_toolchain(plan, threads)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash))
     reporter = Reporter(options.progress, options.log_every)
     reporter.say(
-        f"bt run {plan.hash[:12]} '{plan.name}' ({len(plan.steps)} steps, {threads} threads) -> {record.folder}"
+        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {threads} threads) -> {record.folder}"
     )
     record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid())
     outcome, code = "failed", int(ExitCode.FAILED)
     try:
-        for step in plan.steps:
+        for step in steps:
             record.step_result(**build_step(store, plan, step, threads, record, reporter, options))
         outcome, code = "done", int(ExitCode.OK)
     except BuildtrainError as exc:
