@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit with code 7 instead of waiting when another bt builds a step",
     )
     sub.add_argument(
+        "--target", metavar="LABEL", help="build only this step and what it needs, e.g. train:main"
+    )
+    sub.add_argument(
         "--progress",
         choices=("auto", "on", "off"),
         default="auto",

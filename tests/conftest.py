@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 MICRO = REPO / "tests" / "presets" / "micro.toml"
 TINY = REPO / "presets" / "tiny.toml"
 PRETRAIN_FINETUNE = REPO / "examples" / "pretrain_finetune.toml"
+MICRO_STAGES = REPO / "tests" / "presets" / "micro_stages.toml"
 
 
 BtRunner = Callable[..., subprocess.CompletedProcess]
@@ -52,3 +53,55 @@ def bt(store: Path) -> BtRunner:
         return run_bt(*args, store=store, **kwargs)  # type: ignore[arg-type]
 
     return runner
+
+
+def plan_hash(result: subprocess.CompletedProcess) -> str:
+    """The hash `bt plan` printed: stdout is the 64-hex hash and nothing else."""
+    text = result.stdout.strip()
+    assert result.returncode == 0, result.stderr
+    assert len(text) == 64 and all(c in "0123456789abcdef" for c in text), text
+    return text
+
+
+def step_digests(store: Path, plan: str) -> dict[str, dict[str, str]]:
+    """Label -> the logical digests of each built step of a plan (what verify compares)."""
+    from buildtrain.store import objects
+    from buildtrain.store.store import Store
+
+    loaded = Store(store).load_plan(plan)
+    return {
+        step.label: objects.read_manifest(Store(store).output(step.hash))["digests"]
+        for step in loaded.steps
+        if Store(store).has_output(step.hash)
+    }
+
+
+def summaries(experiments: Path) -> list[dict]:
+    """summary.json of every run record, oldest first."""
+    import json
+
+    return [json.loads(p.read_text()) for p in sorted(experiments.glob("*/summary.json"))]
+
+
+def actions(summary: dict) -> dict[str, str]:
+    return {step["label"]: step["action"] for step in summary["steps"]}
+
+
+@pytest.fixture(scope="session")
+def micro_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, dict[str, str]]]:
+    """The micro plan built once, uninterrupted: (store, plan hash, step digests). Copy before mutating."""
+    store = tmp_path_factory.mktemp("micro-reference") / ".bt"
+    planned = plan_hash(run_bt("plan", str(MICRO), store=store))
+    result = run_bt("run", planned, store=store)
+    assert result.returncode == 0, result.stderr
+    return store, planned, step_digests(store, planned)
+
+
+@pytest.fixture(scope="session")
+def stages_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, dict[str, str]]]:
+    """The two-stage micro plan built once, uninterrupted."""
+    store = tmp_path_factory.mktemp("stages-reference") / ".bt"
+    planned = plan_hash(run_bt("plan", str(MICRO_STAGES), store=store))
+    result = run_bt("run", planned, store=store)
+    assert result.returncode == 0, result.stderr
+    return store, planned, step_digests(store, planned)

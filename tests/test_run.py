@@ -1,0 +1,261 @@
+"""`bt run`: same plan, same weights; caching; locking; clean failures; run records; export."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+
+from conftest import MICRO, MICRO_STAGES, actions, plan_hash, run_bt, step_digests, summaries
+
+from buildtrain.errors import ExitCode
+from buildtrain.store.store import Store
+
+REFORMATTED_MICRO = """
+# the micro preset again: other key order, other spelling of numbers, inline tables, comments
+name = "micro"   # same name
+
+[train]
+warmup_steps = 2
+lr = 0.003          # was 3e-3
+micro_batch_size = 2
+batch_size = 4
+seq_len = 32
+steps = 12
+checkpoint_every = 4
+keep_checkpoints = 3
+
+[model]
+n_kv_heads = 2
+ffn_hidden = 64
+n_heads = 4
+n_layers = 2
+dim = 32
+
+[eval]
+max_batches = 4
+batch_size = 4
+seq_len = 32
+
+[data]
+heldout_fraction = 1e-1
+split_block = 256
+source = "synthetic"
+
+  [data.synthetic]
+  seed = 0
+  lines = 8
+  documents = 200
+  kind = "arithmetic"
+"""
+
+
+def test_same_plan_gives_same_weights_in_another_store_and_directory(micro_built, tmp_path):
+    _, reference_hash, reference = micro_built
+    elsewhere = tmp_path / "somewhere" / "else"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "renamed.toml").write_text(REFORMATTED_MICRO)
+    store = tmp_path / "other-store"
+
+    planned = plan_hash(run_bt("plan", str(elsewhere / "renamed.toml"), store=store, cwd=elsewhere))
+    assert planned == reference_hash
+    result = run_bt("run", planned, "--target", "train:main", store=store)
+    assert result.returncode == 0, result.stderr
+    assert step_digests(store, planned)["train:main"] == reference["train:main"]
+
+
+def test_second_run_is_a_null_build_without_torch(micro_built, tmp_path):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    probe = textwrap.dedent(f"""
+        import sys
+        from buildtrain.cli import main
+        code = main(["run", "{micro_built[1]}", "--progress", "off"])
+        assert "torch" not in sys.modules, "a null build imported torch"
+        sys.exit(code)
+    """)
+    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (summary,) = summaries(tmp_path / "experiments")
+    assert set(actions(summary).values()) == {"cached"}
+    assert summary["executed"] == 0
+
+
+def test_changing_finetune_lr_reruns_only_finetune_eval_export(stages_built, tmp_path):
+    store = tmp_path / ".bt"
+    shutil.copytree(stages_built[0], store)
+    experiments = tmp_path / "experiments"
+    changed = plan_hash(run_bt("plan", str(MICRO_STAGES), "--set", "stages.finetune.train.lr=5e-4", store=store))
+    assert changed != stages_built[1]
+    result = run_bt("run", changed, store=store, env={"BT_EXPERIMENTS": str(experiments)})
+    assert result.returncode == 0, result.stderr
+    (summary,) = summaries(experiments)
+    assert actions(summary) == {
+        "data:pretrain": "cached",
+        "train:pretrain": "cached",
+        "data:finetune": "cached",
+        "train:finetune": "executed",
+        "eval": "executed",
+        "export": "executed",
+    }
+
+
+def test_two_concurrent_runs_build_once(tmp_path):
+    store = tmp_path / ".bt"
+    experiments = tmp_path / "experiments"
+    planned = plan_hash(run_bt("plan", str(MICRO), store=store))
+    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(experiments), "BT_TEST_STEP_DELAY": "0.1"}
+    command = [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"]
+    first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    second = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    errors = [first.communicate(timeout=300)[1], second.communicate(timeout=300)[1]]
+
+    assert first.returncode == 0 and second.returncode == 0, errors
+    train = [actions(s)["train:main"] for s in summaries(experiments)]
+    assert sorted(train) == ["cached", "executed"]
+    assert any("waiting: pid" in e for e in errors), errors
+    assert Store(store).verify_output(Store(store).load_plan(planned).by_label("train:main").hash) == []
+
+
+def test_no_wait_exits_with_the_locked_code(tmp_path):
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(MICRO), store=store))
+    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "x"), "BT_TEST_STEP_DELAY": "0.2"}
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"],
+        env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )
+    try:
+        work = Store(store).work_dir(Store(store).load_plan(planned).by_label("train:main").hash)
+        for _ in range(600):  # wait until the first run is inside the train step
+            if work.exists():
+                break
+            subprocess.run(["sleep", "0.05"])
+        result = run_bt("run", planned, "--target", "train:main", "--no-wait", store=store)
+        assert result.returncode == ExitCode.LOCKED, result.stderr
+        assert "is being built by pid" in result.stderr
+    finally:
+        holder.terminate()
+        holder.communicate(timeout=120)
+
+
+def test_non_finite_loss_fails_cleanly_naming_the_step(tmp_path):
+    store = tmp_path / ".bt"
+    result = run_bt("run", str(MICRO), "--set", "train.lr=1e6", "--set", "train.warmup_steps=0",
+                    "--set", "train.checkpoint_every=1", store=store)
+    assert result.returncode == ExitCode.FAILED, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "at step" in result.stderr and "loss is" in result.stderr
+    # no output was published, and every checkpoint that exists is intact
+    plan = Store(store).load_plan(Store(store).plan_hashes()[0])
+    train = plan.by_label("train:main")
+    assert not Store(store).has_output(train.hash)
+    from buildtrain.store import objects
+
+    for folder in (Store(store).work_dir(train.hash) / "checkpoints").glob("step-*"):
+        assert objects.verify(folder) == []
+
+
+def test_plan_for_another_toolchain_is_refused(tmp_path, monkeypatch):
+    from buildtrain.config.loader import load_preset
+    from buildtrain.plan import compile as compiler
+
+    real = compiler.fingerprint
+
+    def elsewhere(kind, numerics, threads=None):
+        facts = real(kind, numerics, threads)
+        return {**facts, "torch": "0.0.1+elsewhere"} if "torch" in facts else facts
+
+    monkeypatch.setattr(compiler, "fingerprint", elsewhere)
+    foreign = compiler.compile_plan(load_preset(MICRO).config, {})
+    store = Store(tmp_path / ".bt")
+    store.save_plan(foreign)
+    result = run_bt("run", foreign.hash, store=store.root)
+    assert result.returncode == ExitCode.TOOLCHAIN_MISMATCH, result.stderr
+    assert "torch: plan has '0.0.1+elsewhere'" in result.stderr
+    assert "plan it again on this machine" in result.stderr
+
+
+def test_run_record_has_config_plan_logs_metrics_and_summary(micro_built, tmp_path):
+    store = tmp_path / ".bt"
+    experiments = tmp_path / "experiments"
+    result = run_bt("run", str(MICRO), "--target", "train:main", store=store, env={"BT_EXPERIMENTS": str(experiments)})
+    assert result.returncode == 0, result.stderr
+    again = run_bt("run", str(MICRO), "--target", "train:main", store=store, env={"BT_EXPERIMENTS": str(experiments)})
+    assert again.returncode == 0
+    records = sorted(p for p in experiments.iterdir())
+    assert len(records) == 2  # never overwritten
+    record = records[0]
+    assert record.name.endswith(micro_built[1][:12])
+    assert {p.name for p in record.iterdir()} == {"config.json", "plan.json", "train.log", "metrics.jsonl", "summary.json"}
+    assert json.loads((record / "plan.json").read_text())["hash"] == micro_built[1]
+    log = [json.loads(line) for line in (record / "train.log").read_text().splitlines()]
+    step_lines = [line for line in log if line["event"] == "train_step"]
+    assert len(step_lines) == 12
+    assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "max_rss_mb", "timestamp"} <= set(step_lines[0])
+    metrics = [json.loads(line) for line in (record / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m["event"] == "train_step"] == list(range(1, 13))
+    summary = json.loads((record / "summary.json").read_text())
+    assert summary["outcome"] == "done" and summary["exit_code"] == 0
+    train = next(s for s in summary["steps"] if s["label"] == "train:main")
+    assert train["action"] == "executed" and train["duration_s"] > 0
+    assert train["digests"] == micro_built[2]["train:main"]
+    assert step_lines[-1]["loss"] < step_lines[0]["loss"]
+
+
+def test_data_files_are_found_by_content_after_a_move(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "".join(f"line {i}: the quick brown fox {i * 7 % 13}\n" for i in range(400))
+    (corpus / "a.txt").write_text(text)
+    old = os.stat(corpus / "a.txt")
+    os.utime(corpus / "a.txt", ns=(old.st_atime_ns, old.st_mtime_ns - 10**10))  # not racy: cacheable
+    preset = tmp_path / "files.toml"
+    preset.write_text(f'extends = "{MICRO}"\n[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\nsplit_block = 128\n')
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(preset), store=store))
+
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (corpus / "a.txt").rename(moved / "renamed.txt")
+    assert plan_hash(run_bt("plan", str(preset), "--set", f'data.files=["{moved}/*.txt"]', store=store)) == planned
+    result = run_bt("run", planned, "--target", "data:main", store=store)
+    assert result.returncode == 0, result.stderr
+
+    (moved / "renamed.txt").unlink()
+    Store(store).quarantine(Store(store).load_plan(planned).by_label("data:main").hash)
+    result = run_bt("run", planned, "--target", "data:main", store=store)
+    assert result.returncode == ExitCode.FAILED
+    assert "is gone" in result.stderr and "plan again" in result.stderr
+
+
+def test_export_copies_a_read_only_package_with_checksums(micro_built, tmp_path):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    destination = tmp_path / "package"
+    result = run_bt("export", micro_built[1], str(destination), store=store)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(destination)
+    names = {p.name for p in destination.iterdir()}
+    assert names == {"model.safetensors", "config.json", "tokenizer.json", "eval.json", "BLAKE3SUMS"}
+    from buildtrain.store.objects import hash_file
+
+    for line in (destination / "BLAKE3SUMS").read_text().splitlines():
+        digest, name = line.split("  ")
+        assert hash_file(destination / name)[0] == digest
+    assert not (destination / "model.safetensors").stat().st_mode & stat.S_IWUSR
+    assert json.loads((destination / "tokenizer.json").read_text())["vocab_size"] == 257
+    again = run_bt("export", micro_built[1], str(destination), store=store)
+    assert again.returncode == ExitCode.USAGE and "already exists" in again.stderr
+
+
+def test_unknown_target_is_a_usage_error(micro_built, tmp_path):
+    result = run_bt("run", micro_built[1], "--target", "train:nope", store=micro_built[0], env={"BT_EXPERIMENTS": str(tmp_path)})
+    assert result.returncode == ExitCode.USAGE
+    assert "has no step 'train:nope'" in result.stderr
+    assert "train:main" in result.stderr
