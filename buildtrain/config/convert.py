@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 import typing
+from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import cattrs
 from cattrs.errors import IterableValidationError, IterableValidationNote
+from cattrs.gen import make_dict_structure_fn
 
 
 def describe(value: Any) -> str:
@@ -30,9 +33,14 @@ def describe(value: Any) -> str:
     return f"{shown} ({kind})"
 
 
+INT64 = range(-(2**63), 2**63)
+
+
 def _strict_int(value: Any, _: type) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"expected an integer, got {describe(value)}")
+    if value not in INT64:  # TOML integers are 64-bit; tomli accepts more, arithmetic would overflow
+        raise ValueError(f"must be a 64-bit integer (got {describe(value)})")
     return value
 
 
@@ -87,6 +95,18 @@ def _tuple_hook(converter: cattrs.Converter, cls: Any) -> Any:
     return structure
 
 
+def _table_hook(converter: cattrs.Converter, cls: type) -> Any:
+    """Structure a nested section only from a table, so `synthetic = 3` says what a table is."""
+    inner = make_dict_structure_fn(cls, converter)
+
+    def structure(value: Any, _: type) -> Any:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a table, got {describe(value)}")
+        return inner(value, cls)
+
+    return structure
+
+
 def make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
     # Primitive hooks first: the generated class hooks look them up when they are built.
@@ -95,6 +115,7 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _strict_str)
     converter.register_structure_hook(bool, _strict_bool)
     converter.register_structure_hook_factory(_is_tuple, lambda cls: _tuple_hook(converter, cls))
+    converter.register_structure_hook_factory(attrs.has, lambda cls: _table_hook(converter, cls))
     return converter
 
 

@@ -138,6 +138,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
         line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
         where = f"{label}:{line}:{column}" if line else label
         raise _Problems([Problem(where, "", f"invalid TOML: {message}")]) from None
+    except (ValueError, RecursionError) as exc:  # limits tomli lets through: huge integers, deep nesting
+        raise _Problems([Problem(label, "", f"invalid TOML: {_limit_message(exc)}")]) from None
+
+
+def _limit_message(exc: BaseException) -> str:
+    return str(exc).partition(":")[0] or type(exc).__name__
 
 
 def _absolute_globs(section: Any, base: Path) -> None:
@@ -268,10 +274,19 @@ def apply_override(raw: dict[str, Any], provenance: dict[KeyPath, str], assignme
     if not sep or not key_text_.strip():
         raise _Problems([Problem(label, "", "expected KEY=VALUE, for example train.lr=3e-4")])
     key = parse_key_path(key_text_.strip())
+    if not key:
+        raise _Problems([Problem(label, "", "expected KEY=VALUE, for example train.lr=3e-4")])
+    for index, part in enumerate(key):
+        if isinstance(part, int) and key[:index] != ("stages",):
+            raise _Problems(
+                [Problem(label, key_text(key), "only stages take an index, as in stages[1].train.lr")]
+            )
+    if key[0] == "extends":
+        raise _Problems([Problem(label, "extends", "cannot be set with --set; write extends in the preset")])
     try:
         value = parse_value(value_text.strip())
-    except tomli.TOMLDecodeError as exc:
-        message = getattr(exc, "msg", str(exc))
+    except (ValueError, RecursionError) as exc:  # TOMLDecodeError, or a limit: huge integers, deep nesting
+        message = getattr(exc, "msg", None) or _limit_message(exc)
         raise _Problems([Problem(label, key_text(key), f"invalid TOML value: {message}")]) from None
     if isinstance(value, list) and key and key[-1] == "files":
         value = [os.path.abspath(os.path.expanduser(v)) if isinstance(v, str) else v for v in value]
@@ -307,6 +322,8 @@ def apply_override(raw: dict[str, Any], provenance: dict[KeyPath, str], assignme
     full = (*resolved, key[-1])
     _forget_below(provenance, full)
     _record(provenance, value, full, label)
+    for length in range(1, len(full)):  # tables this override created are its own, too
+        provenance.setdefault(full[:length], label)
 
 
 def _stage_position(stages: list[Any], part: str | int) -> int | None:
@@ -369,17 +386,41 @@ def _structure_section(raw: Any, cls: type, key: KeyPath) -> tuple[Any, list[tup
             found = _walk_structure_error(exc, key)
         else:
             return return_value, check_fields(return_value, key)
-        # Drop the keys that failed and validate the rest too, so one typo does not hide the
-        # other problems of the section; skip rules that read a dropped key.
-        bad = {k[len(key)] for k, _ in found if len(k) > len(key)}
+        # Drop the keys that failed (in nested tables too) and validate the rest, so one typo does
+        # not hide the other problems of the section; skip rules that read a dropped key.
+        bad = {_named_prefix(k[len(key) :]) for k, _ in found if len(k) > len(key)}
         try:
-            partial = converter.structure({k: v for k, v in raw.items() if k not in bad}, cls)
+            partial = converter.structure(_without(raw, bad), cls)
         except Exception:  # a nested failure that cannot be isolated: report what we have
             return None, found
-    section = key_text(key)
-    mentions = tuple(f"{section.split('.')[-1]}.{name}" for name in bad)
-    rest = [(k, m) for k, m in check_fields(partial, key) if k[len(key) :][:1] not in [(b,) for b in bad]]
+    parent = str(key[-1])
+    mentions = tuple(".".join([parent, *b][-2:]) for b in bad)
+    rest = [
+        (k, m) for k, m in check_fields(partial, key) if not any(k[len(key) :][: len(b)] == b for b in bad)
+    ]
     return None, found + [(k, m) for k, m in rest if not any(name in m for name in mentions)]
+
+
+def _named_prefix(key: KeyPath) -> tuple[str, ...]:
+    """The part of a key path before its first array index (`betas[0]` -> `betas`)."""
+    named: list[str] = []
+    for part in key:
+        if not isinstance(part, str):
+            break
+        named.append(part)
+    return tuple(named)
+
+
+def _without(raw: Mapping[str, Any], paths: set[tuple[str, ...]]) -> dict[str, Any]:
+    """A copy of a table with the given key paths removed."""
+    out = dict(raw)
+    for name in {path[0] for path in paths if path}:
+        deeper = {path[1:] for path in paths if path and path[0] == name}
+        if () in deeper or not isinstance(out.get(name), Mapping):
+            out.pop(name, None)
+        else:
+            out[name] = _without(out[name], deeper)
+    return out
 
 
 def _stage_problem_key(key: KeyPath, stage_raw: Mapping[str, Any], implicit: bool) -> KeyPath:
@@ -423,6 +464,7 @@ def _structure_config(raw: dict[str, Any]) -> tuple[Config | None, list[tuple[Ke
             top[section] = {}
 
     stages: list[Stage] = []
+    graph: list[tuple[int, str, str | None]] = []  # every stage's place, even one that failed to structure
     for index, stage_raw in enumerate(stages_raw):
         key: KeyPath = ("stages", index)
         if not isinstance(stage_raw, dict):
@@ -439,6 +481,7 @@ def _structure_config(raw: dict[str, Any]) -> tuple[Config | None, list[tuple[Ke
         if init_from is not None and not isinstance(init_from, str):
             problems.append(((*key, "init_from"), f"expected a stage name, got {describe(init_from)}"))
             init_from = None
+        graph.append((index, stage_name, init_from))
         parts: dict[str, Any] = {}
         for section, cls in (("data", DataConfig), ("train", TrainConfig)):
             override = stage_raw.get(section, {})
@@ -453,33 +496,34 @@ def _structure_config(raw: dict[str, Any]) -> tuple[Config | None, list[tuple[Ke
                 Stage(name=stage_name, init_from=init_from, data=parts["data"], train=parts["train"])
             )
 
-    problems.extend(_check_stage_graph(stages))
+    problems.extend(_check_stage_graph(graph))
     if problems or any(v is None for v in sections.values()) or len(stages) != len(stages_raw):
         return None, problems
     return Config(name=name, stages=tuple(stages), **sections), problems
 
 
-def _check_stage_graph(stages: list[Stage]) -> list[tuple[KeyPath, str]]:
+def _check_stage_graph(graph: list[tuple[int, str, str | None]]) -> list[tuple[KeyPath, str]]:
+    """Unique names and earlier parents, over (index, name, init_from) of every stage table, so a
+    stage with a bad setting neither hides nor shifts the problems of the stages after it."""
     problems: list[tuple[KeyPath, str]] = []
-    names = [stage.name for stage in stages]
-    for index, stage in enumerate(stages):
-        if names.index(stage.name) != index:
+    first: dict[str, int] = {}
+    for index, name, _ in graph:
+        if name in first:
             problems.append(
-                (
-                    ("stages", index, "name"),
-                    f"'{stage.name}' is already the name of stages[{names.index(stage.name)}]",
-                )
+                (("stages", index, "name"), f"'{name}' is already the name of stages[{first[name]}]")
             )
-        if stage.init_from is None:
+        first.setdefault(name, index)
+    for index, name, init_from in graph:
+        if init_from is None:
             continue
         key: KeyPath = ("stages", index, "init_from")
-        if stage.init_from not in names:
-            problems.append((key, f"no stage named '{stage.init_from}'{suggest(stage.init_from, names)}"))
-        elif names.index(stage.init_from) >= index:
+        if init_from not in first:
+            problems.append((key, f"no stage named '{init_from}'{suggest(init_from, list(first))}"))
+        elif first[init_from] >= index:
             problems.append(
                 (
                     key,
-                    f"stage '{stage.init_from}' does not come before '{stage.name}'; a stage can only start from an earlier one",
+                    f"stage '{init_from}' does not come before '{name}'; a stage can only start from an earlier one",
                 )
             )
     return problems

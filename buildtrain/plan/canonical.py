@@ -32,7 +32,7 @@ def _normalize(value: Any, path: str) -> Any:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise EncodingError(f"{path or '$'}: {value!r} has no canonical encoding")
-        return value
+        return value + 0.0  # -0.0 == 0.0, so they must encode alike (adding +0.0 turns -0.0 into 0.0)
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():
@@ -54,6 +54,12 @@ def canonical_bytes(value: Any) -> bytes:
         ensure_ascii=False,
         allow_nan=False,
     ).encode("utf-8")
+
+
+def plain(value: Any) -> Any:
+    """`value` as the plain JSON data its encoding decodes to (tuples become lists), so that an
+    object built in memory equals the same object read back from the store."""
+    return json.loads(canonical_bytes(value))
 
 
 def digest(tag: str, value: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from buildtrain.plan.canonical import digest
+from buildtrain.plan.canonical import digest, plain
 
 PLAN_FORMAT = 1
 STEP_KINDS = ("data", "train", "eval", "export")
@@ -51,6 +51,7 @@ class Step:
         inputs: Mapping[str, Any],
         toolchain: Mapping[str, Any],
     ) -> Step:
+        config, inputs, toolchain = plain(config), plain(inputs), plain(toolchain)  # equal once reloaded
         step_hash = digest("step", cls.spec_of(kind, config, inputs, toolchain))
         return cls(label=label, kind=kind, config=config, inputs=inputs, toolchain=toolchain, hash=step_hash)
 
@@ -96,6 +97,7 @@ class Plan:
     def create(
         cls, name: str, config: Mapping[str, Any], steps: tuple[Step, ...], targets: tuple[str, ...]
     ) -> Plan:
+        config = plain(config)  # equal to the plan read back from the store
         plan_hash = digest("plan", cls._body(name, config, steps, targets))
         return cls(name=name, config=config, steps=steps, targets=targets, hash=plan_hash)
 

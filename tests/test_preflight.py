@@ -1,0 +1,173 @@
+"""Pre-flight checks that need the machine: data presence, the memory estimate, the device.
+
+(That `parameter_count` matches the real model is tested beside the model, in test_model.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import BtRunner
+
+from buildtrain.config import preflight as preflight_module
+from buildtrain.config.loader import display, load_preset
+from buildtrain.config.preflight import (
+    cuda_available,
+    expand_sources,
+    machine_memory,
+    memory_estimate,
+    preflight,
+)
+from buildtrain.config.schema import ModelConfig, TrainConfig
+from buildtrain.errors import ConfigError, ExitCode
+from buildtrain.plan.planner import plan_preset
+from buildtrain.store.store import Store
+
+HUGE_MODEL = "[model]\ndim = 65536\nn_layers = 4096\nn_heads = 64\nn_kv_heads = 8\nffn_hidden = 262144\n"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_a_valid_preset_passes(tmp_path: Path) -> None:
+    write(tmp_path / "corpus" / "a.txt", "hello")
+    preset = write(tmp_path / "p.toml", '[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\n')
+    sources, problems = preflight(load_preset(preset))
+    assert problems == []
+    assert sources == {"main": [tmp_path / "corpus" / "a.txt"]}
+
+
+def test_globs_are_relative_to_the_preset_not_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path / "presets" / "corpus" / "a.txt", "hello")
+    preset = write(tmp_path / "presets" / "p.toml", '[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\n')
+    monkeypatch.chdir(tmp_path)
+    sources, problems = preflight(load_preset("presets/p.toml"))
+    assert problems == [] and [p.name for p in sources["main"]] == ["a.txt"]
+    assert preset.is_file()
+
+
+def test_glob_that_matches_no_file(tmp_path: Path) -> None:
+    write(tmp_path / "corpus" / "a.txt", "hello")
+    preset = write(
+        tmp_path / "p.toml",
+        '[data]\nsource = "files"\nfiles = ["corpus/*.txt", "missing/*.txt", "gone.txt"]\n',
+    )
+    _, problems = preflight(load_preset(preset))
+    label = display(preset)
+    assert problems == [
+        f"{label}: data.files: '{tmp_path / 'missing' / '*.txt'}' matches no file",
+        f"{label}: data.files: '{tmp_path / 'gone.txt'}' matches no file",
+    ]
+
+
+def test_a_directory_is_not_a_data_file(tmp_path: Path) -> None:
+    (tmp_path / "corpus" / "sub.txt").mkdir(parents=True)
+    files, empty = expand_sources((str(tmp_path / "corpus" / "*.txt"),))
+    assert files == [] and empty == [str(tmp_path / "corpus" / "*.txt")]
+
+
+def test_a_file_matched_twice_is_read_once(tmp_path: Path) -> None:
+    write(tmp_path / "corpus" / "a.txt", "hello")
+    files, empty = expand_sources((str(tmp_path / "corpus" / "*.txt"), str(tmp_path / "corpus" / "a.txt")))
+    assert len(files) == 1 and empty == []
+
+
+def test_missing_stage_data_is_reported_at_the_stage_key(tmp_path: Path) -> None:
+    write(tmp_path / "base.toml", "")
+    preset = write(
+        tmp_path / "p.toml",
+        '[[stages]]\nname = "pre"\n[[stages]]\nname = "ft"\ndata = { source = "files", files = ["nothing/*"] }\n',
+    )
+    _, problems = preflight(load_preset(preset))
+    assert problems == [
+        f"{display(preset)}: stages[1].data.files: '{tmp_path / 'nothing' / '*'}' matches no file"
+    ]
+
+
+def test_missing_data_set_by_a_base_preset_names_the_base(tmp_path: Path) -> None:
+    base = write(tmp_path / "common" / "base.toml", '[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\n')
+    preset = write(tmp_path / "p.toml", 'extends = "common/base.toml"\n')
+    _, problems = preflight(load_preset(preset))
+    assert problems == [
+        f"{display(base)}: data.files: '{tmp_path / 'common' / 'corpus' / '*.txt'}' matches no file"
+    ]
+
+
+def test_memory_estimate_larger_than_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    preset = write(tmp_path / "p.toml", "[model]\ndim = 256\nn_layers = 4\n")
+    loaded = load_preset(preset)
+    needed = memory_estimate(loaded.config.model, loaded.config.stages[0].train)
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda: needed - 1)
+    _, problems = preflight(loaded)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{display(preset)}: model: training stage 'main' needs about ")
+    assert "reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len" in problems[0]
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda: needed)
+    assert preflight(loaded)[1] == []
+
+
+def test_memory_estimate_grows_with_every_size() -> None:
+    model, train = ModelConfig(), TrainConfig()
+    base = memory_estimate(model, train)
+    for bigger_model in (ModelConfig(dim=128), ModelConfig(n_layers=4), ModelConfig(ffn_hidden=352)):
+        assert memory_estimate(bigger_model, train) > base
+    for bigger_train in (TrainConfig(micro_batch_size=32, batch_size=32), TrainConfig(seq_len=128)):
+        assert memory_estimate(model, bigger_train) > base
+    assert machine_memory() > 0
+
+
+@pytest.mark.skipif(cuda_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_device(tmp_path: Path) -> None:
+    preset = write(tmp_path / "p.toml", '[numerics]\ndevice = "cuda"\n')
+    _, problems = preflight(load_preset(preset))
+    assert problems == [
+        f"{display(preset)}: numerics.device: is 'cuda' but no CUDA device is visible on this machine; "
+        'use device = "cpu"'
+    ]
+
+
+def test_every_machine_problem_is_reported_and_planning_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preset = write(
+        tmp_path / "p.toml",
+        '[data]\nsource = "files"\nfiles = ["a/*.txt"]\n'
+        '[[stages]]\nname = "one"\n[[stages]]\nname = "two"\ndata = { files = ["b/*.txt"] }\n',
+    )
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda: 1)
+    store = Store(tmp_path / ".bt")
+    with pytest.raises(ConfigError) as caught:
+        plan_preset(preset, [], store)
+    assert caught.value.exit_code == ExitCode.USAGE
+    keys = [p.split(": ")[1] for p in caught.value.problems]
+    assert keys == ["data.files", "stages[1].data.files", "model"]
+    assert not store.plan_hashes()  # nothing was stored
+
+
+# -- through the real command line ----------------------------------------------------------------
+
+
+def test_bt_plan_refuses_missing_data(tmp_path: Path, bt: BtRunner) -> None:
+    write(tmp_path / "p.toml", '[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\n')
+    result = bt("plan", "p.toml", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"p.toml: data.files: '{tmp_path / 'corpus' / '*.txt'}' matches no file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bt_plan_refuses_a_model_larger_than_the_machine(tmp_path: Path, bt: BtRunner) -> None:
+    write(tmp_path / "p.toml", HUGE_MODEL)
+    assert (
+        memory_estimate(load_preset(tmp_path / "p.toml").config.model, TrainConfig()) > 64 * machine_memory()
+    )
+    result = bt("plan", "p.toml", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "p.toml: model: training stage 'main' needs about " in result.stderr
+    assert "but this machine has" in result.stderr
+    assert "Traceback" not in result.stderr
