@@ -355,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err(f"bt {args.command}: interrupted")
         return ExitCode.INTERRUPTED
+    except OSError as exc:  # the store or a record cannot be written: say where, not how
+        where = f" {exc.filename}" if exc.filename else ""
+        _err(f"bt {args.command}: cannot use{where}: {exc.strerror or exc}")
+        return ExitCode.FAILED
 
 
 if __name__ == "__main__":

@@ -371,7 +371,7 @@ def test_reference_renders_markdown() -> None:
     assert text.startswith("# Preset reference\n")
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) == len(reference())
-    assert "| `train.lr` | float | `0.003` |  | peak learning rate |" in rows
+    assert "| `train.lr` | float | `0.003` | > 0.0 | peak learning rate |" in rows
     assert (
         '| `model.mlp` | string | `"swiglu"` | `swiglu`, `gelu` | feed-forward block: swiglu or gelu |'
         in rows

@@ -27,36 +27,43 @@ def setting(default: Any, doc: str, *validators: Validator, **kwargs: Any) -> An
     )
 
 
-def greater_than(bound: float) -> Validator:
-    def check(_: Any, __: attrs.Attribute[Any], value: Any) -> None:
-        if not value > bound:
-            raise ValueError(f"must be > {bound} (got {value!r})")
+@attrs.frozen
+class Bound:
+    """A range validator (`value > 0`, `value <= 0.5`, ...) that the reference can print."""
 
-    return check
+    operator: str
+    bound: float
+
+    def holds(self, value: Any) -> bool:
+        return {
+            ">": value > self.bound,
+            ">=": value >= self.bound,
+            "<": value < self.bound,
+            "<=": value <= self.bound,
+        }[self.operator]
+
+    def __call__(self, _: Any, __: attrs.Attribute[Any], value: Any) -> None:
+        if not self.holds(value):
+            raise ValueError(f"must be {self.operator} {self.bound} (got {value!r})")
+
+    def __str__(self) -> str:
+        return f"{self.operator} {self.bound}"
 
 
-def at_least(bound: float) -> Validator:
-    def check(_: Any, __: attrs.Attribute[Any], value: Any) -> None:
-        if not value >= bound:
-            raise ValueError(f"must be >= {bound} (got {value!r})")
-
-    return check
+def greater_than(bound: float) -> Bound:
+    return Bound(">", bound)
 
 
-def below(bound: float) -> Validator:
-    def check(_: Any, __: attrs.Attribute[Any], value: Any) -> None:
-        if not value < bound:
-            raise ValueError(f"must be < {bound} (got {value!r})")
-
-    return check
+def at_least(bound: float) -> Bound:
+    return Bound(">=", bound)
 
 
-def at_most(bound: float) -> Validator:
-    def check(_: Any, __: attrs.Attribute[Any], value: Any) -> None:
-        if not value <= bound:
-            raise ValueError(f"must be <= {bound} (got {value!r})")
+def below(bound: float) -> Bound:
+    return Bound("<", bound)
 
-    return check
+
+def at_most(bound: float) -> Bound:
+    return Bound("<=", bound)
 
 
 @attrs.frozen
@@ -83,3 +90,10 @@ def choices_of(attribute: attrs.Attribute[Any]) -> tuple[str, ...] | None:
         if isinstance(item, OneOf):
             return item.choices
     return None
+
+
+def bounds_of(attribute: attrs.Attribute[Any]) -> tuple[Bound, ...]:
+    """The range validators of a field, for the reference docs."""
+    validator = attribute.validator
+    found = getattr(validator, "_validators", (validator,))
+    return tuple(item for item in found if isinstance(item, Bound))

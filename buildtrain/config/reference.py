@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from buildtrain.config.checks import DOC, choices_of
+from buildtrain.config.checks import DOC, bounds_of, choices_of
 from buildtrain.config.schema import SECTIONS, STAGE_KEYS, Config, Stage
 
 EXTENDS_DOC = (
@@ -50,6 +50,7 @@ class KeyDoc:
     default: str  # a TOML value, or a note in parentheses such as "(required)"
     doc: str
     choices: tuple[str, ...] = ()
+    bounds: tuple[str, ...] = ()  # ranges such as "> 0.0"
 
 
 def type_name(annotation: Any) -> str:
@@ -105,6 +106,7 @@ def _fields(cls: type, prefix: str, section: str) -> list[KeyDoc]:
                 default=toml_value(_default(field)),
                 doc=field.metadata[DOC],
                 choices=choices_of(field) or (),
+                bounds=tuple(str(b) for b in bounds_of(field)),
             )
         )
     return found
@@ -187,7 +189,7 @@ def render() -> str:
                 "|---|---|---|---|---|",
             ]
         default = doc.default if doc.default.startswith("(") else f"`{doc.default}`"
-        allowed = ", ".join(f"`{c}`" for c in doc.choices)
+        allowed = ", ".join([f"`{c}`" for c in doc.choices] + [f"{b}" for b in doc.bounds])
         description = doc.doc.replace("|", "\\|")
         lines.append(f"| `{doc.key}` | {doc.type} | {default} | {allowed} | {description} |")
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ the canonical bytes it was hashed from, so loading re-derives and checks every h
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -102,7 +103,8 @@ class Plan:
         return cls(name=name, config=config, steps=steps, targets=targets, hash=plan_hash)
 
     def to_body(self) -> dict[str, Any]:
-        return self._body(self.name, self.config, self.steps, self.targets)
+        """A fresh copy: editing it cannot change this (frozen) plan."""
+        return copy.deepcopy(self._body(self.name, self.config, self.steps, self.targets))
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Plan:
