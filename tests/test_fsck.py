@@ -17,7 +17,10 @@ def stored_objects(store: Path) -> list[Path]:
     """Every file that is part of an object (the stat cache and plan metadata are not objects)."""
     roots = [store / "plans", store / "steps", store / "evals", store / "work"]
     return sorted(
-        p for root in roots if root.is_dir() for p in root.rglob("*")
+        p
+        for root in roots
+        if root.is_dir()
+        for p in root.rglob("*")
         if p.is_file() and not p.name.endswith(".meta.json")
     )
 

@@ -23,8 +23,12 @@ def start(planned: str, store: Path, experiments: Path, **env: str) -> subproces
     environment = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(experiments), **env}
     return subprocess.Popen(
         [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main", "--progress", "off"],
-        env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, cwd=store.parent,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=store.parent,
     )
 
 
@@ -48,7 +52,9 @@ def train_hash(store: Path, planned: str, label: str = "train:main") -> str:
 
 
 def resume(planned: str, store: Path, experiments: Path, target: str = "train:main", **env: str) -> dict:
-    result = run_bt("run", planned, "--target", target, store=store, env={"BT_EXPERIMENTS": str(experiments), **env})
+    result = run_bt(
+        "run", planned, "--target", target, store=store, env={"BT_EXPERIMENTS": str(experiments), **env}
+    )
     assert result.returncode == 0, result.stderr
     return step_digests(store, planned)
 
@@ -95,8 +101,14 @@ def test_sigkill_while_writing_a_checkpoint_resumes_identically(micro_built, tmp
     _, planned, reference = micro_built
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
-    killed = run_bt("run", planned, "--target", "train:main", store=store,
-                    env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "8"})
+    killed = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        store=store,
+        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "8"},
+    )
     assert killed.returncode == ExitCode.FAILED and "SIGKILL" in killed.stderr
     checkpoints = Store(store).work_dir(train_hash(store, planned)) / "checkpoints"
     assert (checkpoints / ".step-000008.tmp").is_dir()  # the half-written checkpoint is on disk
@@ -110,10 +122,21 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(micro_built, t
     _, planned, reference = micro_built
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
-    killed = run_bt("run", planned, "--target", "train:main", store=store,
-                    env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "12"})
+    killed = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        store=store,
+        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "12"},
+    )
     assert killed.returncode == ExitCode.FAILED
-    newest = Store(store).work_dir(train_hash(store, planned)) / "checkpoints" / "step-000008" / "model.safetensors"
+    newest = (
+        Store(store).work_dir(train_hash(store, planned))
+        / "checkpoints"
+        / "step-000008"
+        / "model.safetensors"
+    )
     damaged = bytearray(newest.read_bytes())
     damaged[-3] ^= 0x10
     newest.write_bytes(bytes(damaged))
@@ -129,8 +152,12 @@ def test_multi_stage_plan_killed_during_finetune_resumes_identically(stages_buil
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO_STAGES), store=store)) == planned
     # finetune checkpoints every 3 updates: killed while writing the one at update 6
-    killed = run_bt("run", planned, store=store,
-                    env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "6"})
+    killed = run_bt(
+        "run",
+        planned,
+        store=store,
+        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "6"},
+    )
     assert killed.returncode == ExitCode.FAILED
     assert "train:finetune" in killed.stderr
     assert Store(store).has_output(train_hash(store, planned, "train:pretrain"))
@@ -144,8 +171,14 @@ def test_negative_control_a_resume_that_forgets_the_data_cursor_differs(micro_bu
     _, planned, reference = micro_built
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
-    killed = run_bt("run", planned, "--target", "train:main", store=store,
-                    env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "8"})
+    killed = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        store=store,
+        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "8"},
+    )
     assert killed.returncode == ExitCode.FAILED
     wrong = resume(planned, store, experiments, BT_TEST_SKIP_CURSOR_RESTORE="1")
     assert wrong["train:main"]["weights"] != reference["train:main"]["weights"]

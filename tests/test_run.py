@@ -79,7 +79,9 @@ def test_second_run_is_a_null_build_without_torch(micro_built, tmp_path):
         sys.exit(code)
     """)
     env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     (summary,) = summaries(tmp_path / "experiments")
     assert set(actions(summary).values()) == {"cached"}
@@ -90,7 +92,9 @@ def test_changing_finetune_lr_reruns_only_finetune_eval_export(stages_built, tmp
     store = tmp_path / ".bt"
     shutil.copytree(stages_built[0], store)
     experiments = tmp_path / "experiments"
-    changed = plan_hash(run_bt("plan", str(MICRO_STAGES), "--set", "stages.finetune.train.lr=5e-4", store=store))
+    changed = plan_hash(
+        run_bt("plan", str(MICRO_STAGES), "--set", "stages.finetune.train.lr=5e-4", store=store)
+    )
     assert changed != stages_built[1]
     result = run_bt("run", changed, store=store, env={"BT_EXPERIMENTS": str(experiments)})
     assert result.returncode == 0, result.stderr
@@ -109,7 +113,12 @@ def test_two_concurrent_runs_build_once(tmp_path):
     store = tmp_path / ".bt"
     experiments = tmp_path / "experiments"
     planned = plan_hash(run_bt("plan", str(MICRO), store=store))
-    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(experiments), "BT_TEST_STEP_DELAY": "0.1"}
+    env = {
+        **os.environ,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(experiments),
+        "BT_TEST_STEP_DELAY": "0.1",
+    }
     command = [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"]
     first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     second = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -125,10 +134,18 @@ def test_two_concurrent_runs_build_once(tmp_path):
 def test_no_wait_exits_with_the_locked_code(tmp_path):
     store = tmp_path / ".bt"
     planned = plan_hash(run_bt("plan", str(MICRO), store=store))
-    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "x"), "BT_TEST_STEP_DELAY": "0.2"}
+    env = {
+        **os.environ,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(tmp_path / "x"),
+        "BT_TEST_STEP_DELAY": "0.2",
+    }
     holder = subprocess.Popen(
         [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"],
-        env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
     )
     try:
         work = Store(store).work_dir(Store(store).load_plan(planned).by_label("train:main").hash)
@@ -146,8 +163,17 @@ def test_no_wait_exits_with_the_locked_code(tmp_path):
 
 def test_non_finite_loss_fails_cleanly_naming_the_step(tmp_path):
     store = tmp_path / ".bt"
-    result = run_bt("run", str(MICRO), "--set", "train.lr=1e6", "--set", "train.warmup_steps=0",
-                    "--set", "train.checkpoint_every=1", store=store)
+    result = run_bt(
+        "run",
+        str(MICRO),
+        "--set",
+        "train.lr=1e6",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.checkpoint_every=1",
+        store=store,
+    )
     assert result.returncode == ExitCode.FAILED, result.stderr
     assert "Traceback" not in result.stderr
     assert "at step" in result.stderr and "loss is" in result.stderr
@@ -184,20 +210,32 @@ def test_plan_for_another_toolchain_is_refused(tmp_path, monkeypatch):
 def test_run_record_has_config_plan_logs_metrics_and_summary(micro_built, tmp_path):
     store = tmp_path / ".bt"
     experiments = tmp_path / "experiments"
-    result = run_bt("run", str(MICRO), "--target", "train:main", store=store, env={"BT_EXPERIMENTS": str(experiments)})
+    result = run_bt(
+        "run", str(MICRO), "--target", "train:main", store=store, env={"BT_EXPERIMENTS": str(experiments)}
+    )
     assert result.returncode == 0, result.stderr
-    again = run_bt("run", str(MICRO), "--target", "train:main", store=store, env={"BT_EXPERIMENTS": str(experiments)})
+    again = run_bt(
+        "run", str(MICRO), "--target", "train:main", store=store, env={"BT_EXPERIMENTS": str(experiments)}
+    )
     assert again.returncode == 0
     records = sorted(p for p in experiments.iterdir())
     assert len(records) == 2  # never overwritten
     record = records[0]
     assert record.name.endswith(micro_built[1][:12])
-    assert {p.name for p in record.iterdir()} == {"config.json", "plan.json", "train.log", "metrics.jsonl", "summary.json"}
+    assert {p.name for p in record.iterdir()} == {
+        "config.json",
+        "plan.json",
+        "train.log",
+        "metrics.jsonl",
+        "summary.json",
+    }
     assert json.loads((record / "plan.json").read_text())["hash"] == micro_built[1]
     log = [json.loads(line) for line in (record / "train.log").read_text().splitlines()]
     step_lines = [line for line in log if line["event"] == "train_step"]
     assert len(step_lines) == 12
-    assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "max_rss_mb", "timestamp"} <= set(step_lines[0])
+    assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "max_rss_mb", "timestamp"} <= set(
+        step_lines[0]
+    )
     metrics = [json.loads(line) for line in (record / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m["event"] == "train_step"] == list(range(1, 13))
     summary = json.loads((record / "summary.json").read_text())
@@ -216,14 +254,19 @@ def test_data_files_are_found_by_content_after_a_move(tmp_path):
     old = os.stat(corpus / "a.txt")
     os.utime(corpus / "a.txt", ns=(old.st_atime_ns, old.st_mtime_ns - 10**10))  # not racy: cacheable
     preset = tmp_path / "files.toml"
-    preset.write_text(f'extends = "{MICRO}"\n[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\nsplit_block = 128\n')
+    preset.write_text(
+        f'extends = "{MICRO}"\n[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\nsplit_block = 128\n'
+    )
     store = tmp_path / ".bt"
     planned = plan_hash(run_bt("plan", str(preset), store=store))
 
     moved = tmp_path / "moved"
     moved.mkdir()
     (corpus / "a.txt").rename(moved / "renamed.txt")
-    assert plan_hash(run_bt("plan", str(preset), "--set", f'data.files=["{moved}/*.txt"]', store=store)) == planned
+    assert (
+        plan_hash(run_bt("plan", str(preset), "--set", f'data.files=["{moved}/*.txt"]', store=store))
+        == planned
+    )
     result = run_bt("run", planned, "--target", "data:main", store=store)
     assert result.returncode == 0, result.stderr
 
@@ -255,7 +298,14 @@ def test_export_copies_a_read_only_package_with_checksums(micro_built, tmp_path)
 
 
 def test_unknown_target_is_a_usage_error(micro_built, tmp_path):
-    result = run_bt("run", micro_built[1], "--target", "train:nope", store=micro_built[0], env={"BT_EXPERIMENTS": str(tmp_path)})
+    result = run_bt(
+        "run",
+        micro_built[1],
+        "--target",
+        "train:nope",
+        store=micro_built[0],
+        env={"BT_EXPERIMENTS": str(tmp_path)},
+    )
     assert result.returncode == ExitCode.USAGE
     assert "has no step 'train:nope'" in result.stderr
     assert "train:main" in result.stderr

@@ -62,7 +62,9 @@ def test_injected_perturbation_is_caught_at_its_step_naming_the_tensor(micro_bui
 def test_resume_without_the_data_cursor_is_caught_by_resume_at(micro_built, tmp_path):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    result, report = verify(store, micro_built[1], "--resume-at", "5", env={"BT_TEST_SKIP_CURSOR_RESTORE": "1"})
+    result, report = verify(
+        store, micro_built[1], "--resume-at", "5", env={"BT_TEST_SKIP_CURSOR_RESTORE": "1"}
+    )
     assert result.returncode == ExitCode.NOT_REPRODUCED, result.stderr
     divergence = by_label(report)["train:main"]["divergence"]
     assert divergence["step"] == 6  # the first update after the resume
@@ -92,8 +94,11 @@ def test_unbuilt_plan_is_built_then_checked_against_a_second_execution(tmp_path)
 
 def test_native_plan_refuses_another_thread_count(tmp_path):
     store = tmp_path / ".bt"
-    planned = plan_hash(run_bt("plan", str(MICRO), "--set", "numerics.profile=native",
-                               "--set", "numerics.threads=2", store=store))
+    planned = plan_hash(
+        run_bt(
+            "plan", str(MICRO), "--set", "numerics.profile=native", "--set", "numerics.threads=2", store=store
+        )
+    )
     result = run_bt("verify", planned, "--threads", "1", store=store)
     assert result.returncode == ExitCode.USAGE
     assert "pins 2 threads" in result.stderr and "portable" in result.stderr

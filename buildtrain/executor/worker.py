@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except OSError as exc:  # disk full, permissions: the store and the last checkpoint stay intact
         where = f" {exc.filename}" if exc.filename else ""
-        log.error("step_failed", message=f"cannot write{where}: {exc.strerror or exc}; the last checkpoint is intact")
+        log.error(
+            "step_failed",
+            message=f"cannot write{where}: {exc.strerror or exc}; the last checkpoint is intact",
+        )
         return ExitCode.FAILED
     except Exception as exc:
         if type(exc).__name__ == "OutOfMemoryError":  # torch's, without importing torch here

@@ -74,8 +74,10 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
 
     numerics = ctx.plan.config["numerics"]
     device = torch.device(numerics["device"])
-    model = Transformer(converter.structure(ctx.step.config["model"], ModelConfig), BYTE_VOCAB_SIZE)
-    load_model(model, final_weights(ctx.inputs["weights"]))
+    model = Transformer.build(
+        converter.structure(ctx.step.config["model"], ModelConfig), BYTE_VOCAB_SIZE, torch.Generator()
+    )
+    load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
     eval_config = converter.structure({**ctx.step.config["eval"], "every": 0}, EvalConfig)
     heldout = TokenStream(ctx.inputs["data"], read_json(ctx.inputs["data"] / DATA_INDEX)["splits"]["heldout"])

@@ -59,7 +59,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         (size,) = struct.unpack("<Q", prefix)
         if size > MAX_HEADER:
             raise ValueError(f"{path.name}: safetensors header of {size} bytes is implausible")
-        header = json.loads(handle.read(size))
+        raw = handle.read(size)
+    if len(raw) != size:
+        raise ValueError(f"{path.name}: truncated safetensors header")
+    try:
+        header = json.loads(raw)
+    except RecursionError:  # inputs are untrusted: a crafted header must be rejected, not crash
+        raise ValueError(f"{path.name}: safetensors header is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path.name}: safetensors header is not an object")
     return header, 8 + size
@@ -72,6 +78,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, str, list[int], memoryvi
     for name in sorted(k for k in header if k != "__metadata__"):
         entry = header[name]
         begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= len(data) - start:
+            raise ValueError(f"{path.name}: tensor {name} lies outside the file")
         yield name, entry["dtype"].lower(), list(entry["shape"]), data[start + begin : start + end]
 
 

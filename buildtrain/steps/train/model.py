@@ -1,8 +1,9 @@
 """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-One config (`ModelConfig`), five small modules, shapes in comments. Weights are initialized from
-an explicit generator in parameter order, and dropout draws from a generator the caller passes, so
-nothing here touches torch's global RNG.
+One config (`ModelConfig`), five small modules, shapes in comments. `Transformer.build` constructs
+the modules on the meta device (so torch's global RNG is never drawn from) and initializes every
+weight from an explicit generator in parameter order; dropout draws from a generator the caller
+passes.
 """
 
 from __future__ import annotations
@@ -126,6 +127,17 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, generator)
         return self.output(self.norm(x))  # (B, T, vocab)
+
+    @classmethod
+    def build(cls, config: ModelConfig, vocab_size: int, generator: torch.Generator) -> Transformer:
+        """A model on the CPU whose every weight comes from `generator`, and from nothing else."""
+        with torch.device("meta"):  # no storage, no default init, no global RNG
+            model = cls(config, vocab_size)
+        model.to_empty(device="cpu")
+        if config.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
+            model.output.weight = model.embedding.weight
+        model.initialize(generator)
+        return model
 
     @torch.no_grad()
     def initialize(self, generator: torch.Generator) -> None:

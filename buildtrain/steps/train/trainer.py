@@ -114,8 +114,7 @@ def train(
     device = torch.device(job.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16")
 
-    model = Transformer(job.model, BYTE_VOCAB_SIZE)
-    model.initialize(seeded(cfg.seed, "init"))
+    model = Transformer.build(job.model, BYTE_VOCAB_SIZE, seeded(cfg.seed, "init"))
     if job.init_weights is not None:
         load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
     model.to(device)

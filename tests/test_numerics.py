@@ -1,0 +1,121 @@
+"""The numerics profile: the environment a step process needs, checked before torch is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from buildtrain.executor import numerics
+
+PROFILE_KEYS = (
+    set(numerics.PORTABLE_CPU)
+    | set(numerics.CUDA_DETERMINISTIC)
+    | {
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+    }
+)
+
+
+def test_portable_cpu_pins_the_isa_and_threads() -> None:
+    env = numerics.environment("portable", "cpu", 3)
+    assert env["MKL_CBWR"] == "AVX2,STRICT"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in env
+
+
+def test_native_cpu_sets_only_threads() -> None:
+    assert numerics.environment("native", "cpu", 2) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+
+
+@pytest.mark.parametrize("profile", ["portable", "native"])
+def test_cuda_sets_the_cublas_workspace_and_not_the_cpu_caps(profile: str) -> None:
+    env = numerics.environment(profile, "cuda", 1)
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "MKL_CBWR" not in env and "ATEN_CPU_CAPABILITY" not in env
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+
+
+def test_check_before_import_refuses_when_torch_is_already_loaded() -> None:
+    assert "torch" in sys.modules  # this test process imported torch above
+    with pytest.raises(RuntimeError, match="torch was imported before"):
+        numerics.check_before_import("native", "cpu", 1)
+
+
+CHECK = textwrap.dedent(
+    """
+    import json, sys
+    from buildtrain.executor import numerics
+    assert "torch" not in sys.modules, "importing the numerics module must not import torch"
+    if sys.argv[4] == "import-torch":  # stands in for `import torch` at a fraction of the cost
+        import types
+        sys.modules["torch"] = types.ModuleType("torch")
+    try:
+        numerics.check_before_import(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    except RuntimeError as exc:
+        print(json.dumps({"error": str(exc)}))
+    else:
+        print(json.dumps({"error": None}))
+    """
+)
+
+
+def check_in_fresh_process(
+    profile: str, device: str, threads: int, env: dict[str, str], import_torch: bool = False
+) -> str | None:
+    base = {k: v for k, v in os.environ.items() if k not in PROFILE_KEYS}
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK, profile, device, str(threads), "import-torch" if import_torch else "-"],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        timeout=120,
+        check=True,
+    )
+    return json.loads(result.stdout)["error"]
+
+
+def test_check_before_import_passes_with_the_profile_environment() -> None:
+    env = numerics.environment("portable", "cpu", 2)
+    assert check_in_fresh_process("portable", "cpu", 2, env) is None
+
+
+@pytest.mark.parametrize("dropped", ["MKL_CBWR", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS"])
+def test_check_before_import_names_a_missing_variable(dropped: str) -> None:
+    env = numerics.environment("portable", "cpu", 2)
+    env.pop(dropped)
+    error = check_in_fresh_process("portable", "cpu", 2, env)
+    assert error is not None and "without the numerics environment" in error and dropped in error
+
+
+def test_check_before_import_refuses_a_wrong_value() -> None:
+    env = numerics.environment("portable", "cpu", 2)
+    error = check_in_fresh_process("portable", "cpu", 1, env)  # started for 2 threads, asked for 1
+    assert error is not None and "OMP_NUM_THREADS" in error
+
+
+def test_check_before_import_refuses_after_torch_in_a_fresh_process() -> None:
+    env = numerics.environment("native", "cpu", 1)
+    error = check_in_fresh_process("native", "cpu", 1, env, import_torch=True)
+    assert error is not None and "torch was imported before" in error
+
+
+def test_apply_after_import_sets_threads_and_deterministic_algorithms() -> None:
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        applied = numerics.apply_after_import(torch, "cpu", 1)
+        assert torch.get_num_threads() == 1
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # error mode, not warn
+        assert applied["threads"] == 1 and applied["deterministic_algorithms"] is True
+        assert applied["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)

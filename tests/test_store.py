@@ -1,0 +1,332 @@
+"""The store: sealed directories (objects.py) and plans, prefixes and locks (store.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import blake3
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buildtrain.errors import CorruptObject, Locked, UsageError
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store import objects
+from buildtrain.store.store import Store
+
+# -- objects: seal / verify / commit ------------------------------------------------------------
+
+file_names = st.sampled_from(["a.bin", "b.json", "sub/c.safetensors", "sub/deeper/d.txt", "e"])
+file_trees = st.dictionaries(file_names, st.binary(min_size=1, max_size=64), min_size=1, max_size=5)
+
+
+@contextmanager
+def no_fsync() -> Iterator[None]:
+    """Skip the (slow, here irrelevant) fsyncs inside property tests that seal many directories."""
+    with mock.patch.object(objects.os, "fsync", lambda fd: None):
+        yield
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def flip_byte(path: Path, index: int, mask: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[index % len(data)] ^= mask
+    path.write_bytes(bytes(data))
+
+
+@settings(max_examples=30, deadline=None)
+@given(files=file_trees, digests=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3))
+def test_seal_then_verify_is_clean_and_manifest_lists_every_file(
+    files: dict[str, bytes], digests: dict[str, str]
+) -> None:
+    with tempfile.TemporaryDirectory() as scratch, no_fsync():
+        root = Path(scratch) / "out"
+        write_tree(root, files)
+        body = objects.seal(root, digests)
+        assert objects.verify(root) == []
+        assert objects.verify(root, contents=False) == []
+        manifest = objects.read_manifest(root)
+        assert manifest["digests"] == digests
+        assert manifest["files"] == {
+            name: {"blake3": blake3.blake3(data).hexdigest(), "size": len(data)}
+            for name, data in files.items()
+        }
+        assert body["files"] == manifest["files"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    files=file_trees,
+    which=st.integers(min_value=0),
+    index=st.integers(min_value=0),
+    mask=st.integers(min_value=1, max_value=255),
+)
+def test_any_single_flipped_byte_in_any_file_is_detected(
+    files: dict[str, bytes], which: int, index: int, mask: int
+) -> None:
+    with tempfile.TemporaryDirectory() as scratch, no_fsync():
+        root = Path(scratch) / "out"
+        write_tree(root, files)
+        objects.seal(root)
+        targets = [*sorted(files), objects.MANIFEST]  # the manifest itself is a target too
+        flip_byte(root / targets[which % len(targets)], index, mask)
+        assert objects.verify(root) != []
+
+
+def test_verify_without_contents_checks_sizes_only(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"a.bin": b"0123456789", "b.bin": b"abcdef"})
+    objects.seal(tmp_path)
+    flip_byte(tmp_path / "a.bin", 3, 0xFF)  # same size, other content
+    assert objects.verify(tmp_path, contents=False) == []
+    assert objects.verify(tmp_path) == ["a.bin: content does not match its blake3"]
+    (tmp_path / "b.bin").write_bytes(b"abcdefg")  # other size
+    assert objects.verify(tmp_path, contents=False) == ["b.bin: size 7, manifest says 6"]
+
+
+def test_missing_manifest_means_incomplete(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"a.bin": b"data"})
+    problems = objects.verify(tmp_path)
+    assert len(problems) == 1 and "no manifest" in problems[0] and "incomplete" in problems[0]
+
+
+def test_extra_and_missing_files_are_reported(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"a.bin": b"data", "b.bin": b"more"})
+    objects.seal(tmp_path)
+    (tmp_path / "intruder.bin").write_bytes(b"x")
+    (tmp_path / "b.bin").unlink()
+    assert objects.verify(tmp_path) == ["intruder.bin: not in the manifest", "b.bin: missing"]
+    assert objects.verify(tmp_path, contents=False) == ["intruder.bin: not in the manifest", "b.bin: missing"]
+
+
+def test_damaged_manifest_json_is_reported_not_raised(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"a.bin": b"data"})
+    objects.seal(tmp_path)
+    (tmp_path / objects.MANIFEST).write_bytes(b"\xff{not json")
+    problems = objects.verify(tmp_path)
+    assert len(problems) == 1 and "not valid JSON" in problems[0]
+    with pytest.raises(ValueError):
+        objects.read_manifest(tmp_path)
+
+
+def test_manifest_rewritten_non_canonically_is_rejected(tmp_path: Path) -> None:
+    """Same JSON value, different bytes: the manifest must be exactly its canonical encoding."""
+    write_tree(tmp_path, {"a.bin": b"data"})
+    objects.seal(tmp_path)
+    body = json.loads((tmp_path / objects.MANIFEST).read_bytes())
+    (tmp_path / objects.MANIFEST).write_text(json.dumps(body, indent=2))
+    assert objects.verify(tmp_path) == ["manifest does not match its own digest"]
+
+
+def test_commit_renames_into_place_creating_parents(tmp_path: Path) -> None:
+    temporary = tmp_path / "tmp" / "step.abc"
+    write_tree(temporary, {"a.bin": b"data"})
+    objects.seal(temporary)
+    final = tmp_path / "steps" / "deep" / "abc"
+    objects.commit(temporary, final)
+    assert not temporary.exists()
+    assert objects.verify(final) == []
+
+
+def test_write_bytes_durably_leaves_no_temporary_file(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    objects.write_bytes_durably(target, b"first")
+    objects.write_bytes_durably(target, b"second")  # replaces an existing file
+    assert target.read_bytes() == b"second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) + 7, objects.MMAP_THRESHOLD + 3])
+def test_hash_file_matches_blake3_of_the_bytes_on_both_paths(tmp_path: Path, size: int) -> None:
+    data = (bytes(range(251)) * (size // 251 + 1))[:size]
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    assert objects.hash_file(path) == (blake3.blake3(data).hexdigest(), size)
+
+
+# -- store: plans ---------------------------------------------------------------------------------
+
+
+def make_plan(name: str = "p", value: int = 1) -> Plan:
+    data = Step.create("data:main", "data", {"data": {"n": value}}, {"sources": []}, {"tool": "x"})
+    train = Step.create("train:main", "train", {"lr": 0.5}, {"data": data.hash, "init": None}, {"tool": "y"})
+    return Plan.create(name, {"name": name, "value": value}, (data, train), (train.hash,))
+
+
+def test_save_plan_then_load_plan_round_trips(tmp_path: Path) -> None:
+    store = Store(tmp_path / ".bt")
+    plan = make_plan()
+    store.save_plan(plan, preset="presets/x.toml")
+    loaded = store.load_plan(plan.hash)
+    assert loaded == plan
+    assert loaded.hash == plan.hash
+    assert store.plan_hashes() == [plan.hash]
+    meta = store.plan_meta(plan.hash)
+    assert meta["preset"] == "presets/x.toml" and "created" in meta and "planned" in meta
+    store.save_plan(plan, preset="other.toml")  # saving again keeps the plan and the creation time
+    assert store.load_plan(plan.hash) == plan
+    assert store.plan_meta(plan.hash)["created"] == meta["created"]
+    assert store.plan_meta(plan.hash)["preset"] == "other.toml"
+
+
+def fake_plan_files(store: Store, hashes: list[str]) -> None:
+    store.plans.mkdir(parents=True, exist_ok=True)
+    for plan_hash in hashes:
+        (store.plans / f"{plan_hash}.json").write_bytes(b"{}")
+        (store.plans / f"{plan_hash}.meta.json").write_bytes(b"{}")
+
+
+def test_resolve_full_hash_and_unique_prefix(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    one, two = "abcd" + "0" * 60, "abce" + "1" * 60
+    fake_plan_files(store, [one, two])
+    assert store.plan_hashes() == [one, two]  # meta files are not plans
+    assert store.resolve(one) == one
+    assert store.resolve("abcd") == one
+    assert store.resolve("abce1") == two
+    assert store.resolve("  ABCD0 \n") == one  # case and surrounding whitespace do not matter
+
+
+def test_resolve_ambiguous_prefix_is_a_usage_error(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    fake_plan_files(store, ["abcd" + "0" * 60, "abcd" + "1" * 60])
+    with pytest.raises(UsageError, match="ambiguous"):
+        store.resolve("abcd")
+    assert store.resolve("abcd1") == "abcd" + "1" * 60
+
+
+@pytest.mark.parametrize("ref", ["abc", "", "xyz0123", "abcd-", "../abcd"])
+def test_resolve_rejects_short_or_non_hex_refs(tmp_path: Path, ref: str) -> None:
+    store = Store(tmp_path)
+    fake_plan_files(store, ["abcd" + "0" * 60])
+    with pytest.raises(UsageError, match="at least 4 hex digits"):
+        store.resolve(ref)
+
+
+def test_resolve_unknown_is_a_usage_error(tmp_path: Path) -> None:
+    store = Store(tmp_path / "nothing-here")
+    with pytest.raises(UsageError, match="no plan"):
+        store.resolve("abcd")
+    fake_plan_files(store, ["abcd" + "0" * 60])
+    with pytest.raises(UsageError, match="no plan"):
+        store.resolve("abce")
+
+
+def test_load_plan_of_garbage_raises_corrupt_object(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    plan = make_plan()
+    store.save_plan(plan)
+    (store.plans / f"{plan.hash}.json").write_bytes(b"\x00garbage")
+    with pytest.raises(CorruptObject, match="damaged"):
+        store.load_plan(plan.hash)
+
+
+def test_load_plan_under_another_hash_raises_corrupt_object(tmp_path: Path) -> None:
+    """A valid plan stored under the wrong name does not match its hash."""
+    store = Store(tmp_path)
+    plan, other = make_plan(value=1), make_plan(value=2)
+    store.save_plan(plan)
+    store.save_plan(other)
+    (store.plans / f"{plan.hash}.json").write_bytes((store.plans / f"{other.hash}.json").read_bytes())
+    with pytest.raises(CorruptObject, match="does not match its hash"):
+        store.load_plan(plan.hash)
+
+
+@settings(max_examples=40, deadline=None)
+@given(index=st.integers(min_value=0), mask=st.integers(min_value=1, max_value=255))
+def test_any_flipped_byte_in_a_stored_plan_raises_corrupt_object(index: int, mask: int) -> None:
+    with tempfile.TemporaryDirectory() as scratch, no_fsync():
+        store = Store(Path(scratch))
+        plan = make_plan()
+        store.save_plan(plan)
+        flip_byte(store.plans / f"{plan.hash}.json", index, mask)
+        with pytest.raises(CorruptObject):
+            store.load_plan(plan.hash)
+
+
+# -- store: locks ---------------------------------------------------------------------------------
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from buildtrain.store.store import Store
+
+    with Store(Path(sys.argv[1])).lock(sys.argv[2], wait=False):
+        print("locked", flush=True)
+        sys.stdin.read()  # hold the lock until the test closes our stdin
+    """
+)
+
+
+def hold_lock(root: Path, step_hash: str) -> subprocess.Popen[str]:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root), step_hash],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def release(holder: subprocess.Popen[str]) -> None:
+    assert holder.stdin is not None
+    holder.stdin.close()
+    assert holder.wait(timeout=30) == 0
+
+
+def test_second_lock_in_another_process_raises_locked_and_names_the_holder(tmp_path: Path) -> None:
+    store, step_hash = Store(tmp_path), "f00d" * 16
+    holder = hold_lock(tmp_path, step_hash)
+    try:
+        assert (store.locks / f"{step_hash}.lock").read_text() == str(holder.pid)
+        with pytest.raises(Locked, match=f"pid {holder.pid}"), store.lock(step_hash, wait=False):
+            pytest.fail("acquired a lock that another process holds")
+    finally:
+        release(holder)
+    with store.lock(step_hash, wait=False) as fd:  # free once the holder is gone
+        assert isinstance(fd, int)
+        assert (store.locks / f"{step_hash}.lock").read_text() == str(os.getpid())
+
+
+def test_waiting_lock_reports_the_holder_then_acquires(tmp_path: Path) -> None:
+    store, step_hash = Store(tmp_path), "beef" * 16
+    holder = hold_lock(tmp_path, step_hash)
+    seen: list[str] = []
+
+    def on_wait(who: str) -> None:
+        seen.append(who)
+        release(holder)  # the holder goes away while we wait
+
+    try:
+        with store.lock(step_hash, on_wait=on_wait):
+            assert (store.locks / f"{step_hash}.lock").read_text() == str(os.getpid())
+    finally:
+        if holder.poll() is None:
+            release(holder)
+    assert seen == [str(holder.pid)]
+
+
+def test_locks_of_different_steps_are_independent(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    holder = hold_lock(tmp_path, "aaaa" * 16)
+    try:
+        with store.lock("bbbb" * 16, wait=False):
+            pass
+    finally:
+        release(holder)
