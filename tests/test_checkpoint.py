@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.model import Transformer
+from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
     OPTIMIZER,
@@ -41,13 +42,13 @@ def seeded(seed: int) -> torch.Generator:
     return generator
 
 
-def fresh(seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer]:
+def fresh(seed: int = 0) -> tuple[Transformer, AdamW]:
     """A tiny model and an AdamW with the trainer's two groups (decayed matrices, plain vectors)."""
     model = Transformer(CONFIG, BYTE_VOCAB_SIZE)
     model.initialize(seeded(seed))
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
+    optimizer = AdamW(
         [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
         lr=1e-2,
         betas=(0.9, 0.95),
@@ -56,12 +57,12 @@ def fresh(seed: int = 0) -> tuple[Transformer, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def train_step(model: Transformer, optimizer: torch.optim.Optimizer, step: int) -> None:
+def train_step(model: Transformer, optimizer: AdamW, step: int) -> None:
     tokens = torch.randint(0, BYTE_VOCAB_SIZE, (2, 9), generator=seeded(1000 + step))
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
 
 
 def state_at(step: int, **identity: Any) -> dict[str, Any]:
@@ -72,7 +73,7 @@ def trace_to(step: int) -> list[dict[str, Any]]:
     return [{"step": s, "loss": f"{s:08x}", "lr": 0.01 * s} for s in range(1, step + 1)]
 
 
-def snapshot(model: Transformer, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def snapshot(model: Transformer, optimizer: AdamW) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state_tensors(model, optimizer).items()}
 
 

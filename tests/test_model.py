@@ -210,6 +210,6 @@ def test_build_never_draws_from_the_global_generator() -> None:
     first = Transformer.build(config, BYTE_VOCAB_SIZE, seeded(7))
     assert torch.equal(torch.get_rng_state(), before)
     second = Transformer.build(config, BYTE_VOCAB_SIZE, seeded(7))
-    assert first.output.weight is first.embedding.weight  # tied again after leaving the meta device
+    assert first.output.weight is first.embedding.weight
     for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters(), strict=True):
         assert torch.equal(a, b), name

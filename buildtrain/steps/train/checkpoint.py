@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from buildtrain.plan.canonical import canonical_bytes
+from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
     OPTIMIZER,
@@ -60,7 +61,7 @@ def save(
     folder: Path,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     state: dict[str, Any],
     trace: list[dict[str, Any]],
     kill_midway: bool = False,
@@ -105,7 +106,7 @@ def prune(folder: Path, keep: int) -> None:
 def load_newest(
     folder: Path,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamW,
     expect: dict[str, Any],
     on_skip: Callable[[Path, str], None],
 ) -> Resumed | None:

@@ -1,9 +1,8 @@
 """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-One config (`ModelConfig`), five small modules, shapes in comments. `Transformer.build` constructs
-the modules on the meta device (so torch's global RNG is never drawn from) and initializes every
-weight from an explicit generator in parameter order; dropout draws from a generator the caller
-passes.
+One config (`ModelConfig`), five small modules, shapes in comments. `Transformer.build` initializes
+every weight from an explicit generator in parameter order, leaving torch's global RNG as it was;
+dropout draws from a generator the caller passes.
 """
 
 from __future__ import annotations
@@ -130,12 +129,15 @@ class Transformer(nn.Module):
 
     @classmethod
     def build(cls, config: ModelConfig, vocab_size: int, generator: torch.Generator) -> Transformer:
-        """A model on the CPU whose every weight comes from `generator`, and from nothing else."""
-        with torch.device("meta"):  # no storage, no default init, no global RNG
+        """A model on the CPU whose every weight comes from `generator`, and from nothing else.
+
+        torch's layers initialize themselves from the global RNG when constructed; forking it keeps
+        its state untouched, and `initialize` then overwrites every parameter. (Building on the meta
+        device would avoid the wasted init, but its reference kernels import torch._dynamo, which
+        costs seconds per process.)
+        """
+        with torch.random.fork_rng(devices=[]):
             model = cls(config, vocab_size)
-        model.to_empty(device="cpu")
-        if config.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
-            model.output.weight = model.embedding.weight
         model.initialize(generator)
         return model
 

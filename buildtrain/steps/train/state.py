@@ -13,6 +13,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from buildtrain.steps.train.optimizer import SLOTS as OPTIMIZER_SLOTS
+from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.store.tensors import DTYPE_CODES, combine, tensor_digest
 
 # File names inside a checkpoint; constants because resume, verify and export all read them.
@@ -20,8 +22,6 @@ MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 TRAIN_STATE = "train_state.json"
 TRACE = "trace.jsonl"
-
-OPTIMIZER_SLOTS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def digest_tensor(name: str, tensor: torch.Tensor) -> str:
@@ -38,7 +38,7 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def optimizer_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, torch.Tensor]:
     """AdamW moments and step counts by parameter name (`<param>.exp_avg`, ...)."""
     names = {id(p): name for name, p in model.named_parameters()}
     found: dict[str, torch.Tensor] = {}
@@ -49,7 +49,7 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return found
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def state_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, torch.Tensor]:
     """Every tensor of the training state, with `model.` and `optimizer.` prefixes."""
     tensors = {f"model.{k}": v for k, v in model_tensors(model).items()}
     tensors.update({f"optimizer.{k}": v for k, v in optimizer_tensors(model, optimizer).items()})
@@ -82,20 +82,12 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
             parameter.copy_(loaded[name])
 
 
-def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_optimizer(model: torch.nn.Module, optimizer: AdamW, path: Path) -> None:
     """Restore AdamW moments and step counts saved by `optimizer_tensors`."""
     loaded = safetensors.torch.load_file(str(path))
-    names = {id(p): name for name, p in model.named_parameters()}
-    state_dict = optimizer.state_dict()
-    index = 0
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            slots = {
-                slot: loaded[f"{names[id(parameter)]}.{slot}"]
-                for slot in OPTIMIZER_SLOTS
-                if f"{names[id(parameter)]}.{slot}" in loaded
+    for name, parameter in model.named_parameters():
+        slots = {slot: loaded[f"{name}.{slot}"] for slot in OPTIMIZER_SLOTS if f"{name}.{slot}" in loaded}
+        if slots:
+            optimizer.state[parameter] = {
+                k: v.to(parameter.device) if k != "step" else v for k, v in slots.items()
             }
-            if slots:
-                state_dict["state"][index] = slots
-            index += 1
-    optimizer.load_state_dict(state_dict)

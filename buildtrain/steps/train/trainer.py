@@ -27,6 +27,7 @@ from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.model import Transformer
+from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.schedule import learning_rate
 from buildtrain.steps.train.state import digests, load_model, state_tensors
 from buildtrain.store.tensors import combine
@@ -118,9 +119,7 @@ def train(
     if job.init_weights is not None:
         load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
     model.to(device)
-    optimizer = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
-    )
+    optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     data_dir, index = job.data
     batches = Batches(
         TokenStream(data_dir, index["splits"]["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
@@ -179,7 +178,7 @@ def train(
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         cursor += cfg.batch_size
 
         if hooks.perturb is not None and hooks.perturb[0] == step:
