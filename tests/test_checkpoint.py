@@ -100,7 +100,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dic
     states = {}
     for step in (1, 2):
         train_step(model, optimizer, step)
-        checkpoint.save(folder, step, model, optimizer, state_at(step), trace_to(step))
+        checkpoint.save(folder, step, model, optimizer, state_at(step), checkpoint.Trace(trace_to(step)))
         states[step] = snapshot(model, optimizer)
     return folder, states
 
@@ -131,7 +131,7 @@ def test_load_newest_restores_weights_and_adamw_state_exactly(
     assert resumed is not None and skips.calls == []
     assert resumed.step == 2 and resumed.path == folder / "step-000002"
     assert resumed.state == {"format": checkpoint.STATE_FORMAT, **state_at(2)}
-    assert resumed.trace == trace_to(2)
+    assert resumed.trace.entries == trace_to(2)
     assert_same_tensors(snapshot(model, optimizer), states[2])
     assert any(name.endswith(".exp_avg_sq") for name in states[2])
 
@@ -190,10 +190,10 @@ def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> Non
     folder = tmp_path / "checkpoints"
     model, optimizer = fresh()
     train_step(model, optimizer, 1)
-    checkpoint.save(folder, 1, model, optimizer, state_at(1), trace_to(1))
+    checkpoint.save(folder, 1, model, optimizer, state_at(1), checkpoint.Trace(trace_to(1)))
     at_one = snapshot(model, optimizer)
     train_step(model, optimizer, 2)
-    checkpoint.save(folder, 2, model, optimizer, state_at(2, seed=7), trace_to(2))
+    checkpoint.save(folder, 2, model, optimizer, state_at(2, seed=7), checkpoint.Trace(trace_to(2)))
 
     skips = Skips()
     restored, restored_optimizer = fresh(seed=5)
@@ -221,7 +221,7 @@ def test_saving_a_step_again_replaces_it(saved: tuple[Path, Any], tmp_path: Path
     (folder / ".step-000002.tmp").mkdir()  # left over from a crash
     (folder / ".step-000002.tmp" / "junk").write_bytes(b"half written")
     model, optimizer = fresh(seed=3)
-    path = checkpoint.save(folder, 2, model, optimizer, state_at(2), trace_to(1))
+    path = checkpoint.save(folder, 2, model, optimizer, state_at(2), checkpoint.Trace(trace_to(1)))
     assert objects.verify(path) == []
     assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
     assert checkpoint.read_trace(path / TRACE) == trace_to(1)

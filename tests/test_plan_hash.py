@@ -391,10 +391,11 @@ def test_a_corrupted_stat_cache_is_discarded(tmp_path: Path, damage: str) -> Non
     elif damage == "truncated":
         cache.write_bytes(body[: len(body) // 2])
     else:  # a plausible cache whose entry lies about the content: must not be believed
-        tampered = json.loads(body)
+        claimed, _, raw = body.partition(b"\n")
+        tampered = json.loads(raw)
         for entry in tampered["entries"].values():
             entry["blake3"] = "0" * 64
-        cache.write_text(json.dumps(tampered))
+        cache.write_bytes(claimed + b"\n" + json.dumps(tampered).encode())
     second = plan(preset)
     assert second.hashed_bytes == data.stat().st_size  # rehashed, not trusted
     assert second.plan.hash == first.plan.hash

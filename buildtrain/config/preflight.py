@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from buildtrain.config.loader import LoadedPreset, Problem, key_text
@@ -19,14 +20,20 @@ GIB = 1 << 30
 
 def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str]]:
     """Files matched by the patterns, each once; and the patterns that matched nothing."""
-    found: dict[str, Path] = {}
+    found: dict[tuple[int, int], Path] = {}  # by (device, inode): one stat per file, links count once
     empty: list[str] = []
     for pattern in patterns:
-        matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(m)]
-        if not matches:
+        matched = False
+        for match in sorted(glob.glob(pattern, recursive=True)):
+            try:
+                info = os.stat(match)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                matched = True
+                found.setdefault((info.st_dev, info.st_ino), Path(match))
+        if not matched:
             empty.append(pattern)
-        for match in matches:
-            found.setdefault(os.path.realpath(match), Path(match))
     return list(found.values()), empty
 
 

@@ -294,7 +294,7 @@ def build_step(
         }
 
     if store.has_output(step.hash):
-        problems = store.verify_output(step.hash)
+        problems = store.check_output(step.hash)
         if not problems:
             return result("cached")
         moved = store.quarantine(step.hash)
@@ -306,7 +306,7 @@ def build_step(
         record.event("waiting_for_lock", step=step.label, holder=holder)
 
     with store.lock(step.hash, wait=options.wait, on_wait=waiting) as lock_fd:
-        if store.has_output(step.hash) and not store.verify_output(step.hash):
+        if store.has_output(step.hash) and not store.check_output(step.hash):
             return result("cached", "built by another run")
         if step.kind == "eval" and complete_eval_from_cache(store, step) is not None:
             return result("cached", "same weights evaluated before")

@@ -119,6 +119,35 @@ class Store:
     def verify_output(self, step_hash: str, *, contents: bool = True) -> list[str]:
         return objects.verify(self.output(step_hash), contents=contents)
 
+    def _stamp(self, step_hash: str) -> Path:
+        return self.root / "cache" / "verified" / f"{step_hash}.json"
+
+    def check_output(self, step_hash: str) -> list[str]:
+        """`verify_output`, remembered: after a full re-hash, the (size, mtime, inode) of every
+        file is stamped, and while the stamp matches the files are not hashed again. This keeps a
+        null build instant with gigabytes of outputs; anything written to an output changes its
+        stamp. (Decay that changes no metadata is what `bt fsck` is for: it always re-hashes.)"""
+        folder = self.output(step_hash)
+        try:
+            stats = {
+                p.relative_to(folder).as_posix(): [s.st_size, s.st_mtime_ns, s.st_ino]
+                for p in sorted(folder.rglob("*"))
+                if (s := p.stat()) and p.is_file()
+            }
+        except OSError:
+            return ["output folder unreadable"]
+        stamp = self._stamp(step_hash)
+        try:
+            if json.loads(stamp.read_bytes()) == stats:
+                return []
+        except (OSError, ValueError):
+            pass
+        problems = self.verify_output(step_hash)
+        if not problems:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            objects.write_bytes_durably(stamp, json.dumps(stats).encode())
+        return problems
+
     def quarantine(self, step_hash: str) -> Path:
         """Move a damaged output aside so that it is rebuilt and never loaded."""
         self.quarantined.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ whatever their layout or metadata. safetensors files are read here with a small 
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterable, Iterator
@@ -36,11 +37,15 @@ DTYPE_CODES = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
+def _identity(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    # Encoded once per tensor: a training run digests the same few hundred tensors every update.
+    return canonical_bytes({"name": name, "dtype": dtype, "shape": list(shape)}) + b"\0"
+
+
 def tensor_digest(name: str, dtype: str, shape: Iterable[int], data: Any) -> str:
     """blake3 of a tensor's identity and its raw bytes (a bytes-like object, little-endian)."""
-    hasher = blake3.blake3()
-    hasher.update(canonical_bytes({"name": name, "dtype": dtype, "shape": list(shape)}))
-    hasher.update(b"\0")
+    hasher = blake3.blake3(_identity(name, dtype, tuple(shape)))
     hasher.update(data)
     return hasher.hexdigest()
 

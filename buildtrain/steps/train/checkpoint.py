@@ -45,12 +45,26 @@ def checkpoint_name(step: int) -> str:
 class Resumed:
     step: int
     state: dict[str, Any]
-    trace: list[dict[str, Any]]
+    trace: Trace
     path: Path
 
 
-def _write_trace(path: Path, trace: list[dict[str, Any]]) -> None:
-    path.write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in trace))
+class Trace:
+    """The per-update record of a train step; each entry is encoded once, when it is added, since
+    every checkpoint writes the whole trace so far."""
+
+    def __init__(self, entries: list[dict[str, Any]] | None = None) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self._lines: list[bytes] = []
+        for entry in entries or []:
+            self.append(entry)
+
+    def append(self, entry: dict[str, Any]) -> None:
+        self.entries.append(entry)
+        self._lines.append(canonical_bytes(entry) + b"\n")
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self._lines)
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
@@ -63,7 +77,7 @@ def save(
     model: torch.nn.Module,
     optimizer: AdamW,
     state: dict[str, Any],
-    trace: list[dict[str, Any]],
+    trace: Trace,
     kill_midway: bool = False,
 ) -> Path:
     """Write a complete checkpoint for `step` atomically; returns its folder."""
@@ -77,7 +91,7 @@ def save(
         os.kill(os.getpid(), signal.SIGKILL)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
-    _write_trace(temporary / TRACE, trace)
+    (temporary / TRACE).write_bytes(trace.to_bytes())
     objects.seal(temporary)
     if final.exists():  # a checkpoint of this step from an earlier attempt: same content by design
         objects.remove_tree(final)
@@ -123,5 +137,5 @@ def load_newest(
             continue
         load_model(model, path / MODEL)
         load_optimizer(model, optimizer, path / OPTIMIZER)
-        return Resumed(step=step, state=state, trace=read_trace(path / TRACE), path=path)
+        return Resumed(step=step, state=state, trace=Trace(read_trace(path / TRACE)), path=path)
     return None

@@ -128,7 +128,7 @@ def train(
     micro_batches = cfg.batch_size // cfg.micro_batch_size
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
-    step, cursor, trace = 0, 0, []
+    step, cursor, trace = 0, 0, checkpoint.Trace()
     resumed = checkpoint.load_newest(
         job.work,
         model,
@@ -219,7 +219,7 @@ def train(
         if hooks.step_delay:
             time.sleep(hooks.step_delay)
         if watch is not None and watch(entry, tensors or state_tensors(model, optimizer)):
-            return TrainResult(step, trace, resumed_from)  # a spot check or a divergence ends here
+            return TrainResult(step, trace.entries, resumed_from)  # a spot check or a divergence ends here
 
         if step in hooks.kill_after:
             save(step)
@@ -229,4 +229,4 @@ def train(
             save(step, kill_midway=hooks.kill_in_checkpoint == step)
         if stop.signal_name:
             raise Interrupted(f"stopped by {stop.signal_name} after step {step}; checkpoint written")
-    return TrainResult(step, trace, resumed_from)
+    return TrainResult(step, trace.entries, resumed_from)
