@@ -1,0 +1,369 @@
+"""Training throughput: tokens/s of buildtrain's training loop against a minimal PyTorch loop.
+
+Contenders, alternated round by round, each in its own fresh process started with the numerics
+environment of its profile (buildtrain.executor.numerics.environment), since MKL and ATen read it
+when torch loads:
+
+  plain          a hand-written loop: buildtrain's Transformer (the model of presets/tiny.toml,
+                 initialized the same way), torch.optim.AdamW with the same hyperparameters and
+                 parameter groups, the same batch, micro-batches and gradient clipping, float32,
+                 the same thread count; batches are random windows of the same train tokens,
+                 nanoGPT-style, drawn with a seeded torch.Generator (uniform random tokens
+                 measured the same; the real corpus just removes the question).
+  buildtrain     buildtrain's real training code path: buildtrain.steps.train.trainer.train() with
+                 the TrainJob that buildtrain.steps.train.step.make_job builds for the train step of
+                 a stored plan, reading the token shards of a real data step output (built once with
+                 buildtrain.steps.data.build), after numerics.check_before_import and
+                 apply_after_import exactly as the step worker does, logging through the worker's
+                 structlog JSON configuration into an in-memory sink that timestamps each train_step
+                 event. train.checkpoint_every = train.steps, so no checkpoint falls inside the
+                 timed window (checkpoint cost: see checkpoint_cost.py).
+
+Both loops time the same window, in the process, excluding start-up: from the end of update W
+(warm-up, default 20; --quick 5) to the end of update N-1 (the last update is left out since
+buildtrain always digests and checkpoints there). Each profile runs buildtrain twice: with the
+default train.digest_every = 1 (a blake3 digest of every weight and AdamW moment after every
+update, part of buildtrain's cost) and with digest_every = train.steps, so the digest cost is
+visible separately.
+
+The table also gives tokens per CPU-second of each process as a cross-check (a busy machine
+inflates wall time more than CPU time); the goals use wall time.
+
+Goals: buildtrain native >= 0.95 x plain; buildtrain portable >= 0.70 x plain (the plain loop as a
+user would run it, i.e. in the native environment). "plain, portable env" shows how much of the
+portable gap is the profile itself rather than buildtrain.
+
+Run: python benchmarks/throughput.py [--quick] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
+from common import (  # noqa: E402
+    TINY,
+    Workspace,
+    alternate,
+    fmt_ratio,
+    goal_line,
+    make_parser,
+    median,
+    note,
+    print_goals,
+    print_header,
+    print_table,
+    ratio,
+    rounds,
+    workspace,
+)
+
+GOAL_NATIVE = 0.95
+GOAL_PORTABLE = 0.70
+
+
+# -- child processes (torch is imported only here, after the environment is in place) ------------
+
+
+class EventClock:
+    """A write-only stream for structlog that notes when each train_step line is written."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[float, float]] = []
+
+    def write(self, text: str) -> int:
+        if '"train_step"' in text:
+            self.times.append(now())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def now() -> tuple[float, float]:
+    """(wall clock, CPU time of this process): CPU time is less sensitive to a busy machine."""
+    return time.perf_counter(), time.process_time()
+
+
+def window_rates(times: list[tuple[float, float]], warmup: int, tokens_per_step: int) -> dict[str, Any]:
+    """tokens per second (wall and CPU) from the end of update `warmup` to the end of the
+    second-to-last update."""
+    first, last = warmup - 1, len(times) - 2
+    if last <= first:
+        raise ValueError(f"{len(times)} updates leave nothing to time after {warmup} of warm-up")
+    tokens = (last - first) * tokens_per_step
+    return {
+        "tokens_per_s": tokens / (times[last][0] - times[first][0]),
+        "tokens_per_cpu_s": tokens / max(times[last][1] - times[first][1], 1e-9),
+        "timed": last - first,
+    }
+
+
+def load_plan(spec: dict[str, Any]) -> tuple[Any, Any]:
+    from buildtrain.store.store import Store
+
+    store = Store(Path(spec["store"]))
+    plan = store.load_plan(spec["plan"])
+    return store, plan
+
+
+def train_tokens(data_dir: Path) -> Any:
+    """The train split of a data step's output as one int64 tensor (the shards are raw uint16)."""
+    import torch
+
+    index = json.loads((data_dir / "data.json").read_bytes())
+    shards = [
+        torch.frombuffer(bytearray((data_dir / shard["file"]).read_bytes()), dtype=torch.uint16)
+        for shard in index["splits"]["train"]["shards"]
+    ]
+    return torch.cat(shards).to(torch.int64)
+
+
+def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from buildtrain.config.convert import converter
+    from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+    from buildtrain.steps.train.model import Transformer
+
+    torch.set_num_threads(spec["threads"])
+    _, plan = load_plan(spec)
+    step = plan.by_label("train:main")
+    model_config = converter.structure(step.config["model"], ModelConfig)
+    cfg = converter.structure(step.config["train"], TrainConfig)
+
+    model = Transformer(model_config, BYTE_VOCAB_SIZE)
+    model.initialize(torch.Generator().manual_seed(cfg.seed))
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+    )
+    tokens = train_tokens(Path(spec["data"]))  # the corpus buildtrain reads
+    windows = torch.Generator().manual_seed(1)
+    micro_batches = cfg.batch_size // cfg.micro_batch_size
+    times = []
+    model.train()
+    for _ in range(cfg.steps):
+        for _ in range(micro_batches):
+            starts = torch.randint(
+                0, len(tokens) - cfg.seq_len - 1, (cfg.micro_batch_size,), generator=windows
+            )
+            rows = torch.stack([tokens[s : s + cfg.seq_len + 1] for s in starts.tolist()])  # (B, T + 1)
+            x, y = rows[:, :-1], rows[:, 1:]
+            logits = model(x)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / micro_batches
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(now())
+    rates = window_rates(times, spec["warmup"], cfg.batch_size * cfg.seq_len)
+    return {**rates, "isa": torch.backends.cpu.get_cpu_capability()}
+
+
+def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
+    import attrs
+
+    from buildtrain.executor import numerics
+    from buildtrain.executor.worker import configure_logging
+
+    numerics.check_before_import(spec["profile"], "cpu", spec["threads"])
+    import torch
+
+    numerics.apply_after_import(torch, "cpu", spec["threads"])
+    from buildtrain.steps.context import StepContext
+    from buildtrain.steps.train.step import make_job
+    from buildtrain.steps.train.trainer import Hooks, StopRequest, train
+
+    clock = EventClock()
+    log = configure_logging(clock)
+    store, plan = load_plan(spec)
+    step = plan.by_label("train:main")
+    context = StepContext(
+        store=store, plan=plan, step=step, inputs={"data": Path(spec["data"])}, sources=[], log=log
+    )
+    job = attrs.evolve(make_job(context), work=Path(spec["work"]))
+    train(job, log, StopRequest(), Hooks())
+    rates = window_rates(clock.times, spec["warmup"], job.train.batch_size * job.train.seq_len)
+    return {**rates, "isa": torch.backends.cpu.get_cpu_capability()}
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    if "torch" in sys.modules:
+        raise RuntimeError("torch was imported before the numerics environment was in place")
+    result = child_plain(spec) if spec["kind"] == "plain" else child_buildtrain(spec)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+class NullLog:
+    def info(self, *_: Any, **__: Any) -> None:
+        pass
+
+
+def build_data(space: Workspace, plan_hash: str) -> Path:
+    """The data step's output of the plan, built with buildtrain's data step (no torch needed)."""
+    from buildtrain.steps import data
+    from buildtrain.store.store import Store
+
+    plan = Store(space.store).load_plan(plan_hash)
+    out = space.path("data-output")
+    out.mkdir()
+    data.build(plan.by_label("data:main").to_body(), [], out, NullLog())
+    return out
+
+
+def main() -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one contender
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="intra-op threads")
+    parser.add_argument("--steps", type=int, help="updates per run (default 150, quick 30)")
+    args = parser.parse_args()
+    if args.child:
+        return child_main(json.loads(args.child))
+
+    n = rounds(args, quick=2, full=3)
+    steps = args.steps or (30 if args.quick else 150)
+    warmup = 5 if args.quick else 20
+    threads = args.threads
+
+    with workspace("throughput", args) as space:
+        print_header("training throughput: buildtrain vs a plain PyTorch loop", args, space)
+        space.import_buildtrain()
+        from buildtrain.executor import numerics
+
+        base = [f"train.steps={steps}", f"train.checkpoint_every={steps}", f"numerics.threads={threads}"]
+        plans = {
+            (profile, digest_every): space.plan(
+                TINY, *base, f"numerics.profile={profile}", f"train.digest_every={digest_every}"
+            )
+            for profile in ("native", "portable")
+            for digest_every in (1, steps)
+        }
+        note("building the data step's output once")
+        data_dir = build_data(space, plans["native", 1])
+        runs = iter(range(1_000_000))
+        isa: dict[str, str] = {}
+        per_cpu_s: dict[str, list[float]] = {}
+
+        def contender(name: str, kind: str, profile: str, digest_every: int) -> tuple[str, Any]:
+            def measure() -> float:
+                work = space.path("work", str(next(runs)))
+                spec = {
+                    "kind": kind,
+                    "profile": profile,
+                    "threads": threads,
+                    "store": str(space.store),
+                    "plan": plans[profile, digest_every],
+                    "data": str(data_dir),
+                    "work": str(work),
+                    "warmup": warmup,
+                }
+                env = space.env(**numerics.environment(profile, "cpu", threads))
+                done = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps(spec)],
+                    env=env,
+                    cwd=space.root,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if done.returncode != 0:
+                    raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                isa[name] = result["isa"]
+                per_cpu_s.setdefault(name, []).append(float(result["tokens_per_cpu_s"]))
+                return float(result["tokens_per_s"])
+
+            return name, measure
+
+        contenders = [
+            contender("plain, native env", "plain", "native", 1),
+            contender("buildtrain native", "buildtrain", "native", 1),
+            contender(f"buildtrain native, digest_every={steps}", "buildtrain", "native", steps),
+            contender("plain, portable env", "plain", "portable", 1),
+            contender("buildtrain portable", "buildtrain", "portable", 1),
+            contender(f"buildtrain portable, digest_every={steps}", "buildtrain", "portable", steps),
+        ]
+        note(
+            f"{n} alternating rounds of {len(contenders)} processes, {steps} updates each, {threads} threads"
+        )
+        results = alternate(contenders, n, warmup=0)
+        medians = {name: median(values) for name, values in results.items()}
+        plain_native, plain_portable = medians["plain, native env"], medians["plain, portable env"]
+        cpu_medians = {name: median(values) for name, values in per_cpu_s.items()}
+        rows = []
+        for name, values in results.items():
+            same_env = plain_portable if "portable" in name else plain_native
+            rows.append(
+                [
+                    name,
+                    f"{medians[name]:,.0f}",
+                    f"{min(values):,.0f}..{max(values):,.0f}",
+                    fmt_ratio(ratio(medians[name], plain_native)),
+                    fmt_ratio(ratio(medians[name], same_env)),
+                    fmt_ratio(ratio(cpu_medians[name], cpu_medians["plain, native env"])),
+                    isa.get(name, "?"),
+                ]
+            )
+        print_table(
+            f"tokens/s (median of {n} runs, alternated; {steps} updates, updates {warmup + 1}..{steps - 1} "
+            f"timed; {threads} threads; float32)",
+            [
+                "contender",
+                "tokens/s",
+                "min..max",
+                "vs plain native",
+                "vs plain same env",
+                "per CPU-s vs plain native",
+                "ATen ISA",
+            ],
+            rows,
+        )
+        native = ratio(medians["buildtrain native"], plain_native)
+        portable = ratio(medians["buildtrain portable"], plain_native)
+        with_digests = {
+            profile: ratio(
+                medians[f"buildtrain {profile}"], medians[f"buildtrain {profile}, digest_every={steps}"]
+            )
+            for profile in ("native", "portable")
+        }
+        print(
+            "\nbuildtrain with a state digest after every update, against digest_every="
+            f"{steps}: "
+            + ", ".join(f"{fmt_ratio(value)} ({profile})" for profile, value in with_digests.items())
+            + " (below 1.00x: what the digests cost)"
+        )
+        print_goals(
+            [
+                goal_line(
+                    f"buildtrain native >= {GOAL_NATIVE} x plain", native >= GOAL_NATIVE, fmt_ratio(native)
+                ),
+                goal_line(
+                    f"buildtrain portable >= {GOAL_PORTABLE} x plain (native env)",
+                    portable >= GOAL_PORTABLE,
+                    fmt_ratio(portable),
+                ),
+            ]
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
