@@ -65,7 +65,8 @@ def show_text(store: Store, plan: Plan) -> str:
         for name, value in step.inputs.items():
             if name == "sources":
                 total = sum(s["size"] for s in value)
-                lines.append(f"      <- sources: {len(value)} files, {total} bytes")
+                shown = f"{len(value)} files, {total} bytes" if value else "none (synthetic corpus)"
+                lines.append(f"      <- sources: {shown}")
             elif value is not None:
                 lines.append(f"      <- {name}: {by_hash.get(value, '?')} {value[:SHORT]}")
     lines.append("")

@@ -59,6 +59,19 @@ def resume(planned: str, store: Path, experiments: Path, target: str = "train:ma
     return step_digests(store, planned)
 
 
+def killed_in_checkpoint(planned: str, store: Path, experiments: Path, step: int, *target: str) -> str:
+    """Plan, then run until the step process SIGKILLs itself while writing checkpoint `step`."""
+    killed = run_bt(
+        "run",
+        planned,
+        *target,
+        store=store,
+        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": str(step)},
+    )
+    assert killed.returncode == ExitCode.FAILED and "SIGKILL" in killed.stderr, killed.stderr
+    return killed.stderr
+
+
 def events(experiments: Path, name: str) -> list[dict]:
     found = []
     for log in sorted(experiments.glob("*/train.log")):
@@ -101,15 +114,7 @@ def test_sigkill_while_writing_a_checkpoint_resumes_identically(micro_built, tmp
     _, planned, reference = micro_built
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
-    killed = run_bt(
-        "run",
-        planned,
-        "--target",
-        "train:main",
-        store=store,
-        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "8"},
-    )
-    assert killed.returncode == ExitCode.FAILED and "SIGKILL" in killed.stderr
+    killed_in_checkpoint(planned, store, experiments, 8, "--target", "train:main")
     checkpoints = Store(store).work_dir(train_hash(store, planned)) / "checkpoints"
     assert (checkpoints / ".step-000008.tmp").is_dir()  # the half-written checkpoint is on disk
     assert not (checkpoints / "step-000008").exists()
@@ -122,15 +127,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(micro_built, t
     _, planned, reference = micro_built
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
-    killed = run_bt(
-        "run",
-        planned,
-        "--target",
-        "train:main",
-        store=store,
-        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "12"},
-    )
-    assert killed.returncode == ExitCode.FAILED
+    killed_in_checkpoint(planned, store, experiments, 12, "--target", "train:main")
     newest = (
         Store(store).work_dir(train_hash(store, planned))
         / "checkpoints"
@@ -152,14 +149,8 @@ def test_multi_stage_plan_killed_during_finetune_resumes_identically(stages_buil
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO_STAGES), store=store)) == planned
     # finetune checkpoints every 3 updates: killed while writing the one at update 6
-    killed = run_bt(
-        "run",
-        planned,
-        store=store,
-        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "6"},
-    )
-    assert killed.returncode == ExitCode.FAILED
-    assert "train:finetune" in killed.stderr
+    stderr = killed_in_checkpoint(planned, store, experiments, 6)
+    assert "train:finetune" in stderr
     assert Store(store).has_output(train_hash(store, planned, "train:pretrain"))
 
     result = run_bt("run", planned, store=store, env={"BT_EXPERIMENTS": str(experiments)})
@@ -171,14 +162,6 @@ def test_negative_control_a_resume_that_forgets_the_data_cursor_differs(micro_bu
     _, planned, reference = micro_built
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
-    killed = run_bt(
-        "run",
-        planned,
-        "--target",
-        "train:main",
-        store=store,
-        env={"BT_EXPERIMENTS": str(experiments), "BT_TEST_KILL_IN_CHECKPOINT": "8"},
-    )
-    assert killed.returncode == ExitCode.FAILED
+    killed_in_checkpoint(planned, store, experiments, 8, "--target", "train:main")
     wrong = resume(planned, store, experiments, BT_TEST_SKIP_CURSOR_RESTORE="1")
     assert wrong["train:main"]["weights"] != reference["train:main"]["weights"]
