@@ -87,16 +87,17 @@ def training_state(target_bytes: int) -> tuple[Any, Any]:
 
     from buildtrain.config.schema import BYTE_VOCAB_SIZE
     from buildtrain.steps.train.model import Transformer
+    from buildtrain.steps.train.optimizer import AdamW
     from buildtrain.steps.train.trainer import param_groups
 
     model = Transformer(model_config(target_bytes), BYTE_VOCAB_SIZE)
     generator = torch.Generator().manual_seed(0)
     model.initialize(generator)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    optimizer = AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     for parameter in model.parameters():
         parameter.grad = torch.randn(parameter.shape, generator=generator) * 1e-3
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return model, optimizer
 
 
@@ -125,13 +126,14 @@ def measure_size(space: Workspace, target: int, n: int) -> tuple[int, int, dict[
     import torch
 
     from buildtrain.steps.train import checkpoint
-    from buildtrain.steps.train.state import state_tensors
+    from buildtrain.steps.train.optimizer import SLOTS
+    from buildtrain.steps.train.state import optimizer_tensors, state_tensors
 
     model, optimizer = training_state(target)
     tensors = state_tensors(model, optimizer)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    trace = fake_trace(sorted(tensors), TRACE_UPDATES)
-    trace_bytes = sum(len(json.dumps(entry)) + 1 for entry in trace)
+    trace = checkpoint.Trace(fake_trace(sorted(tensors), TRACE_UPDATES))
+    trace_bytes = len(trace.to_bytes())
     identity = {"step_hash": "benchmark"}
     state = {**identity, "step": 100, "cursor": 1600, "tokens": 102400}
     fresh_model, fresh_optimizer = training_state(target)
@@ -149,7 +151,7 @@ def measure_size(space: Workspace, target: int, n: int) -> tuple[int, int, dict[
         torch_file.unlink(missing_ok=True)
         started = time.perf_counter()
         with open(torch_file, "wb") as handle:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, handle)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer_tensors(model, optimizer)}, handle)
             if fsync:
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -167,7 +169,9 @@ def measure_size(space: Workspace, target: int, n: int) -> tuple[int, int, dict[
         started = time.perf_counter()
         loaded = torch.load(torch_file, weights_only=True)
         fresh_model.load_state_dict(loaded["model"])
-        fresh_optimizer.load_state_dict(loaded["optimizer"])
+        moments = loaded["optimizer"]
+        for name, parameter in fresh_model.named_parameters():  # the same restore buildtrain does
+            fresh_optimizer.state[parameter] = {slot: moments[f"{name}.{slot}"] for slot in SLOTS}
         return time.perf_counter() - started
 
     results = alternate(

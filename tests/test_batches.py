@@ -48,6 +48,21 @@ def test_read_across_shard_boundaries_equals_slicing_the_concatenation(
             stream.read(start, len(flat) - start + 1)
 
 
+@settings(max_examples=60, deadline=None)
+@given(shards=shard_lists, data=st.data())
+def test_windows_equal_one_read_per_row_within_and_across_shards(
+    shards: list[list[int]], data: st.DataObject
+) -> None:
+    flat = [t for shard in shards for t in shard]
+    with tempfile.TemporaryDirectory() as scratch:
+        stream = TokenStream(Path(scratch), write_split(Path(scratch), shards))
+        length = data.draw(st.integers(1, len(flat)))
+        starts = data.draw(st.lists(st.integers(0, len(flat) - length), min_size=1, max_size=6))
+        rows = stream.windows(starts, length)
+        assert rows.dtype == torch.int64 and rows.shape == (len(starts), length)
+        assert rows.tolist() == [flat[s : s + length] for s in starts]
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(min_value=1, max_value=600), seed=st.integers(0, (1 << 63) - 1), epoch=st.integers(0, 9))
 def test_window_order_is_a_bijection_of_range_n(n: int, seed: int, epoch: int) -> None:

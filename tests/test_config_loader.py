@@ -368,7 +368,7 @@ def test_reference_renders_markdown() -> None:
     command = [sys.executable, "-m", "buildtrain.config.reference"]
     text = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     assert text == render()
-    assert text.startswith("# Preset reference\n")
+    assert text.startswith("## Preset reference\n")
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) == len(reference())
     assert "| `train.lr` | float | `0.003` | > 0.0 | peak learning rate |" in rows
@@ -376,5 +376,5 @@ def test_reference_renders_markdown() -> None:
         '| `model.mlp` | string | `"swiglu"` | `swiglu`, `gelu` | feed-forward block: swiglu or gelu |'
         in rows
     )
-    for heading in ("## top level", *(f"## [{s}]" for s in SECTIONS), "## [[stages]]"):
+    for heading in ("### top level", *(f"### [{s}]" for s in SECTIONS), "### [[stages]]"):
         assert heading in text.splitlines()

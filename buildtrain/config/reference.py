@@ -24,7 +24,7 @@ EXTENDS_DOC = (
 )
 
 INTRO = """\
-# Preset reference
+## Preset reference
 
 A preset is a TOML file. Every key below except a stage's name is optional: a left-out key takes its
 default, and the resolved config (every default filled in) is what the plan hash covers. Unknown
@@ -181,7 +181,7 @@ def render() -> str:
             current = doc.section
             lines += [
                 "",
-                f"## {current}",
+                f"### {current}",
                 "",
                 section_intro(current),
                 "",

@@ -114,7 +114,11 @@ class TrainConfig:
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of lr", at_least(0.0), at_most(1.0))
     checkpoint_every: int = setting(50, "steps between checkpoints", at_least(1))
     keep_checkpoints: int = setting(2, "checkpoints kept (the last one is the final state)", at_least(1))
-    digest_every: int = setting(1, "steps between full training-state digests in the trace", at_least(1))
+    digest_every: int = setting(
+        1,
+        "steps between weight digests in the trace (the full state is digested at each checkpoint)",
+        at_least(1),
+    )
 
     @betas.validator
     def _betas_in_range(self, _: attrs.Attribute[Any], value: tuple[float, float]) -> None:

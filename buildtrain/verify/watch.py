@@ -1,7 +1,7 @@
 """Inside a re-executed train step: compare every update with the recorded trace as it happens.
 
-The first update whose loss bits, gradient-norm bits, learning rate, data cursor or state digest
-differs from the record is the divergence point; the per-tensor digests at that update name the
+The first update whose loss bits, gradient-norm bits, learning rate, data cursor, weights digest
+or (at checkpoint steps) full-state digest differs from the record is the divergence point; the per-tensor digests at that update name the
 tensors that differ. Training then continues only to the first checkpoint the record kept (at or
 after the divergence), where both states are on disk, to measure how far each tensor moved; then it
 stops, instead of training to the end.
@@ -19,7 +19,7 @@ import torch
 from buildtrain.steps.train.checkpoint import checkpoint_name, read_trace
 from buildtrain.steps.train.state import MODEL, OPTIMIZER, TRACE
 
-COMPARED = ("loss", "grad_norm", "lr", "cursor", "state")
+COMPARED = ("loss", "grad_norm", "lr", "cursor", "weights", "state")
 REPORTED_TENSORS = 10
 
 
@@ -67,7 +67,7 @@ class Watcher:
         self, step: int, entry: dict[str, Any], reference: dict[str, Any], fields: list[str]
     ) -> None:
         ours, theirs = entry.get("tensors", {}), reference.get("tensors", {})
-        names = sorted(name for name in ours if theirs.get(name) != ours[name]) if theirs and ours else []
+        names = sorted(name for name in ours if name in theirs and theirs[name] != ours[name])
         self.divergence = {
             "step": step,
             "fields": fields,

@@ -59,6 +59,17 @@ class TokenStream:
             raise IndexError(f"tokens [{start}, {start + length}) outside a split of {self.length}")
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
+    def windows(self, starts: list[int], length: int) -> torch.Tensor:
+        """Rows of `length` tokens starting at each of `starts`, as int64 (B, length).
+
+        One gather when all rows lie in one shard (the common case), row by row otherwise.
+        """
+        for shard, shard_start in zip(self.shards, self.starts, strict=True):
+            if all(shard_start <= s and s + length <= shard_start + len(shard) for s in starts):
+                offsets = torch.tensor(starts, dtype=torch.int64) - shard_start
+                return shard[offsets[:, None] + torch.arange(length)].to(torch.int64)
+        return torch.stack([self.read(start, length) for start in starts])
+
 
 def _mix(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & M64
@@ -109,12 +120,17 @@ class Batches:
 
     def sample(self, index: int) -> torch.Tensor:
         """seq_len + 1 tokens of global sample `index`."""
+        return self.stream.read(self.start(index), self.seq_len + 1)
+
+    def start(self, index: int) -> int:
+        """Where global sample `index` starts in the split."""
         epoch, position = divmod(index, self.windows)
-        window = self.order(epoch, position)
-        return self.stream.read(window * self.seq_len, self.seq_len + 1)
+        return self.order(epoch, position) * self.seq_len
 
     def micro_batch(self, cursor: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets (B, T) of micro-batch `micro` of the step starting at `cursor`."""
         first = cursor + micro * size
-        rows = torch.stack([self.sample(first + j) for j in range(size)])  # (B, T + 1)
+        rows = self.stream.windows(
+            [self.start(first + j) for j in range(size)], self.seq_len + 1
+        )  # (B, T + 1)
         return rows[:, :-1], rows[:, 1:]

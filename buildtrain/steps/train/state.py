@@ -49,10 +49,12 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, tor
     return found
 
 
-def state_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, torch.Tensor]:
-    """Every tensor of the training state, with `model.` and `optimizer.` prefixes."""
+def state_tensors(model: torch.nn.Module, optimizer: AdamW | None) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state, with `model.` and `optimizer.` prefixes (the weights
+    alone when no optimizer is given)."""
     tensors = {f"model.{k}": v for k, v in model_tensors(model).items()}
-    tensors.update({f"optimizer.{k}": v for k, v in optimizer_tensors(model, optimizer).items()})
+    if optimizer is not None:
+        tensors.update({f"optimizer.{k}": v for k, v in optimizer_tensors(model, optimizer).items()})
     return tensors
 
 

@@ -192,11 +192,18 @@ def train(
             "lr": lr,
             "cursor": cursor,
         }
+        # Weights are digested every `digest_every` updates, the whole state (weights and AdamW
+        # moments) at every regular checkpoint step and at the end. Only the cadence decides,
+        # never an interruption, so the trace of a resumed run equals that of an uninterrupted one.
+        full = step % cfg.checkpoint_every == 0 or step == cfg.steps
         tensors: dict[str, torch.Tensor] = {}
-        if step % cfg.digest_every == 0 or step == cfg.steps:
-            tensors = state_tensors(model, optimizer)
+        if full or step % cfg.digest_every == 0:
+            tensors = state_tensors(model, optimizer) if full else state_tensors(model, None)
             tensor_digests = digests(tensors)
-            entry["state"] = combine(tensor_digests)
+            weights = {k: v for k, v in tensor_digests.items() if k.startswith("model.")}
+            entry["weights"] = combine(weights)
+            if full:
+                entry["state"] = combine(tensor_digests)
             entry["tensors"] = {k: v[:TENSOR_DIGEST_CHARS] for k, v in tensor_digests.items()}
         trace.append(entry)
         if heldout is not None and job.eval is not None and step % job.eval.every == 0:

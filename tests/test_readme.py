@@ -1,0 +1,43 @@
+"""The README says what the code does: its commands, its reference and its exit codes."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import REPO
+
+from buildtrain.config.reference import render
+from buildtrain.errors import ExitCode
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def shell_blocks(text: str) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_readme_starts_with_the_install_and_run_and_the_test_command():
+    first, second = shell_blocks(README)[:2]
+    assert first.strip() == "pip install torch==2.13.0 && pip install -e . && bt run presets/tiny.toml"
+    assert second.strip() == "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q"
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    test_command = shell_blocks(README)[1].strip()
+    assert test_command in ci.splitlines()
+
+
+def test_preset_reference_in_the_readme_is_current():
+    section = (
+        README.split("<!-- reference:start", 1)[1].split("-->", 1)[1].split("<!-- reference:end -->", 1)[0]
+    )
+    assert section.strip() == render().strip(), (
+        "run python -m buildtrain.config.reference and paste it into README.md"
+    )
+
+
+def test_exit_code_table_matches_the_code():
+    table = README.split("### Exit codes", 1)[1].split("\n## ", 1)[0]
+    documented = {int(code) for code in re.findall(r"^\| (\d) \|", table, flags=re.MULTILINE)}
+    assert documented == {int(code) for code in ExitCode}
