@@ -55,9 +55,8 @@ class Reporter:
             self.step(self._label, f"skipping damaged checkpoint {line['checkpoint']}: {line['reason']}")
         elif name == "eval":
             at = f" at step {line['step']}" if "step" in line else ""
-            self.step(
-                self._label, f"held-out loss {line['loss']:.4f}, {line['bits_per_token']:.4f} bits/token{at}"
-            )
+            label = line.get("label", self._label)
+            self.step(label, f"held-out loss {line['loss']:.4f}, {line['bits_per_token']:.4f} bits/token{at}")
         elif name == "step_crashed":
             self.say(line.get("traceback", ""))
 
