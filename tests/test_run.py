@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 from conftest import MICRO, MICRO_STAGES, actions, plan_hash, run_bt, step_digests, summaries
 
@@ -117,7 +118,7 @@ def test_two_concurrent_runs_build_once(tmp_path):
         **os.environ,
         "BT_STORE": str(store),
         "BT_EXPERIMENTS": str(experiments),
-        "BT_TEST_STEP_DELAY": "0.1",
+        "BT_TEST_STEP_DELAY": "0.3",
     }
     command = [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"]
     first = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -138,7 +139,7 @@ def test_no_wait_exits_with_the_locked_code(tmp_path):
         **os.environ,
         "BT_STORE": str(store),
         "BT_EXPERIMENTS": str(tmp_path / "x"),
-        "BT_TEST_STEP_DELAY": "0.2",
+        "BT_TEST_STEP_DELAY": "0.5",
     }
     holder = subprocess.Popen(
         [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"],
@@ -148,11 +149,11 @@ def test_no_wait_exits_with_the_locked_code(tmp_path):
         cwd=tmp_path,
     )
     try:
-        work = Store(store).work_dir(Store(store).load_plan(planned).by_label("train:main").hash)
-        for _ in range(600):  # wait until the first run is inside the train step
-            if work.exists():
-                break
-            subprocess.run(["sleep", "0.05"])
+        train = Store(store).load_plan(planned).by_label("train:main").hash
+        lock = store / "locks" / f"{train}.lock"
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the first run holds the train step's lock
         result = run_bt("run", planned, "--target", "train:main", "--no-wait", store=store)
         assert result.returncode == ExitCode.LOCKED, result.stderr
         assert "is being built by pid" in result.stderr

@@ -66,6 +66,11 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> int:
         doomed += [p for p in work if p.name not in referenced or store.has_output(p.name)]
         doomed += sorted(store.tmp.glob("*")) if store.tmp.is_dir() else []
     doomed += sorted(store.quarantined.glob("*")) if store.quarantined.is_dir() else []
+    kept_outputs = {p.name for p in outputs if p.name in referenced}
+    stamps = store.root / "cache" / "verified"
+    doomed += (
+        [p for p in sorted(stamps.glob("*.json")) if p.stem not in kept_outputs] if stamps.is_dir() else []
+    )
 
     kept_evals = set()
     for output in outputs:

@@ -1,0 +1,60 @@
+"""`bt gc` removes what no stored plan needs, and nothing else."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from conftest import run_bt, step_digests
+
+from buildtrain.store import objects
+from buildtrain.store.store import Store
+from buildtrain.verify.fsck import check
+
+
+def litter(store: Store, completed_step: str) -> list[Path]:
+    """Things a crashed or superseded run leaves behind; returns what gc must remove."""
+    orphan = store.new_temp("orphan")
+    (orphan / "weights.bin").write_bytes(b"\0" * 64)
+    objects.seal(orphan)
+    objects.commit(orphan, store.output("f" * 64))  # an output no plan references
+    leftover = store.new_temp("train-main")  # a temporary output of a killed step
+    (leftover / "half.bin").write_bytes(b"x")
+    work = store.work_dir(completed_step) / "checkpoints" / "step-000004"  # work of a finished step
+    work.mkdir(parents=True)
+    quarantined = store.quarantined / "deadbeef.1"
+    quarantined.mkdir(parents=True)
+    stray_eval = store.evals / f"{'e' * 64}.json"
+    stray_eval.write_text("{}")
+    return [store.output("f" * 64), leftover, store.work_dir(completed_step), quarantined, stray_eval]
+
+
+def test_gc_removes_only_unreferenced_and_leftover_data(micro_built, tmp_path):
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+    plan = store.load_plan(micro_built[1])
+    doomed = litter(store, plan.by_label("train:main").hash)
+
+    dry = run_bt("gc", "--dry-run", store=root)
+    assert dry.returncode == 0, dry.stderr
+    assert all(path.exists() for path in doomed)
+    assert "would remove" in dry.stderr
+
+    result = run_bt("gc", store=root)
+    assert result.returncode == 0, result.stderr
+    assert not any(path.exists() for path in doomed), [p for p in doomed if p.exists()]
+    assert check(store)[0] == []
+    assert step_digests(root, micro_built[1]) == micro_built[2]  # everything the plan needs is kept
+    again = run_bt("run", micro_built[1], store=root)
+    assert again.returncode == 0 and "executed" not in again.stderr.split("done")[0]
+
+
+def test_dropping_a_plan_frees_its_outputs(micro_built, tmp_path):
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    result = run_bt("gc", "--drop", micro_built[1][:8], store=root)
+    assert result.returncode == 0, result.stderr
+    assert Store(root).plan_hashes() == []
+    assert list((root / "steps").iterdir()) == []
+    assert list((root / "evals").iterdir()) == []
