@@ -310,3 +310,45 @@ def test_unknown_target_is_a_usage_error(micro_built, tmp_path):
     assert result.returncode == ExitCode.USAGE
     assert "has no step 'train:nope'" in result.stderr
     assert "train:main" in result.stderr
+
+
+def test_out_of_memory_fails_cleanly_naming_the_step(tmp_path):
+    """A virtual-memory limit on `bt run` (inherited by its step process) makes the first AdamW
+    update of a 34M-parameter model fail to allocate; torch's import fits under the limit."""
+    import resource
+
+    store = tmp_path / ".bt"
+    big = [
+        "--set",
+        "model.dim=1024",
+        "--set",
+        "model.n_heads=8",
+        "--set",
+        "model.n_kv_heads=8",
+        "--set",
+        "model.ffn_hidden=4096",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.checkpoint_every=1",
+    ]
+    planned = plan_hash(run_bt("plan", str(MICRO), *big, store=store))
+    assert run_bt("run", planned, "--target", "data:main", store=store).returncode == 0
+    limit = int(1.2 * 2**30)
+    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    limited = subprocess.run(
+        [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    assert limited.returncode == ExitCode.FAILED, limited.stderr
+    assert "out of memory at step 1" in limited.stderr and "Traceback" not in limited.stderr
+    assert "lower train.micro_batch_size" in limited.stderr
+    train = Store(store).load_plan(planned).by_label("train:main")
+    assert not Store(store).has_output(train.hash)
+    result = run_bt("run", planned, "--target", "train:main", store=store)
+    assert result.returncode == 0, result.stderr

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return ExitCode.FAILED
     except Exception as exc:
-        if type(exc).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
+        if type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc):
             log.error(
                 "step_failed",
                 message="out of memory on the device; the last checkpoint is intact; lower train.micro_batch_size",

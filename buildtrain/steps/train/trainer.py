@@ -8,11 +8,12 @@ the weights, the optimizer moments and two integers, and a resume cannot get the
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import signal
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,92 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA OOM error, or the CPU allocator's failure (a RuntimeError)."""
+    return type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc)
+
+
 def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextlib.contextmanager
+def out_of_memory_fails(step: int, work: Path) -> Iterator[None]:
+    """Turn an allocation failure during an update into a step failure that names the update."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:
+        if not out_of_memory(exc):
+            raise
+        raise StepFailed(
+            f"out of memory at step {step} (newest checkpoint: {newest(work)}, intact); "
+            "lower train.micro_batch_size (the batch stays the same) or train.seq_len"
+        ) from None
+
+
+def newest(folder: Path) -> str:
+    saved = checkpoint.candidates(folder)
+    return saved[0][1].name if saved else "none"
+
+
+def trace_entry(
+    step: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    cursor: int,
+    model: torch.nn.Module,
+    optimizer: AdamW,
+    cfg: TrainConfig,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The deterministic record of one update (and the tensors it digested).
+
+    Weights are digested every `digest_every` updates, the whole state (weights and AdamW moments)
+    at every regular checkpoint step and at the end. Only the cadence decides, never an
+    interruption, so the trace of a resumed run equals that of an uninterrupted one.
+    """
+    entry: dict[str, Any] = {
+        "step": step,
+        "loss": float_bits(loss),
+        "grad_norm": float_bits(grad_norm),
+        "lr": lr,
+        "cursor": cursor,
+    }
+    full = step % cfg.checkpoint_every == 0 or step == cfg.steps
+    if not (full or step % cfg.digest_every == 0):
+        return entry, {}
+    tensors = state_tensors(model, optimizer if full else None)
+    tensor_digests = digests(tensors)
+    entry["weights"] = combine({k: v for k, v in tensor_digests.items() if k.startswith("model.")})
+    if full:
+        entry["state"] = combine(tensor_digests)
+    entry["tensors"] = {k: v[:TENSOR_DIGEST_CHARS] for k, v in tensor_digests.items()}
+    return entry, tensors
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    batches: Batches,
+    cursor: int,
+    step: int,
+    job: TrainJob,
+    device: torch.device,
+    autocast: Any,
+) -> torch.Tensor:
+    """Forward, loss and backward for each micro-batch, in order; returns the summed loss."""
+    cfg = job.train
+    micro_batches = cfg.batch_size // cfg.micro_batch_size
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(micro_batches):
+        x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
+        x, y = x.to(device), y.to(device)
+        generator = seeded(cfg.seed, "dropout", step, micro) if job.model.dropout else None
+        with autocast:
+            logits = model(x, generator)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 def train(
@@ -125,7 +210,6 @@ def train(
         TokenStream(data_dir, index["splits"]["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
     )
     heldout = TokenStream(data_dir, index["splits"]["heldout"]) if job.eval is not None else None
-    micro_batches = cfg.batch_size // cfg.micro_batch_size
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     step, cursor, trace = 0, 0, checkpoint.Trace()
@@ -157,54 +241,26 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(micro_batches):
-            x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
-            x, y = x.to(device), y.to(device)
-            generator = seeded(cfg.seed, "dropout", step, micro) if job.model.dropout else None
-            with autocast:
-                logits = model(x, generator)  # (B, T, vocab)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
-            loss.backward()
-            loss_sum += loss.detach()
-        loss_value = loss_sum.item()
-        if not torch.isfinite(loss_sum):
-            saved = checkpoint.candidates(job.work)
-            raise StepFailed(
-                f"loss is {loss_value} at step {step}; nothing was written for this step "
-                f"(newest checkpoint: {saved[0][1].name if saved else 'none'}). "
-                "Lower train.lr or raise train.warmup_steps."
-            )
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-        optimizer.step()
-        optimizer.zero_grad()
+        with out_of_memory_fails(step, job.work):
+            loss_sum = accumulate_gradients(model, batches, cursor, step, job, device, autocast)
+            loss_value = loss_sum.item()
+            if not torch.isfinite(loss_sum):
+                raise StepFailed(
+                    f"loss is {loss_value} at step {step}; nothing was written for this step "
+                    f"(newest checkpoint: {newest(job.work)}). "
+                    "Lower train.lr or raise train.warmup_steps."
+                )
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+            optimizer.step()
+            optimizer.zero_grad()
         cursor += cfg.batch_size
 
         if hooks.perturb is not None and hooks.perturb[0] == step:
             with torch.no_grad():
                 dict(model.named_parameters())[hooks.perturb[1]].view(-1)[0] += hooks.perturb[2]
 
-        entry: dict[str, Any] = {
-            "step": step,
-            "loss": float_bits(loss_value),
-            "grad_norm": float_bits(grad_norm),
-            "lr": lr,
-            "cursor": cursor,
-        }
-        # Weights are digested every `digest_every` updates, the whole state (weights and AdamW
-        # moments) at every regular checkpoint step and at the end. Only the cadence decides,
-        # never an interruption, so the trace of a resumed run equals that of an uninterrupted one.
-        full = step % cfg.checkpoint_every == 0 or step == cfg.steps
-        tensors: dict[str, torch.Tensor] = {}
-        if full or step % cfg.digest_every == 0:
-            tensors = state_tensors(model, optimizer) if full else state_tensors(model, None)
-            tensor_digests = digests(tensors)
-            weights = {k: v for k, v in tensor_digests.items() if k.startswith("model.")}
-            entry["weights"] = combine(weights)
-            if full:
-                entry["state"] = combine(tensor_digests)
-            entry["tensors"] = {k: v[:TENSOR_DIGEST_CHARS] for k, v in tensor_digests.items()}
+        entry, tensors = trace_entry(step, loss_value, grad_norm, lr, cursor, model, optimizer, cfg)
         trace.append(entry)
         if heldout is not None and job.eval is not None and step % job.eval.every == 0:
             result = evaluate(model, heldout, job.eval, device, autocast)
