@@ -216,18 +216,18 @@ def emit(doc: dict[str, Any], rng: random.Random) -> str:
     out: list[str] = []
     if rng.random() < 0.5:
         out.append(_comment(rng))
-    _emit_table([], _shuffled(doc, rng), rng, out)
+    _emit_table([], shuffled(doc, rng), rng, out)
     return "\n".join(out) + rng.choice(["\n", "", "\n\n"])
 
 
-def _shuffled(value: Any, rng: random.Random) -> Any:
+def shuffled(value: Any, rng: random.Random) -> Any:
     """The same data with every table's keys in a random order."""
     if isinstance(value, dict):
         keys = list(value)
         rng.shuffle(keys)
-        return {k: _shuffled(value[k], rng) for k in keys}
+        return {k: shuffled(value[k], rng) for k in keys}
     if isinstance(value, list):
-        return [_shuffled(v, rng) for v in value]
+        return [shuffled(v, rng) for v in value]
     return value
 
 
@@ -546,7 +546,7 @@ def write_preset(path: Path, spec: PresetSpec, rng: random.Random) -> None:
 
 def rename_files(spec: PresetSpec, mapping: dict[str, str]) -> PresetSpec:
     """The same preset with its data files at new relative paths (same contents)."""
-    values = _shuffled(spec.values, random.Random(0))
+    values = shuffled(spec.values, random.Random(0))
     for stage in values["stages"]:
         stage["data"]["files"] = sorted(mapping[name] for name in stage["data"]["files"])
     return PresetSpec(values=values, files={mapping[k]: v for k, v in spec.files.items()})

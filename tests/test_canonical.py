@@ -11,7 +11,7 @@ import pytest
 import tomli
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import emit_float, emit_int
+from strategies import emit_float, emit_int, shuffled
 
 from buildtrain.plan.canonical import EncodingError, canonical_bytes, digest
 
@@ -49,20 +49,10 @@ def test_digest_is_domain_separated_and_full_length() -> None:
     assert len(plan) == 64 and int(plan, 16) >= 0
 
 
-def _shuffled(value: Any, rng: random.Random) -> Any:
-    if isinstance(value, dict):
-        keys = list(value)
-        rng.shuffle(keys)
-        return {k: _shuffled(value[k], rng) for k in keys}
-    if isinstance(value, list):
-        return [_shuffled(v, rng) for v in value]
-    return value
-
-
 @settings(max_examples=60, deadline=None)
 @given(value=JSON_DATA, seed=st.integers(0, 2**16))
 def test_key_order_does_not_matter(value: Any, seed: int) -> None:
-    assert canonical_bytes(_shuffled(value, random.Random(seed))) == canonical_bytes(value)
+    assert canonical_bytes(shuffled(value, random.Random(seed))) == canonical_bytes(value)
 
 
 @settings(max_examples=60, deadline=None)
