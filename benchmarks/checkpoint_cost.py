@@ -151,7 +151,9 @@ def measure_size(space: Workspace, target: int, n: int) -> tuple[int, int, dict[
         torch_file.unlink(missing_ok=True)
         started = time.perf_counter()
         with open(torch_file, "wb") as handle:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer_tensors(model, optimizer)}, handle)
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer_tensors(model, optimizer)}, handle
+            )
             if fsync:
                 handle.flush()
                 os.fsync(handle.fileno())
