@@ -47,7 +47,7 @@ def train_digest(
     from buildtrain.store.store import Store
 
     output = Store(store).output(Store(store).load_plan(planned).by_label("train:main").hash)
-    return planned, objects.read_manifest(output)["digests"]["weights"]
+    return planned, objects.sealed_digests(output)["weights"]
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from buildtrain.plan.diff import Change, StepChange
+from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
@@ -71,8 +71,6 @@ def show_text(store: Store, plan: Plan) -> str:
                 lines.append(f"      <- {name}: {by_hash.get(value, '?')} {value[:SHORT]}")
     lines.append("")
     lines.append("config")
-    from buildtrain.plan.diff import flatten
-
     for key, value in flatten({"name": plan.name, **plan.config}).items():
         lines.append(f"  {key} = {_value(value)}")
     return "\n".join(lines)

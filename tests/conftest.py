@@ -70,7 +70,7 @@ def step_digests(store: Path, plan: str) -> dict[str, dict[str, str]]:
 
     loaded = Store(store).load_plan(plan)
     return {
-        step.label: objects.read_manifest(Store(store).output(step.hash))["digests"]
+        step.label: objects.sealed_digests(Store(store).output(step.hash))
         for step in loaded.steps
         if Store(store).has_output(step.hash)
     }
@@ -87,21 +87,23 @@ def actions(summary: dict) -> dict[str, str]:
     return {step["label"]: step["action"] for step in summary["steps"]}
 
 
-@pytest.fixture(scope="session")
-def micro_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, dict[str, str]]]:
-    """The micro plan built once, uninterrupted: (store, plan hash, step digests). Copy before mutating."""
-    store = tmp_path_factory.mktemp("micro-reference") / ".bt"
-    planned = plan_hash(run_bt("plan", str(MICRO), store=store))
+Reference = tuple[Path, str, dict[str, dict[str, str]]]
+
+
+def build_reference(factory: pytest.TempPathFactory, preset: Path) -> Reference:
+    """A preset built once, uninterrupted: (store, plan hash, step digests). Copy before mutating."""
+    store = factory.mktemp(f"{preset.stem}-reference") / ".bt"
+    planned = plan_hash(run_bt("plan", str(preset), store=store))
     result = run_bt("run", planned, store=store)
     assert result.returncode == 0, result.stderr
     return store, planned, step_digests(store, planned)
 
 
 @pytest.fixture(scope="session")
-def stages_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, dict[str, str]]]:
-    """The two-stage micro plan built once, uninterrupted."""
-    store = tmp_path_factory.mktemp("stages-reference") / ".bt"
-    planned = plan_hash(run_bt("plan", str(MICRO_STAGES), store=store))
-    result = run_bt("run", planned, store=store)
-    assert result.returncode == 0, result.stderr
-    return store, planned, step_digests(store, planned)
+def micro_built(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return build_reference(tmp_path_factory, MICRO)
+
+
+@pytest.fixture(scope="session")
+def stages_built(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return build_reference(tmp_path_factory, MICRO_STAGES)

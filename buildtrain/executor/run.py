@@ -157,7 +157,6 @@ def spawn(
     lock_fd: int,
     on_event: Any,
     job_extra: StepJob,
-    env_extra: dict[str, str] | None = None,
 ) -> tuple[int, list[dict[str, Any]], bool]:
     """Run one step in a worker process. Returns (exit status, error events, interrupted here)."""
     settings = plan_numerics(plan)
@@ -182,7 +181,6 @@ def spawn(
     env = {
         **os.environ,
         **numerics.environment(settings.profile, settings.device, threads),
-        **(env_extra or {}),
     }
     read_fd, write_fd = os.pipe()
     process = subprocess.Popen(
@@ -255,8 +253,7 @@ def complete_eval_from_cache(store: Store, step: Step) -> dict[str, str] | None:
     out = store.new_temp("eval")
     try:
         digests = publish(store, key, cached, out)
-        objects.seal(out, digests)
-        objects.commit(out, store.output(step.hash))
+        objects.publish(out, store.output(step.hash), digests)
     finally:
         objects.remove_tree(out)
     return digests
@@ -274,9 +271,7 @@ def build_step(
     started = time.perf_counter()
 
     def result(action: str, detail: str = "") -> dict[str, Any]:
-        digests = (
-            objects.read_manifest(store.output(step.hash))["digests"] if store.has_output(step.hash) else {}
-        )
+        digests = objects.sealed_digests(store.output(step.hash)) if store.has_output(step.hash) else {}
         duration = round(time.perf_counter() - started, 3)
         record.event("step_finished", step=step.label, hash=step.hash, action=action, duration_s=duration)
         reporter.step(

@@ -106,8 +106,7 @@ def execute(job: dict[str, Any], log: Any) -> int:
             log.info("stopped_early")
             return ExitCode.OK
         if job.get("commit", True):
-            objects.seal(out, digests)
-            objects.commit(out, store.output(step.hash))
+            objects.publish(out, store.output(step.hash), digests)
             if step.kind == "train":
                 objects.remove_tree(store.work_dir(step.hash))
         log.info("step_done", digests=digests)

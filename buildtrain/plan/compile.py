@@ -51,6 +51,7 @@ def _sources_input(sources: list[SourceFile]) -> list[dict[str, Any]]:
 def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]]) -> Plan:
     """The plan for `config`; `sources` gives the content of each stage's data files."""
     numerics = config.numerics
+    view = config_view(config)
     model = converter.unstructure(config.model)
     eval_config = converter.unstructure(config.eval)
     steps: dict[str, Step] = {}
@@ -98,7 +99,6 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]]) -> Pla
     )
     targets = [evaluation.hash]
     if config.export.enabled:
-        numerics_view = config_view(config)["numerics"]
         export = add(
             Step.create(
                 "export",
@@ -108,7 +108,7 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]]) -> Pla
                     "model": model,
                     "train": converter.unstructure(final.train),
                     "data": data_view(final.data),
-                    "numerics": numerics_view,
+                    "numerics": view["numerics"],
                     "tokenizer": tokenizer_description(final.data.tokenizer),
                 },
                 {"weights": trained[final.name].hash, "eval": evaluation.hash},
@@ -116,4 +116,4 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]]) -> Pla
             )
         )
         targets = [export.hash]
-    return Plan.create(config.name, config_view(config), tuple(steps.values()), tuple(targets))
+    return Plan.create(config.name, view, tuple(steps.values()), tuple(targets))

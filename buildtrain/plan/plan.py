@@ -9,7 +9,7 @@ the canonical bytes it was hashed from, so loading re-derives and checks every h
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -134,6 +134,3 @@ class Plan:
             if step.label == label:
                 return step
         raise KeyError(label)
-
-    def __iter__(self) -> Iterator[Step]:
-        return iter(self.steps)

@@ -50,11 +50,6 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_bytes())
 
 
-def output_digests(path: Path) -> dict[str, str]:
-    """The logical digests a sealed output declares (what verify compares)."""
-    return objects.read_manifest(path)["digests"]
-
-
 def final_weights(train_output: Path) -> Path:
     """Where a train step's output keeps its final weights."""
     return train_output / read_json(train_output / RESULT)["weights"]

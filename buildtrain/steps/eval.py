@@ -12,8 +12,8 @@ from typing import Any
 
 from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Step
-from buildtrain.steps.context import StepContext, final_weights, output_digests, read_json
-from buildtrain.store.objects import write_bytes_durably
+from buildtrain.steps.context import StepContext, final_weights, read_json
+from buildtrain.store.objects import sealed_digests, write_bytes_durably
 from buildtrain.store.store import Store
 
 EVAL_RESULT = "eval.json"
@@ -25,8 +25,8 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
     identity = {
         "suite": config["eval"]["suite"],
         "version": config["version"],
-        "weights": output_digests(weights_output)["weights"],
-        "data": output_digests(data_output)["data"],
+        "weights": sealed_digests(weights_output)["weights"],
+        "data": sealed_digests(data_output)["data"],
         "settings": {k: v for k, v in config["eval"].items() if k != "suite"},
         "model": config["model"],
     }

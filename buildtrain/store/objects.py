@@ -110,6 +110,11 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return body
 
 
+def sealed_digests(root: Path) -> dict[str, str]:
+    """The logical digests a sealed folder declares (what `bt verify` compares)."""
+    return read_manifest(root)["digests"]
+
+
 def verify(root: Path, *, contents: bool = True) -> list[str]:
     """Problems with a sealed directory: an empty list means it is complete and intact.
 
@@ -144,6 +149,13 @@ def commit(temporary: Path, final: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     os.rename(temporary, final)
     fsync_dir(final.parent)
+
+
+def publish(temporary: Path, final: Path, digests: Mapping[str, str] | None = None) -> None:
+    """Seal a folder built under a temporary name and rename it into place: the one way a
+    step output or a checkpoint comes into existence."""
+    seal(temporary, digests)
+    commit(temporary, final)
 
 
 def remove_tree(path: Path) -> None:

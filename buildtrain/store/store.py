@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.errors import CorruptObject, Locked, UsageError
 from buildtrain.plan.canonical import canonical_bytes
 from buildtrain.plan.plan import Plan
 from buildtrain.store import objects
@@ -185,8 +185,6 @@ class Store:
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
                 if not wait:
-                    from buildtrain.errors import Locked
-
                     raise Locked(f"step {step_hash[:12]} is being built by pid {holder}") from None
                 if on_wait is not None:
                     on_wait(holder)

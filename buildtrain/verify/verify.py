@@ -76,6 +76,14 @@ def _compare(step: Step, recorded: dict[str, str], reexecuted: dict[str, str]) -
     )
 
 
+def _spawn_in(
+    scratch: Store, plan: Plan, step: Step, threads: int, job: StepJob
+) -> tuple[int, list[dict[str, Any]], bool]:
+    """Run one step process in the scratch store, holding its lock there."""
+    with scratch.lock(step.hash) as lock_fd:
+        return spawn(scratch, plan, step, threads, lock_fd, lambda _: None, job)
+
+
 def _run_train(
     scratch: Store,
     plan: Plan,
@@ -92,8 +100,7 @@ def _run_train(
     resumed: list[int] = []
     while True:
         job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=options.steps is None)
-        with scratch.lock(step.hash) as lock_fd:
-            status, errors, interrupted = spawn(scratch, plan, step, threads, lock_fd, lambda _: None, job)
+        status, errors, interrupted = _spawn_in(scratch, plan, step, threads, job)
         if status == RESUMED_KILL_STATUS and pending and not report.exists():
             resumed.append(pending.pop(0))  # killed on purpose after a checkpoint: resume now
             continue
@@ -206,7 +213,7 @@ def _verify_step(
         return StepVerdict(
             step.label, step.kind, "diverged", detail=f"the recorded output is damaged: {problems[0]}"
         )
-    recorded = objects.read_manifest(recorded_output)["digests"]
+    recorded = objects.sealed_digests(recorded_output)
     if set(step.upstream.values()) & failed:
         return StepVerdict(step.label, step.kind, "skipped", recorded, detail="an input did not reproduce")
     if options.steps:
@@ -242,14 +249,10 @@ def _verify_step(
                 detail=f"first {compared} steps match the recorded trace {extra}".strip(),
             )
     else:
-        with scratch.lock(step.hash) as lock_fd:
-            status, errors, interrupted = spawn(
-                scratch, plan, step, threads, lock_fd, lambda _: None, StepJob()
-            )
-        raise_for_status(step, status, errors, interrupted, plan)
+        raise_for_status(step, *_spawn_in(scratch, plan, step, threads, StepJob()), plan)
         extra = ""
 
-    reexecuted = objects.read_manifest(scratch.output(step.hash))["digests"]
+    reexecuted = objects.sealed_digests(scratch.output(step.hash))
     differing = _compare(step, recorded, reexecuted)
     if differing:
         return StepVerdict(

@@ -92,7 +92,7 @@ def save(
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
     (temporary / TRACE).write_bytes(trace.to_bytes())
-    objects.seal(temporary)
+    objects.seal(temporary)  # before removing anything, so a crash here costs no checkpoint
     if final.exists():  # a checkpoint of this step from an earlier attempt: same content by design
         objects.remove_tree(final)
     objects.commit(temporary, final)

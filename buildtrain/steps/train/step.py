@@ -22,7 +22,6 @@ from buildtrain.steps.data import DATA_INDEX
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.state import MODEL, TRACE
 from buildtrain.steps.train.trainer import Hooks, StopRequest, TrainJob, TrainResult, train
-from buildtrain.store import objects
 from buildtrain.store.tensors import combine, safetensors_digests
 
 RESULT_FORMAT = 1
@@ -98,7 +97,3 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str] | None:
     if result.steps_done < job.train.steps:
         return None
     return publish(job, result, out)
-
-
-def cleanup(ctx: StepContext) -> None:
-    objects.remove_tree(ctx.store.work_dir(ctx.step.hash))
