@@ -282,6 +282,7 @@ def trains(draw: st.DrawFn) -> dict[str, Any]:
         "seq_len": draw(st.integers(2, 256)),
         "batch_size": micro * draw(st.integers(1, 4)),
         "micro_batch_size": micro,
+        "reduction": draw(_choices(TrainConfig, "reduction")),
         "optimizer": draw(_choices(TrainConfig, "optimizer")),
         "lr": draw(positive(10.0)),
         "betas": [draw(unit(exclude_max=True)), draw(unit(exclude_max=True))],

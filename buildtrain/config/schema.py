@@ -101,6 +101,12 @@ class TrainConfig:
     seq_len: int = setting(64, "tokens per training sequence (packed, no padding)", at_least(2))
     batch_size: int = setting(16, "sequences per optimizer step", at_least(1))
     micro_batch_size: int = setting(16, "sequences per forward pass; must divide batch_size", at_least(1))
+    reduction: str = setting(
+        "invariant",
+        "how micro-batch gradients are summed: invariant (a fixed tree: the same weights at any world "
+        "size that divides the micro-batches) or allreduce (the world size enters the plan hash)",
+        one_of("invariant", "allreduce"),
+    )
     optimizer: str = setting("adamw", "optimizer", one_of("adamw"))
     lr: float = setting(3e-3, "peak learning rate", greater_than(0.0))
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")

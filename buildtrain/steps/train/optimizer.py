@@ -26,6 +26,16 @@ class AdamW:
         self.betas, self.eps = betas, eps
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
+    def slots(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The moments and step count of a parameter, created as zeros on first use."""
+        if param not in self.state:
+            self.state[param] = {
+                "exp_avg": torch.zeros_like(param),
+                "exp_avg_sq": torch.zeros_like(param),
+                "step": torch.zeros((), dtype=torch.float32),
+            }
+        return self.state[param]
+
     @torch.no_grad()
     def step(self) -> None:
         beta1, beta2 = self.betas
@@ -34,14 +44,7 @@ class AdamW:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                state = self.state.setdefault(
-                    param,
-                    {
-                        "exp_avg": torch.zeros_like(param),
-                        "exp_avg_sq": torch.zeros_like(param),
-                        "step": torch.zeros((), dtype=torch.float32),
-                    },
-                )
+                state = self.slots(param)
                 state["step"] += 1
                 step = state["step"].item()
                 grad = param.grad

@@ -20,6 +20,7 @@ from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.steps.data import DATA_INDEX
 from buildtrain.steps.train import checkpoint
+from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.state import MODEL, TRACE
 from buildtrain.steps.train.trainer import Hooks, StopRequest, TrainJob, TrainResult, train
 from buildtrain.store.tensors import combine, safetensors_digests
@@ -87,13 +88,16 @@ def publish(job: TrainJob, result: TrainResult, out: Path) -> dict[str, str]:
     return digests
 
 
-def execute(ctx: StepContext, out: Path) -> dict[str, str] | None:
-    """Train (resuming if a checkpoint exists) and publish; None when a hook stopped it early."""
+def execute(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
+    """Train (resuming if a checkpoint exists) and publish into `out` (rank 0); None when a hook
+    stopped it early, and on the other ranks."""
     job = make_job(ctx)
     hooks: Hooks = ctx.extra.get("hooks", Hooks())
     stop: StopRequest = ctx.extra.get("stop", StopRequest())
-    result = train(job, ctx.log, stop, hooks, ctx.extra.get("watch"))
+    ranks: Ranks = ctx.extra.get("ranks", Ranks())
+    result = train(job, ctx.log, stop, hooks, ctx.extra.get("watch"), ranks)
     ctx.extra["result"] = result
-    if result.steps_done < job.train.steps:
-        return None
+    if result.steps_done < job.train.steps or not ranks.lead:
+        return None  # stopped early, or another rank publishes
+    assert out is not None
     return publish(job, result, out)

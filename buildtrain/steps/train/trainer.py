@@ -9,6 +9,7 @@ the weights, the optimizer moments and two integers, and a resume cannot get the
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import signal
 import struct
@@ -29,6 +30,8 @@ from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
+from buildtrain.steps.train.ranks import Ranks
+from buildtrain.steps.train.reduce import cover, flatten, tree_sum, unflatten
 from buildtrain.steps.train.schedule import learning_rate
 from buildtrain.steps.train.state import digests, load_model, state_tensors
 from buildtrain.store.tensors import combine
@@ -72,6 +75,7 @@ class Hooks:
     perturb: tuple[int, str, float] | None = None  # (update, tensor, delta): inject a difference
     skip_cursor_restore: bool = False  # negative control: a resume that forgets the data cursor
     stop_after: int | None = None  # spot checks: train only this many updates
+    kill_rank: tuple[int, int] | None = None  # (rank, update): that rank SIGKILLs itself, no checkpoint
 
 
 @attrs.define
@@ -168,7 +172,7 @@ def trace_entry(
     return entry, tensors
 
 
-def accumulate_gradients(
+def batch_gradient(
     model: torch.nn.Module,
     batches: Batches,
     cursor: int,
@@ -176,12 +180,15 @@ def accumulate_gradients(
     job: TrainJob,
     device: torch.device,
     autocast: Any,
+    ranks: Ranks,
 ) -> torch.Tensor:
-    """Forward, loss and backward for each micro-batch, in order; returns the summed loss."""
+    """Forward and backward over this rank's micro-batches, then the reduction `train.reduction`
+    names; leaves the batch gradient in `.grad` on every rank and returns the batch loss."""
     cfg = job.train
     micro_batches = cfg.batch_size // cfg.micro_batch_size
-    loss_sum = torch.zeros((), device=device)
-    for micro in range(micro_batches):
+    parameters = list(model.parameters())
+
+    def backward(micro: int) -> torch.Tensor:
         x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
         x, y = x.to(device), y.to(device)
         generator = seeded(cfg.seed, "dropout", step, micro) if job.model.dropout else None
@@ -189,14 +196,38 @@ def accumulate_gradients(
             logits = model(x, generator)  # (B, T, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
         loss.backward()
-        loss_sum += loss.detach()
-    return loss_sum
+        return loss.detach()
+
+    first, end = ranks.share(micro_batches)
+    if cfg.reduction == "allreduce":
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(first, end):
+            loss_sum += backward(micro)  # autograd adds each micro-batch into .grad, in order
+        if ranks.world == 1:
+            return loss_sum
+        return unflatten(ranks.sum(flatten(parameters, loss_sum)), parameters)
+
+    def leaf(micro: int) -> torch.Tensor:
+        for parameter in parameters:
+            parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
+        return flatten(parameters, backward(micro))
+
+    partials = {node: tree_sum(node, lambda _: None, leaf) for node in cover((0, micro_batches), first, end)}
+    return unflatten(ranks.finish_tree(partials, micro_batches), parameters)
 
 
 def train(
-    job: TrainJob, log: Any, stop: StopRequest, hooks: Hooks, watch: Watch | None = None
+    job: TrainJob,
+    log: Any,
+    stop: StopRequest,
+    hooks: Hooks,
+    watch: Watch | None = None,
+    ranks: Ranks | None = None,
 ) -> TrainResult:
+    """Train one stage to the end, resuming from its newest checkpoint. With several ranks, every
+    rank runs this loop in step; rank 0 alone reads and writes checkpoints and keeps the trace."""
     cfg = job.train
+    ranks = ranks or Ranks()
     device = torch.device(job.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16")
 
@@ -209,25 +240,31 @@ def train(
     batches = Batches(
         TokenStream(data_dir, index["splits"]["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
     )
-    heldout = TokenStream(data_dir, index["splits"]["heldout"]) if job.eval is not None else None
+    evaluating = job.eval is not None and ranks.lead
+    heldout = TokenStream(data_dir, index["splits"]["heldout"]) if evaluating else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     step, cursor, trace = 0, 0, checkpoint.Trace()
-    resumed = checkpoint.load_newest(
-        job.work,
-        model,
-        optimizer,
-        job.identity,
-        on_skip=lambda path, why: log.warning("checkpoint_skipped", checkpoint=path.name, reason=why),
-    )
+    resumed = None
+    if ranks.lead:
+        resumed = checkpoint.load_newest(
+            job.work,
+            model,
+            optimizer,
+            job.identity,
+            on_skip=lambda path, why: log.warning("checkpoint_skipped", checkpoint=path.name, reason=why),
+        )
     if resumed is not None:
         step, trace = resumed.step, resumed.trace
         cursor = 0 if hooks.skip_cursor_restore else resumed.state["cursor"]
-        log.info("resumed", step=step, checkpoint=resumed.path.name)
+        log.info("resumed", step=step, checkpoint=resumed.path.name, world_size=ranks.world)
+    step, cursor = ranks.share_state(model, optimizer, [step, cursor])
     resumed_from = step
     last = cfg.steps if hooks.stop_after is None else min(cfg.steps, hooks.stop_after)
 
     def save(at: int, *, kill_midway: bool = False) -> None:
+        if not ranks.lead:
+            return
         state = {**job.identity, "step": at, "cursor": cursor, "tokens": at * tokens_per_step}
         path = checkpoint.save(job.work, at, model, optimizer, state, trace, kill_midway=kill_midway)
         checkpoint.prune(job.work, cfg.keep_checkpoints)
@@ -242,9 +279,9 @@ def train(
             group["lr"] = lr
 
         with out_of_memory_fails(step, job.work):
-            loss_sum = accumulate_gradients(model, batches, cursor, step, job, device, autocast)
+            loss_sum = batch_gradient(model, batches, cursor, step, job, device, autocast, ranks)
             loss_value = loss_sum.item()
-            if not torch.isfinite(loss_sum):
+            if not math.isfinite(loss_value):
                 raise StepFailed(
                     f"loss is {loss_value} at step {step}; nothing was written for this step "
                     f"(newest checkpoint: {newest(job.work)}). "
@@ -259,37 +296,44 @@ def train(
         if hooks.perturb is not None and hooks.perturb[0] == step:
             with torch.no_grad():
                 dict(model.named_parameters())[hooks.perturb[1]].view(-1)[0] += hooks.perturb[2]
+        if hooks.kill_rank is not None and hooks.kill_rank == (ranks.rank, step):
+            log.info("hard_kill", step=step, rank=ranks.rank)
+            signal.raise_signal(signal.SIGKILL)  # no checkpoint: the other ranks must cope
 
-        entry, tensors = trace_entry(step, loss_value, grad_norm, lr, cursor, model, optimizer, cfg)
-        trace.append(entry)
-        if heldout is not None and job.eval is not None and step % job.eval.every == 0:
-            result = evaluate(model, heldout, job.eval, device, autocast)
-            trace.append({"step": step, "eval": result})
-            log.info("eval", step=step, **result)
-            model.train()
-
-        elapsed = time.perf_counter() - started
-        log.info(
-            "train_step",
-            step=step,
-            steps=cfg.steps,
-            loss=round(loss_value, 6),
-            lr=lr,
-            grad_norm=round(grad_norm, 6),
-            tokens_per_s=round(tokens_per_step / elapsed, 1),
-            max_rss_mb=round(max_rss_mb(), 1),
-        )
+        watched = False
+        if ranks.lead:
+            entry, tensors = trace_entry(step, loss_value, grad_norm, lr, cursor, model, optimizer, cfg)
+            trace.append(entry)
+            if heldout is not None and job.eval is not None and step % job.eval.every == 0:
+                result = evaluate(model, heldout, job.eval, device, autocast)
+                trace.append({"step": step, "eval": result})
+                log.info("eval", step=step, **result)
+                model.train()
+            elapsed = time.perf_counter() - started
+            log.info(
+                "train_step",
+                step=step,
+                steps=cfg.steps,
+                loss=round(loss_value, 6),
+                lr=lr,
+                grad_norm=round(grad_norm, 6),
+                tokens_per_s=round(tokens_per_step / elapsed, 1),
+                max_rss_mb=round(max_rss_mb(), 1),
+            )
+            watched = watch is not None and watch(entry, tensors or state_tensors(model, optimizer))
         if hooks.step_delay:
             time.sleep(hooks.step_delay)
-        if watch is not None and watch(entry, tensors or state_tensors(model, optimizer)):
+        stopping, watched = ranks.any(stop.signal_name is not None, watched)
+        if watched:
             return TrainResult(step, trace.entries, resumed_from)  # a spot check or a divergence ends here
 
         if step in hooks.kill_after:
             save(step)
             log.info("hard_kill", step=step)
             signal.raise_signal(signal.SIGKILL)
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps or stop.signal_name:
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps or stopping:
             save(step, kill_midway=hooks.kill_in_checkpoint == step)
-        if stop.signal_name:
-            raise Interrupted(f"stopped by {stop.signal_name} after step {step}; checkpoint written")
+        if stopping:
+            signal_name = stop.signal_name or "a signal to another rank"
+            raise Interrupted(f"stopped by {signal_name} after step {step}; checkpoint written")
     return TrainResult(step, trace.entries, resumed_from)

@@ -1,0 +1,159 @@
+"""The processes of one train step: who computes which micro-batches, and what they exchange.
+
+A step started by torchrun finds RANK and WORLD_SIZE in its environment and joins a process group
+(gloo on CPU, NCCL on CUDA); a step started directly is world size 1 and never touches
+torch.distributed. Every rank holds the whole model and optimizer state and applies the same
+update; only rank 0 reads and writes checkpoints, so a checkpoint does not depend on the world size
+and a run stopped at N processes resumes at M.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from buildtrain.errors import StepFailed
+from buildtrain.steps.train.optimizer import AdamW
+from buildtrain.steps.train.reduce import Node, cover, tree_sum
+
+# A peer that dies closes its sockets and fails the collective at once; this bounds the wait for a
+# peer that hangs instead (a held-out evaluation on rank 0 runs while the others wait).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class Ranks:
+    """This process's place in the step: rank, world size, and the collectives it takes part in."""
+
+    def __init__(self, rank: int = 0, world: int = 1, device: str = "cpu") -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.lead = rank == 0
+
+    @classmethod
+    def from_environment(cls, device: str) -> Ranks:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        return cls(rank, world, device)
+
+    def share(self, micro_batches: int, rank: int | None = None) -> tuple[int, int]:
+        """The contiguous micro-batches [first, end) a rank computes (the world size divides them)."""
+        per_rank = micro_batches // self.world
+        rank = self.rank if rank is None else rank
+        return rank * per_rank, (rank + 1) * per_rank
+
+    def finish_tree(self, partials: dict[Node, torch.Tensor], micro_batches: int) -> torch.Tensor:
+        """Complete the canonical tree from every rank's partial sums; each rank gets the total.
+
+        The vector is cut into one shard per rank. all_to_all sends every partial's shard to the
+        rank that owns it, each rank completes the tree on its shard (the same additions, in the
+        same order, as one process summing whole vectors), and all_gather assembles the shards.
+        Each rank sends and receives about its partials' size once, whatever the world size.
+        """
+        root = (0, micro_batches)
+        if self.world == 1:
+            return partials[root]
+        import torch.distributed as dist
+
+        nodes = [cover(root, *self.share(micro_batches, r)) for r in range(self.world)]
+        length = next(iter(partials.values())).numel()
+        shard = math.ceil(length / self.world)
+        mine = torch.stack([_padded(partials[node], shard * self.world) for node in nodes[self.rank]])
+        # (partials, ranks, shard) -> (ranks, partials, shard): the slice for rank s is contiguous.
+        send = mine.view(len(nodes[self.rank]), self.world, shard).transpose(0, 1).contiguous()
+        received = torch.empty(sum(len(n) for n in nodes) * shard, device=send.device)
+        with self._peers("the gradient exchange"):
+            dist.all_to_all_single(
+                received,
+                send.view(-1),
+                output_split_sizes=[len(n) * shard for n in nodes],
+                input_split_sizes=[len(nodes[self.rank]) * shard] * self.world,
+            )
+        pieces = iter(received.split(shard))
+        known = {node: next(pieces) for rank_nodes in nodes for node in rank_nodes}
+        total = tree_sum(root, known.get, _no_leaf)
+        gathered = [torch.empty_like(total) for _ in range(self.world)]
+        with self._peers("the gradient exchange"):
+            dist.all_gather(gathered, total)
+        return torch.cat(gathered)[:length]
+
+    def sum(self, vector: torch.Tensor) -> torch.Tensor:
+        """The `allreduce` reduction: the library's all-reduce, whose order depends on the world size."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            with self._peers("the gradient all-reduce"):
+                dist.all_reduce(vector)
+        return vector
+
+    def any(self, *flags: bool) -> tuple[bool, ...]:
+        """Agree on flags (stop requested, stop watching): true on every rank if true on one."""
+        if self.world == 1:
+            return flags
+        import torch.distributed as dist
+
+        shared = torch.tensor([float(f) for f in flags], device=self.device)
+        with self._peers("the end of an update"):
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in shared.tolist())
+
+    def share_state(self, model: torch.nn.Module, optimizer: AdamW, counters: list[int]) -> list[int]:
+        """Give every rank rank 0's weights, optimizer state and counters (after a resume, or a
+        later stage's initial weights): the other ranks need nothing from the store but data."""
+        if self.world == 1:
+            return counters
+
+        shared = torch.tensor(counters, dtype=torch.int64)
+        self._broadcast(shared)
+        counters = [int(v) for v in shared.tolist()]
+        resumed = counters[0] > 0
+        with torch.no_grad():
+            for parameter in model.parameters():
+                self._broadcast(parameter.data)
+                if resumed:
+                    for value in optimizer.slots(parameter).values():
+                        self._broadcast(value)
+        return counters
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's values into `tensor`, staged through the device when it lives elsewhere
+        (NCCL moves only device memory; AdamW's step counts stay on the CPU)."""
+        import torch.distributed as dist
+
+        with self._peers("the start of training"):
+            if tensor.device.type == self.device:
+                dist.broadcast(tensor, src=0)
+                return
+            staged = tensor.to(self.device)
+            dist.broadcast(staged, src=0)
+            tensor.copy_(staged.to(tensor.device))
+
+    @contextlib.contextmanager
+    def _peers(self, during: str) -> Iterator[None]:
+        """A collective fails when another rank died or hangs: that is a step failure that names
+        what this rank was doing, not a crash with a traceback."""
+        try:
+            yield
+        except RuntimeError as exc:  # gloo and NCCL errors (DistBackendError is a RuntimeError)
+            reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc)).split(". ")[0]
+            raise StepFailed(f"rank {self.rank} lost its peers during {during} ({reason})") from None
+
+
+def _padded(vector: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(vector, (0, length - vector.numel()))
+
+
+def _no_leaf(micro: int) -> Any:
+    raise AssertionError(f"micro-batch {micro} is covered by no rank's partial sums")
