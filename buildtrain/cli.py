@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, UsageError
 from buildtrain.store.store import Store
@@ -26,6 +27,8 @@ examples:
   bt plan presets/tiny.toml --set train.lr=3e-4 --set model.n_layers=6
   bt diff 3fa9c1 8e02d4
   bt verify 3fa9c1 --resume-at 50,120
+  bt run 3fa9c1 --nproc 2                   (train on 2 processes through torchrun)
+  bt verify 3fa9c1 --nproc 2                (re-execute at another world size and compare)
 """
 
 
@@ -46,7 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from buildtrain.report import plan_summary
 
     store = _store(args)
-    planned = plan_preset(args.preset, args.set, store)
+    planned = plan_preset(args.preset, args.set, store, args.nproc * args.nnodes)
     print(planned.plan.hash, flush=True)
     if not args.quiet:
         _err(plan_summary(store, planned.plan))
@@ -88,10 +91,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     store = _store(args)
     threads = args.threads
+    launch = _launch(args)
     if _is_preset(args.plan):
         from buildtrain.plan.planner import plan_preset
 
-        planned = plan_preset(args.plan, args.set, store)
+        planned = plan_preset(args.plan, args.set, store, launch.world_size)
         plan = planned.plan
         threads = threads or planned.threads or None
     else:
@@ -105,6 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
         target=args.target,
+        launch=launch,
     )
     return run_plan(store, plan, options)
 
@@ -120,6 +125,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         steps=args.steps,
         json=args.json,
         keep=args.keep_scratch,
+        launch=_launch(args),
     )
     return verify_plan(store, plan, options)
 
@@ -144,6 +150,51 @@ def cmd_export(args: argparse.Namespace) -> int:
     destination = export_to(store, plan, Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK
+
+
+def _launch(args: argparse.Namespace) -> Any:
+    from buildtrain.executor.launch import Launch
+
+    return Launch(
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=getattr(args, "node_rank", 0),
+        rdzv_endpoint=getattr(args, "rdzv_endpoint", None),
+    )
+
+
+def _add_world_size(sub: argparse.ArgumentParser, *, rendezvous: bool) -> None:
+    """--nproc and friends: how many processes train (through torchrun when more than one)."""
+    group = sub.add_argument_group(
+        "distributed training",
+        "Train steps run on NPROC x NNODES processes started by torchrun (gloo on CPU, NCCL on GPU); "
+        "data, eval and export stay single-process. With train.reduction = 'invariant' (the default) "
+        "the weights are the same at any world size that divides the micro-batches, and the world "
+        "size is not part of the plan hash; with 'allreduce' it is.",
+    )
+    group.add_argument(
+        "--nproc",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="training processes on this machine (default 1)",
+    )
+    group.add_argument(
+        "--nnodes", type=_positive, default=1, metavar="K", help="machines taking part (default 1)"
+    )
+    if rendezvous:
+        group.add_argument(
+            "--node-rank",
+            type=int,
+            default=0,
+            metavar="R",
+            help="this machine's index, 0..K-1 (node 0 writes outputs)",
+        )
+        group.add_argument(
+            "--rdzv-endpoint",
+            metavar="HOST:PORT",
+            help="where node 0 hosts torchrun's rendezvous (needed with --nnodes > 1)",
+        )
 
 
 def _parse_steps(text: str | None) -> tuple[int, ...]:
@@ -212,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a key with a TOML value, e.g. train.lr=3e-4 or stages.finetune.train.steps=50 (repeatable)",
     )
     sub.add_argument("-q", "--quiet", action="store_true", help="print only the hash")
+    _add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=cmd_plan)
 
     sub = command(
@@ -257,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="log a training line every N steps (default 10)",
     )
+    _add_world_size(sub, rendezvous=True)
     sub.set_defaults(func=cmd_run)
 
     sub = command(
@@ -277,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     sub.add_argument("--keep-scratch", action="store_true", help="keep the scratch store for inspection")
+    _add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=cmd_verify)
 
     sub = command(

@@ -194,8 +194,8 @@ def test_plan_for_another_toolchain_is_refused(tmp_path, monkeypatch):
 
     real = compiler.fingerprint
 
-    def elsewhere(kind, numerics, threads=None):
-        facts = real(kind, numerics, threads)
+    def elsewhere(kind, numerics, threads=None, world_size=None):
+        facts = real(kind, numerics, threads, world_size)
         return {**facts, "torch": "0.0.1+elsewhere"} if "torch" in facts else facts
 
     monkeypatch.setattr(compiler, "fingerprint", elsewhere)

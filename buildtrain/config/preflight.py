@@ -69,22 +69,42 @@ def cuda_available() -> bool:
     return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
 
 
-def preflight(loaded: LoadedPreset) -> tuple[dict[str, list[Path]], list[str]]:
-    """Source files per stage, and every machine-level problem with the preset."""
+def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
+    """Why `world_size` processes cannot share this stage's micro-batches evenly, if they cannot."""
+    micro_batches = train.batch_size // train.micro_batch_size
+    if micro_batches % world_size == 0:
+        return None
+    fitting = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
+    return (
+        f"{train.batch_size} // {train.micro_batch_size} = {micro_batches} micro-batches per step cannot be "
+        f"shared by {world_size} processes; use a world size in {fitting}, or a micro_batch_size that "
+        f"makes the micro-batches a multiple of {world_size} (the batch stays the same; the plan hash changes)"
+    )
+
+
+def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list[Path]], list[str]]:
+    """Source files per stage, and every machine-level problem with the preset for a run on
+    `world_size` processes."""
     config = loaded.config
     problems: list[Problem] = []
     sources: dict[str, list[Path]] = {}
+
+    def stage_key(index: int, *key: str) -> tuple[str | int, ...]:
+        """The key as the preset spelled it: in the stage's own table, or inherited from the top."""
+        own = ("stages", index, *key)
+        return own if own in loaded.provenance else key
+
     for index, stage in enumerate(config.stages):
+        unfit = world_size_problem(stage.train, world_size)
+        if unfit is not None:
+            key = stage_key(index, "train", "micro_batch_size")
+            problems.append(Problem(loaded.source_of(key), key_text(key), unfit))
         if stage.data.source != "files":
             sources[stage.name] = []
             continue
         files, empty = expand_sources(stage.data.files)
         sources[stage.name] = files
-        key = (
-            ("stages", index, "data", "files")
-            if ("stages", index, "data", "files") in loaded.provenance
-            else ("data", "files")
-        )
+        key = stage_key(index, "data", "files")
         for pattern in empty:
             problems.append(Problem(loaded.source_of(key), key_text(key), f"'{pattern}' matches no file"))
 

@@ -20,7 +20,8 @@ from typing import Any
 import attrs
 
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import NumericsConfig
+from buildtrain.config.preflight import world_size_problem
+from buildtrain.config.schema import NumericsConfig, TrainConfig
 from buildtrain.errors import (
     BuildtrainError,
     CorruptObject,
@@ -31,10 +32,11 @@ from buildtrain.errors import (
     UsageError,
 )
 from buildtrain.executor import numerics
+from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_with_parent, root_cause
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
 from buildtrain.plan.plan import Plan, SourceFile, Step
-from buildtrain.plan.toolchain import cpu_facts, differences, fingerprint, portable_target
+from buildtrain.plan.toolchain import cpu_facts, differences, fingerprint, hashed_world_size, portable_target
 from buildtrain.store import objects
 from buildtrain.store.sources import locate
 from buildtrain.store.store import Store
@@ -46,6 +48,12 @@ def _perturbation(text: str) -> list[Any]:
     return [int(step), tensor, float(delta)]
 
 
+def _rank_and_step(text: str) -> list[int]:
+    """`RANK:STEP`, e.g. `1:7`."""
+    rank, step = text.split(":")
+    return [int(rank), int(step)]
+
+
 # Test-only fault injection, read from the environment of `bt run`/`bt verify` and passed to the
 # step process. Never set in normal use; they exist so that the test suite can prove that resume,
 # verify and the checkpoint protocol detect what they claim to detect.
@@ -54,7 +62,12 @@ TEST_HOOKS = {
     "BT_TEST_KILL_IN_CHECKPOINT": ("kill_in_checkpoint", int),
     "BT_TEST_SKIP_CURSOR_RESTORE": ("skip_cursor_restore", bool),
     "BT_TEST_PERTURB": ("perturb", _perturbation),
+    "BT_TEST_KILL_RANK": ("kill_rank", _rank_and_step),
 }
+
+
+# Lines of torchrun's own log kept in the run record when a distributed step fails.
+LAUNCHER_LOG_LINES = 40
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +78,7 @@ class RunOptions:
     progress: bool | None = None
     log_every: int = 10
     target: str | None = None  # build only this step (by label) and what it needs
+    launch: Launch = SINGLE_PROCESS  # processes for the train steps (torchrun when more than one)
 
 
 @attrs.frozen(kw_only=True)
@@ -88,7 +102,8 @@ def pinned_threads(plan: Plan) -> int | None:
     return None
 
 
-def resolve_threads(plan: Plan, requested: int | None) -> int:
+def resolve_threads(plan: Plan, requested: int | None, processes: int = 1) -> int:
+    """Threads per process: what a native plan pins, else --threads, else the cores shared out."""
     pinned = pinned_threads(plan)
     if pinned is not None:
         if requested and requested != pinned:
@@ -97,26 +112,47 @@ def resolve_threads(plan: Plan, requested: int | None) -> int:
                 f"drop --threads, or plan with --set numerics.threads={requested}"
             )
         return pinned
-    return requested or os.cpu_count() or 1
+    return requested or max(1, (os.cpu_count() or 1) // processes)
 
 
-def check_toolchain(plan: Plan, threads: int) -> None:
+def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
     """Refuse a plan compiled for another toolchain, naming each field that differs."""
     settings = plan_numerics(plan)
     lines: list[str] = []
     for step in plan.steps:
-        for line in differences(dict(step.toolchain), fingerprint(step.kind, settings, threads)):
+        current = fingerprint(
+            step.kind, settings, threads, hashed_world_size(step.kind, step.config, world_size)
+        )
+        for line in differences(dict(step.toolchain), current):
             if line not in lines:
                 lines.append(line)
     portable_cpu = settings.device == "cpu" and settings.profile == "portable"
     if portable_cpu and portable_target().endswith("avx2") and cpu_facts()["isa"] == "baseline":
         lines.append("cpu: the portable profile computes with AVX2, which this CPU lacks")
     if lines:
+        again = "plan it again on this machine (bt plan PRESET), then run the new hash"
+        if any(line.startswith("world_size:") for line in lines):
+            again = (
+                f"train.reduction = 'allreduce' makes the world size part of the hash; plan it again "
+                f"(bt plan PRESET --nproc N) for {world_size} processes, or use reduction 'invariant'"
+            )
         raise ToolchainMismatch(
             f"plan {plan.hash[:12]} was compiled for another toolchain:\n    "
             + "\n    ".join(lines)
-            + "\n  plan it again on this machine (bt plan PRESET), then run the new hash"
+            + f"\n  {again}"
         )
+
+
+def check_world_size(steps: list[Step], world_size: int) -> None:
+    """Every train step must share its micro-batches evenly among the processes (exit 2)."""
+    problems = []
+    for step in steps:
+        if step.kind == "train":
+            problem = world_size_problem(converter.structure(step.config["train"], TrainConfig), world_size)
+            if problem is not None:
+                problems.append(f"{step.label}: train.micro_batch_size: {problem}")
+    if problems:
+        raise UsageError("\n  ".join(problems))
 
 
 def test_hooks_from_environment() -> dict[str, Any]:
@@ -149,6 +185,17 @@ def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
     return found
 
 
+@attrs.frozen
+class Outcome:
+    """How a step's process (or torchrun and its ranks) ended."""
+
+    status: int  # exit status; negative: killed by that signal (for torchrun: the failed rank's)
+    errors: list[dict[str, Any]]  # error events, in order
+    interrupted: bool  # this bt was asked to stop while the step ran
+    failure: RankFailure | None = None  # the rank torchrun saw fail first
+    world_size: int = 1
+
+
 def spawn(
     store: Store,
     plan: Plan,
@@ -157,8 +204,9 @@ def spawn(
     lock_fd: int,
     on_event: Any,
     job_extra: StepJob,
-) -> tuple[int, list[dict[str, Any]], bool]:
-    """Run one step in a worker process. Returns (exit status, error events, interrupted here)."""
+    launch: Launch = SINGLE_PROCESS,
+) -> Outcome:
+    """Run one step in a worker process, or a train step on `launch.world_size` ranks."""
     settings = plan_numerics(plan)
     job = {
         "store": str(store.root),
@@ -176,27 +224,35 @@ def spawn(
         "commit": job_extra.commit,
     }
     store.tmp.mkdir(parents=True, exist_ok=True)
-    job_path = store.tmp / f"job-{step.hash[:16]}-{os.getpid()}.json"
+    name = f"{step.hash[:16]}-{os.getpid()}"
+    job_path = store.tmp / f"job-{name}.json"
     job_path.write_text(json.dumps(job), encoding="utf-8")
     env = {
         **os.environ,
         **numerics.environment(settings.profile, settings.device, threads),
     }
-    read_fd, write_fd = os.pipe()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "buildtrain.executor.worker",
-            "--job",
-            str(job_path),
-            "--events-fd",
-            str(write_fd),
-        ],
-        env=env,
-        pass_fds=(write_fd, lock_fd),
-    )
-    os.close(write_fd)
+    worker = [sys.executable, "-m", "buildtrain.executor.worker", "--job", str(job_path)]
+    distributed = step.kind == "train" and launch.world_size > 1
+    launcher_log = store.tmp / f"torchrun-{name}.log"
+    if distributed:
+        with open(launcher_log, "wb") as stderr:
+            process = subprocess.Popen(
+                [*launch.command(), *worker[1:], "--events-fd", "1"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                pass_fds=(lock_fd,),  # torchrun holds the step lock for its ranks
+                preexec_fn=die_with_parent,
+            )
+        assert process.stdout is not None
+        events_fd = os.dup(process.stdout.fileno())
+        process.stdout.close()
+    else:
+        events_fd, write_fd = os.pipe()
+        process = subprocess.Popen(
+            [*worker, "--events-fd", str(write_fd)], env=env, pass_fds=(write_fd, lock_fd)
+        )
+        os.close(write_fd)
     interrupted: list[int] = []
 
     def forward(number: int, _: object) -> None:
@@ -206,8 +262,9 @@ def spawn(
 
     previous = {n: signal.signal(n, forward) for n in (signal.SIGINT, signal.SIGTERM)}
     errors: list[dict[str, Any]] = []
+    failure: RankFailure | None = None
     try:
-        with os.fdopen(read_fd, encoding="utf-8", errors="replace") as events:
+        with os.fdopen(events_fd, encoding="utf-8", errors="replace") as events:
             for raw in events:
                 try:
                     line = json.loads(raw)
@@ -217,29 +274,46 @@ def spawn(
                     errors.append(line)
                 on_event(line)
         status = process.wait()
+        if distributed and status != 0:
+            text = launcher_log.read_text(encoding="utf-8", errors="replace")
+            failure = root_cause(text)
+            status = failure.status if failure is not None else status
+            tail = "\n".join(text.splitlines()[-LAUNCHER_LOG_LINES:])
+            on_event({"event": "torchrun_failed", "level": "warning", "status": status, "log_tail": tail})
+            if failure is None:
+                errors.append({"message": f"torchrun failed (exit {status}): {tail.splitlines()[-1:]}"})
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
         job_path.unlink(missing_ok=True)
-    return status, errors, bool(interrupted)
+        launcher_log.unlink(missing_ok=True)
+    world_size = launch.world_size if distributed else 1
+    return Outcome(status, errors, bool(interrupted), failure, world_size)
 
 
-def raise_for_status(
-    step: Step, status: int, errors: list[dict[str, Any]], interrupted: bool, plan: Plan
-) -> None:
-    message = errors[-1]["message"] if errors else ""
+def raise_for_status(step: Step, outcome: Outcome, plan: Plan) -> None:
+    status, failure = outcome.status, outcome.failure
     if status == ExitCode.OK:
         return
-    if status == ExitCode.INTERRUPTED or (interrupted and status < 0):
+    # Asked to stop: a rank or worker that exits otherwise was cut short by the signal (torchrun
+    # itself exits 1 when it is signalled), and the checkpoint it wrote is what resume starts from.
+    if status == ExitCode.INTERRUPTED or outcome.interrupted:
         raise Interrupted(f"interrupted during {step.label}; resume with: bt run {plan.hash}")
+    # Prefer what the failing rank said; the others only report that a peer went away.
+    said = [e for e in outcome.errors if failure is None or e.get("rank", 0) == failure.rank]
+    message = (said or outcome.errors or [{}])[-1].get("message", "")
     if status == ExitCode.CORRUPT:
         raise CorruptObject(f"{step.label}: {message}")
-    if status < 0:
+    resume = f"bt run {plan.hash[:12]} resumes from the last checkpoint"
+    if failure is not None and (status < 0 or not message):
         raise StepFailed(
-            f"{step.label}: the step process died ({signal.Signals(-status).name}); "
-            f"bt run {plan.hash[:12]} resumes from the last checkpoint"
+            f"{step.label}: {failure.describe(outcome.world_size)}; the other ranks were stopped "
+            f"and nothing partial was written; {resume}"
         )
-    raise StepFailed(f"{step.label} failed: {message or f'exit status {status}'}")
+    if status < 0:
+        raise StepFailed(f"{step.label}: the step process died ({signal.Signals(-status).name}); {resume}")
+    where = f" (rank {failure.rank} of {outcome.world_size})" if failure is not None else ""
+    raise StepFailed(f"{step.label} failed{where}: {message or f'exit status {status}'}")
 
 
 def complete_eval_from_cache(store: Store, step: Step) -> dict[str, str] | None:
@@ -316,11 +390,40 @@ def build_step(
             reporter.event(line)
 
         try:
-            status, errors, interrupted = spawn(store, plan, step, threads, lock_fd, on_event, StepJob())
+            outcome = spawn(store, plan, step, threads, lock_fd, on_event, StepJob(), options.launch)
         finally:
             reporter.train_finished()
-        raise_for_status(step, status, errors, interrupted, plan)
+        raise_for_status(step, outcome, plan)
     return result("executed")
+
+
+def join_step(
+    store: Store, plan: Plan, step: Step, threads: int, record: RunRecord, reporter: Reporter, launch: Launch
+) -> dict[str, Any]:
+    """On a machine other than node 0: train with node 0, which writes the step's output there.
+
+    A marker remembers that the step completed, so a later `bt run` here skips it exactly when
+    node 0 finds it in its store, and the nodes keep meeting on the same steps.
+    """
+    marker = store.work_dir(step.hash) / "joined"
+    entry = {"label": step.label, "hash": step.hash, "detail": "", "digests": {}, "duration_s": 0.0}
+    if marker.exists():
+        reporter.step(step.label, "cached (joined before)")
+        return {**entry, "action": "cached", "detail": "joined before"}
+    started = time.perf_counter()
+    reporter.step(step.label, f"joining node 0 as node {launch.node_rank}")
+
+    def on_event(line: dict[str, Any]) -> None:
+        record.forward(line)
+
+    with store.lock(step.hash) as lock_fd:
+        outcome = spawn(store, plan, step, threads, lock_fd, on_event, StepJob(), launch)
+    raise_for_status(step, outcome, plan)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    objects.write_bytes_durably(marker, b"")
+    duration = round(time.perf_counter() - started, 3)
+    reporter.step(step.label, "joined", f"{duration:.1f}s")
+    return {**entry, "action": "joined", "duration_s": duration}
 
 
 def steps_for(plan: Plan, target: str | None) -> list[Step]:
@@ -340,18 +443,31 @@ def steps_for(plan: Plan, target: str | None) -> list[Step]:
 
 def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     started = time.perf_counter()
+    launch = options.launch
     steps = steps_for(plan, options.target)
-    threads = resolve_threads(plan, options.threads)
-    check_toolchain(plan, threads)
+    if launch.follower:  # node 0 evaluates and exports; this node helps train
+        steps = [step for step in steps if step.kind in ("data", "train")]
+    threads = resolve_threads(plan, options.threads, launch.nproc)
+    check_toolchain(plan, threads, launch.world_size)
+    check_world_size(steps, launch.world_size)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash))
     reporter = Reporter(options.progress, options.log_every)
-    reporter.say(
-        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {threads} threads) -> {record.folder}"
+    processes = (
+        f"{launch.world_size} processes x {threads} threads"
+        if launch.world_size > 1
+        else f"{threads} threads"
     )
-    record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid())
+    node = f", node {launch.node_rank} of {launch.nnodes}" if launch.nnodes > 1 else ""
+    reporter.say(
+        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {processes}{node}) -> {record.folder}"
+    )
+    record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid(), **attrs.asdict(launch))
     outcome, code = "failed", int(ExitCode.FAILED)
     try:
         for step in steps:
+            if launch.follower and step.kind == "train":
+                record.step_result(**join_step(store, plan, step, threads, record, reporter, launch))
+                continue
             record.step_result(**build_step(store, plan, step, threads, record, reporter, options))
         outcome, code = "done", int(ExitCode.OK)
     except BuildtrainError as exc:

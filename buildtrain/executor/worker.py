@@ -9,8 +9,6 @@ output in a temporary folder and publishes it atomically. Exit status: 0 done, 1
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -24,18 +22,11 @@ import structlog
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
 from buildtrain.executor import numerics
+from buildtrain.executor.launch import die_with_parent
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 TORCH_STEPS = ("train", "eval")
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Linux: if the executor is killed outright, take this process down with it, so no orphan
-    keeps training (and writing) behind a new `bt run`'s back."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def configure_logging(stream: Any) -> Any:
@@ -73,8 +64,16 @@ def execute(job: dict[str, Any], log: Any) -> int:
         log.info("numerics_applied", profile=settings["profile"], **applied)
 
     extra: dict[str, Any] = {}
+    lead = True
     if step.kind == "train":
+        from buildtrain.steps.train.ranks import Ranks
         from buildtrain.steps.train.trainer import Hooks, StopRequest
+
+        ranks = extra["ranks"] = Ranks.from_environment(job["numerics"]["device"])
+        lead = ranks.lead
+        if ranks.world > 1:
+            log = log.bind(rank=ranks.rank, world_size=ranks.world)
+            log.info("rank_started", pid=os.getpid())
 
         stop = StopRequest()
         stop.install()
@@ -82,7 +81,7 @@ def execute(job: dict[str, Any], log: Any) -> int:
         extra["hooks"] = Hooks(
             **{k: tuple(v) if isinstance(v, list) else v for k, v in job.get("hooks", {}).items()}
         )
-        if job.get("watch"):
+        if job.get("watch") and lead:
             from buildtrain.verify.watch import Watcher
 
             extra["watch"] = Watcher.from_job(job["watch"], log)
@@ -94,11 +93,16 @@ def execute(job: dict[str, Any], log: Any) -> int:
         store=store,
         plan=plan,
         step=step,
-        inputs=verified_inputs(store, step),
+        # The other ranks receive their starting weights from rank 0 and only read the data.
+        inputs=verified_inputs(store, step, only=None if lead else ("data",)),
         sources=[Path(p) for p in job.get("sources", [])],
         log=log,
         extra=extra,
     )
+    if not lead:  # trains in step with rank 0, which alone writes checkpoints and the output
+        _dispatch(ctx, None)
+        log.info("rank_done")
+        return ExitCode.OK
     out = store.new_temp(step.label.replace(":", "-"))
     try:
         digests = _dispatch(ctx, out)
@@ -115,16 +119,17 @@ def execute(job: dict[str, Any], log: Any) -> int:
         objects.remove_tree(out)
 
 
-def _dispatch(ctx: Any, out: Path) -> dict[str, str] | None:
+def _dispatch(ctx: Any, out: Path | None) -> dict[str, str] | None:
     kind = ctx.step.kind
-    if kind == "data":
-        from buildtrain.steps import data
-
-        return data.build(ctx.step.to_body(), ctx.sources, out, ctx.log)
     if kind == "train":
         from buildtrain.steps.train import step as train_step
 
         return train_step.execute(ctx, out)
+    assert out is not None, "only a train step runs on several ranks"
+    if kind == "data":
+        from buildtrain.steps import data
+
+        return data.build(ctx.step.to_body(), ctx.sources, out, ctx.log)
     if kind == "eval":
         from buildtrain.steps import eval as eval_step
 
@@ -137,10 +142,18 @@ def _dispatch(ctx: Any, out: Path) -> dict[str, str] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
     parser.add_argument("--job", required=True, help="JSON job description written by the executor")
-    parser.add_argument("--events-fd", type=int, required=True, help="pipe for JSON event lines")
+    parser.add_argument(
+        "--events-fd", type=int, required=True, help="pipe for JSON event lines (1 under torchrun)"
+    )
     args = parser.parse_args(argv)
     die_with_parent()
-    stream = os.fdopen(args.events_fd, "w", buffering=1, encoding="utf-8")
+    events_fd = args.events_fd
+    if events_fd == 1:
+        # Under torchrun the events share stdout with every rank; keep anything else a library
+        # prints out of that stream by sending fd 1 to stderr from here on.
+        events_fd = os.dup(1)
+        os.dup2(2, 1)
+    stream = os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
     log = configure_logging(stream)
     job = json.loads(Path(args.job).read_text(encoding="utf-8"))
     try:

@@ -14,7 +14,7 @@ from typing import Any
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, Config, DataConfig
 from buildtrain.plan.plan import Plan, SourceFile, Step
-from buildtrain.plan.toolchain import fingerprint
+from buildtrain.plan.toolchain import fingerprint, hashed_world_size
 
 # Bump when an evaluation suite changes what it computes; results are cached by this version.
 EVAL_SUITE_VERSIONS = {"heldout": 1}
@@ -48,8 +48,9 @@ def _sources_input(sources: list[SourceFile]) -> list[dict[str, Any]]:
     return [{"blake3": s.blake3, "size": s.size} for s in sorted(sources, key=lambda s: (s.blake3, s.size))]
 
 
-def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]]) -> Plan:
-    """The plan for `config`; `sources` gives the content of each stage's data files."""
+def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]], world_size: int = 1) -> Plan:
+    """The plan for `config`; `sources` gives the content of each stage's data files, `world_size`
+    the processes that will train (it enters only the hash of an `allreduce` train step)."""
     numerics = config.numerics
     view = config_view(config)
     model = converter.unstructure(config.model)
@@ -82,7 +83,9 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]]) -> Pla
                 "train",
                 train_config,
                 {"data": data.hash, "init": parent},
-                fingerprint("train", numerics),
+                fingerprint(
+                    "train", numerics, world_size=hashed_world_size("train", train_config, world_size)
+                ),
             )
         )
 

@@ -26,10 +26,10 @@ class Planned:
     hashed_bytes: int  # source bytes hashed (0 when the stat cache knew every file)
 
 
-def plan_preset(path: str | Path, overrides: Iterable[str], store: Store) -> Planned:
+def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_size: int = 1) -> Planned:
     overrides = list(overrides)
     loaded = load_preset(path, overrides)
-    source_paths, problems = preflight(loaded)
+    source_paths, problems = preflight(loaded, world_size)
     if problems:
         raise ConfigError(problems)
 
@@ -49,7 +49,7 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store) -> Pla
                 known.append(str(source_path.absolute()))
     cache.save()
 
-    plan = compile_plan(loaded.config, sources)
+    plan = compile_plan(loaded.config, sources, world_size)
     store.save_plan(plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     return Planned(
         plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes

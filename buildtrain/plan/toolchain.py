@@ -111,15 +111,20 @@ def resolved_threads(numerics: NumericsConfig) -> int:
     return numerics.threads or os.cpu_count() or 1
 
 
-def fingerprint(kind: str, numerics: NumericsConfig, threads: int | None = None) -> dict[str, Any]:
+def fingerprint(
+    kind: str, numerics: NumericsConfig, threads: int | None = None, world_size: int | None = None
+) -> dict[str, Any]:
     """The toolchain part of a step's hash, for a step of `kind` under `numerics`.
 
     `threads` overrides the thread count a native plan pins (the executor checks a machine with
-    the count the plan will run at).
+    the count the plan will run at). `world_size` is given for a train step whose reduction
+    depends on it (`allreduce`); the `invariant` reduction gives the same bits at any world size.
     """
     facts: dict[str, Any] = {"buildtrain": source_digest()}
     if kind in TORCH_FREE_KINDS:
         return facts
+    if world_size is not None:
+        facts["world_size"] = world_size
     facts.update(torch=torch_build(), device=numerics.device, dtype=numerics.dtype, profile=numerics.profile)
     if numerics.device == "cuda":
         facts.update(cuda_facts())
@@ -128,6 +133,13 @@ def fingerprint(kind: str, numerics: NumericsConfig, threads: int | None = None)
     else:
         facts.update(cpu_facts(), threads=threads or resolved_threads(numerics))
     return facts
+
+
+def hashed_world_size(kind: str, step_config: dict[str, Any], world_size: int) -> int | None:
+    """The world size a step's fingerprint records: only a train step reducing with `allreduce`."""
+    if kind == "train" and step_config["train"].get("reduction") == "allreduce":
+        return world_size
+    return None
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

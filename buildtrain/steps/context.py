@@ -7,6 +7,7 @@ the content cache) without starting a process.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,13 @@ class StepContext:
     extra: dict[str, Any] = attrs.Factory(dict)  # train-only: hooks, stop request, watcher
 
 
-def verified_inputs(store: Store, step: Step) -> dict[str, Path]:
-    """Upstream outputs, each re-hashed against its manifest before anything reads it."""
+def verified_inputs(store: Store, step: Step, only: Collection[str] | None = None) -> dict[str, Path]:
+    """Upstream outputs (all, or the inputs named in `only`), each re-hashed against its manifest
+    before anything reads it."""
     found = {}
     for name, step_hash in step.upstream.items():
+        if only is not None and name not in only:
+            continue
         path = store.output(step_hash)
         problems = objects.verify(path)
         if problems:

@@ -20,10 +20,13 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import ExitCode, UsageError
+from buildtrain.executor.launch import SINGLE_PROCESS, Launch
 from buildtrain.executor.run import (
+    Outcome,
     RunOptions,
     StepJob,
     check_toolchain,
+    check_world_size,
     pinned_threads,
     raise_for_status,
     resolve_threads,
@@ -45,6 +48,7 @@ class VerifyOptions:
     json: bool = False
     keep: bool = False
     experiments: Path = Path("experiments")
+    launch: Launch = SINGLE_PROCESS  # re-execute the train steps at this world size
 
 
 @attrs.define
@@ -77,11 +81,11 @@ def _compare(step: Step, recorded: dict[str, str], reexecuted: dict[str, str]) -
 
 
 def _spawn_in(
-    scratch: Store, plan: Plan, step: Step, threads: int, job: StepJob
-) -> tuple[int, list[dict[str, Any]], bool]:
-    """Run one step process in the scratch store, holding its lock there."""
+    scratch: Store, plan: Plan, step: Step, threads: int, job: StepJob, launch: Launch = SINGLE_PROCESS
+) -> Outcome:
+    """Run one step process (or a train step's ranks) in the scratch store, holding its lock there."""
     with scratch.lock(step.hash) as lock_fd:
-        return spawn(scratch, plan, step, threads, lock_fd, lambda _: None, job)
+        return spawn(scratch, plan, step, threads, lock_fd, lambda _: None, job, launch)
 
 
 def _run_train(
@@ -100,11 +104,11 @@ def _run_train(
     resumed: list[int] = []
     while True:
         job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=options.steps is None)
-        status, errors, interrupted = _spawn_in(scratch, plan, step, threads, job)
-        if status == RESUMED_KILL_STATUS and pending and not report.exists():
+        outcome = _spawn_in(scratch, plan, step, threads, job, options.launch)
+        if outcome.status == RESUMED_KILL_STATUS and pending and not report.exists():
             resumed.append(pending.pop(0))  # killed on purpose after a checkpoint: resume now
             continue
-        raise_for_status(step, status, errors, interrupted, plan)
+        raise_for_status(step, outcome, plan)
         break
     divergence = json.loads(report.read_text()) if report.exists() else None
     return divergence, resumed
@@ -140,18 +144,22 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
             f"plan {plan.hash[:12]} uses the native profile: its hash pins {pinned_threads(plan)} threads, so it "
             "promises nothing at another thread count. Use the portable profile to check thread invariance."
         )
-    threads = resolve_threads(plan, options.threads)
-    check_toolchain(plan, threads)
+    launch = options.launch
+    threads = resolve_threads(plan, options.threads, launch.nproc)
+    check_toolchain(plan, threads, launch.world_size)
+    check_world_size(list(plan.steps), launch.world_size)
     if not all(store.has_output(step.hash) for step in plan.steps):
         _say(
             f"bt verify: plan {plan.hash[:12]} is not built; building it once, then checking it against a second execution"
         )
-        run_plan(store, plan, RunOptions(experiments=options.experiments, progress=False))
+        run_plan(store, plan, RunOptions(experiments=options.experiments, progress=False, launch=launch))
 
     scratch_root = Path(tempfile.mkdtemp(prefix="bt-verify-"))
     scratch = Store(scratch_root / "store")
     scratch.save_plan(plan, **store.plan_meta(plan.hash))
     mode = [f"threads {threads}"]
+    if launch.world_size > 1:
+        mode.insert(0, f"train steps on {launch.world_size} processes")
     if options.resume_at:
         mode.append(f"hard kill and resume at {','.join(map(str, options.resume_at))}")
     if options.steps:
@@ -188,6 +196,7 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
                     "plan": plan.hash,
                     "reproduced": not diverged,
                     "threads": threads,
+                    "world_size": launch.world_size,
                     "resume_at": list(options.resume_at),
                     "steps_limit": options.steps,
                     "steps": [v.as_json() for v in verdicts],
@@ -249,7 +258,7 @@ def _verify_step(
                 detail=f"first {compared} steps match the recorded trace {extra}".strip(),
             )
     else:
-        raise_for_status(step, *_spawn_in(scratch, plan, step, threads, StepJob()), plan)
+        raise_for_status(step, _spawn_in(scratch, plan, step, threads, StepJob()), plan)
         extra = ""
 
     reexecuted = objects.sealed_digests(scratch.output(step.hash))
