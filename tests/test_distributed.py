@@ -1,0 +1,168 @@
+"""Train steps on several processes through torchrun (gloo on CPU).
+
+The `invariant` reduction gives the weights of one process at any world size that divides the
+micro-batches, through kills and resumes at another world size; `allreduce` puts the world size
+in the plan hash and reproduces at that world size.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import MICRO, plan_hash, run_bt, step_digests
+from test_resume import wait_for_step
+
+from buildtrain.errors import ExitCode
+from buildtrain.store.store import Store
+
+# Four micro-batches of one sequence per update: world sizes 1, 2 and 4 all divide them.
+FOUR_MICRO_BATCHES = ("--set", "train.micro_batch_size=1")
+ALLREDUCE = ("--set", "train.reduction='allreduce'")
+
+
+def build(store: Path, planned: str, *args: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Build the train step (and its data) of a plan; the train step's digests."""
+    result = run_bt(
+        "run", planned, "--target", "train:main", "--progress", "off", *args, store=store, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    return step_digests(store, planned)["train:main"]
+
+
+def train_work(store: Path, planned: str) -> Path:
+    return Store(store).work_dir(Store(store).load_plan(planned).by_label("train:main").hash)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """The invariant plan built on one process: (plan hash, train step digests)."""
+    store = tmp_path_factory.mktemp("one-process") / ".bt"
+    planned = plan_hash(run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store))
+    return planned, build(store, planned)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_invariant_weights_do_not_depend_on_the_world_size(
+    tmp_path: Path, one_process: tuple[str, dict[str, str]], nproc: int
+) -> None:
+    planned, reference = one_process
+    store = tmp_path / ".bt"
+    assert (
+        plan_hash(run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, "--nproc", str(nproc), store=store))
+        == planned
+    )
+    digests = build(store, planned, "--nproc", str(nproc))
+    assert digests == reference  # weights, full state and the per-update trace (loss bits included)
+    record = next((tmp_path / "experiments").glob("*/train.log")).read_text()
+    assert f'"world_size": {nproc}' in record and f'"rank": {nproc - 1}' in record  # every rank logged
+
+
+@pytest.mark.parametrize(("killed_at", "resumed_at"), [(2, 1), (1, 2)])
+def test_a_run_killed_at_one_world_size_resumes_at_another(
+    tmp_path: Path, one_process: tuple[str, dict[str, str]], killed_at: int, resumed_at: int
+) -> None:
+    planned, reference = one_process
+    store = tmp_path / ".bt"
+    run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store)
+    last_rank = killed_at - 1
+    killed = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        "--nproc",
+        str(killed_at),
+        store=store,
+        env={"BT_TEST_KILL_RANK": f"{last_rank}:6"},  # after update 6; checkpoints every 4
+    )
+    assert killed.returncode == ExitCode.FAILED, killed.stderr
+    assert "SIGKILL" in killed.stderr and "resumes from the last checkpoint" in killed.stderr
+    if killed_at > 1:
+        assert f"rank {last_rank} of {killed_at} was killed by SIGKILL" in killed.stderr
+    assert "Traceback" not in killed.stderr
+    assert "train:main" not in step_digests(store, planned)  # nothing partial was published
+    saved = sorted(p.name for p in (train_work(store, planned) / "checkpoints").iterdir())
+    assert saved == ["step-000004"]
+
+    assert build(store, planned, "--nproc", str(resumed_at)) == reference
+
+
+def test_sigterm_stops_every_rank_at_the_same_update(
+    tmp_path: Path, one_process: tuple[str, dict[str, str]]
+) -> None:
+    planned, reference = one_process
+    store, experiments = tmp_path / ".bt", tmp_path / "experiments"
+    run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store)
+    environment = {
+        **os.environ,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(experiments),
+        "BT_TEST_STEP_DELAY": "0.3",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main", "--nproc", "2"],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    wait_for_step(process, experiments, 2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == ExitCode.INTERRUPTED, stderr
+    assert f"resume with: bt run {planned}" in stderr
+    assert build(store, planned) == reference  # resumed on one process
+
+
+def test_allreduce_puts_the_world_size_in_the_hash_and_reproduces_at_it(tmp_path: Path) -> None:
+    first, second = tmp_path / "a" / ".bt", tmp_path / "b" / ".bt"
+    first.parent.mkdir()
+    second.parent.mkdir()
+    plans = {
+        nproc: plan_hash(
+            run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, *ALLREDUCE, "--nproc", str(nproc), store=first)
+        )
+        for nproc in (1, 2)
+    }
+    assert plans[1] != plans[2]
+    wrong = run_bt("run", plans[2], "--nproc", "1", store=first)
+    assert wrong.returncode == ExitCode.TOOLCHAIN_MISMATCH
+    assert "world_size: plan has 2, this machine has 1" in wrong.stderr and "--nproc" in wrong.stderr
+
+    run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, *ALLREDUCE, "--nproc", "2", store=second)
+    assert build(first, plans[2], "--nproc", "2") == build(second, plans[2], "--nproc", "2")
+
+
+def test_a_world_size_that_does_not_divide_the_micro_batches_is_refused(tmp_path: Path) -> None:
+    store = tmp_path / ".bt"
+    planned = run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, "--nproc", "3", store=store)
+    assert planned.returncode == ExitCode.USAGE
+    assert (
+        "--set train.micro_batch_size=1: train.micro_batch_size: 4 // 1 = 4 micro-batches" in planned.stderr
+    )
+    assert "cannot be shared by 3 processes" in planned.stderr
+    assert "[1, 2, 4]" in planned.stderr
+
+    unsplit = run_bt("plan", str(MICRO), "--nproc", "4", store=store)  # micro.toml: 2 micro-batches
+    assert unsplit.returncode == ExitCode.USAGE
+    assert f"{MICRO.name}: train.micro_batch_size:" in unsplit.stderr
+
+    planned_for_one = plan_hash(run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store))
+    ran = run_bt("run", planned_for_one, "--nproc", "3", store=store)
+    assert ran.returncode == ExitCode.USAGE
+    assert "train:main: train.micro_batch_size:" in ran.stderr
+    assert not (store / "steps").exists()
+
+
+def test_verify_at_two_processes_passes_on_a_plan_built_on_one(micro_built: tuple[Path, str, dict]) -> None:
+    store, planned, _ = micro_built
+    result = run_bt("verify", planned, "--nproc", "2", store=store)
+    assert result.returncode == ExitCode.OK, result.stderr
+    assert "train steps on 2 processes" in result.stderr
+    assert "✓ train:main" in result.stderr and "reproduced" in result.stderr
