@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -160,9 +161,69 @@ def test_a_world_size_that_does_not_divide_the_micro_batches_is_refused(tmp_path
     assert not (store / "steps").exists()
 
 
-def test_verify_at_two_processes_passes_on_a_plan_built_on_one(micro_built: tuple[Path, str, dict]) -> None:
+def test_verify_at_two_processes_with_a_kill_passes_on_a_plan_built_on_one(micro_built: tuple[Path, str, dict]) -> None:
     store, planned, _ = micro_built
-    result = run_bt("verify", planned, "--nproc", "2", store=store)
+    result = run_bt("verify", planned, "--nproc", "2", "--resume-at", "5", store=store)
     assert result.returncode == ExitCode.OK, result.stderr
     assert "train steps on 2 processes" in result.stderr
-    assert "✓ train:main" in result.stderr and "reproduced" in result.stderr
+    assert "✓ train:main" in result.stderr and "(killed and resumed at 5)" in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_with_their_own_stores_train_the_weights_of_one_process(
+    tmp_path: Path, one_process: tuple[str, dict[str, str]]
+) -> None:
+    """Two `bt run`s on this machine stand in for two machines: node 0 writes the outputs, node 1
+    builds its own data, trains with node 0 and remembers that it did."""
+    planned, reference = one_process
+    stores = [tmp_path / f"node{rank}" / ".bt" for rank in (0, 1)]
+    for store in stores:
+        store.parent.mkdir()
+        assert plan_hash(run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store)) == planned
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(rank: int) -> subprocess.Popen:
+        argv = ["run", planned, "--target", "train:main", "--progress", "off", "--nproc", "1"]
+        argv += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
+        environment = {
+            **os.environ,
+            "BT_STORE": str(stores[rank]),
+            "BT_EXPERIMENTS": str(stores[rank].parent / "x"),
+        }
+        return subprocess.Popen(
+            [sys.executable, "-m", "buildtrain", *argv],
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=stores[rank].parent,
+        )
+
+    nodes = [node(0), node(1)]
+    outputs = [process.communicate(timeout=240) for process in nodes]
+    for process, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert process.returncode == ExitCode.OK, stderr
+    assert step_digests(stores[0], planned)["train:main"] == reference
+    assert "train:main" not in step_digests(stores[1], planned)  # node 0 alone writes outputs
+    assert "joined" in outputs[1][1] and "node 1 of 2" in outputs[1][1]
+
+    again = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        store=stores[1],
+    )
+    assert again.returncode == ExitCode.OK, again.stderr
+    assert "cached (joined before)" in again.stderr

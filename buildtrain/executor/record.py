@@ -88,6 +88,7 @@ class RunRecord:
             "duration_s": round(duration, 3),
             "executed": sum(s["action"] == "executed" for s in self.steps),
             "cached": sum(s["action"] == "cached" for s in self.steps),
+            "joined": sum(s["action"] == "joined" for s in self.steps),  # trained with node 0
             "steps": self.steps,
             "pid": os.getpid(),
         }

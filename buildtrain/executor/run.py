@@ -8,6 +8,7 @@ the executor writes to the run record and the terminal.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -479,9 +480,11 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
         duration = time.perf_counter() - started
         record.close(outcome, code, duration)
         if outcome == "done":
-            executed = sum(s["action"] == "executed" for s in record.steps)
-            reporter.say(
-                f"done in {duration:.1f}s: {executed} executed, {len(record.steps) - executed} cached; "
-                f"record: {record.folder}"
+            counts = collections.Counter(s["action"] for s in record.steps)
+            done = ", ".join(
+                f"{counts[action]} {action}"
+                for action in ("executed", "joined", "cached")
+                if counts[action] or action != "joined"
             )
+            reporter.say(f"done in {duration:.1f}s: {done}; record: {record.folder}")
     return code
