@@ -170,7 +170,8 @@ def _add_world_size(sub: argparse.ArgumentParser, *, rendezvous: bool) -> None:
         "Train steps run on NPROC x NNODES processes started by torchrun (gloo on CPU, NCCL on GPU); "
         "data, eval and export stay single-process. With train.reduction = 'invariant' (the default) "
         "the weights are the same at any world size that divides the micro-batches, and the world "
-        "size is not part of the plan hash; with 'allreduce' it is.",
+        "size is not part of the plan hash; with 'allreduce' it is. On several machines, run the same "
+        "command on each with its own --node-rank.",
     )
     group.add_argument(
         "--nproc",
@@ -281,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--threads",
         type=_positive,
-        help="intra-op threads for a portable plan (default: preset or all cores)",
+        help="intra-op threads per process for a portable plan (default: the preset's, or the cores "
+        "shared among --nproc processes)",
     )
     sub.add_argument(
         "--experiments",

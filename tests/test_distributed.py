@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MICRO, plan_hash, run_bt, step_digests
-from test_resume import wait_for_step
+from test_resume import start, wait_for_step
 
 from buildtrain.errors import ExitCode
 from buildtrain.store.store import Store
@@ -99,20 +99,7 @@ def test_sigterm_stops_every_rank_at_the_same_update(
     planned, reference = one_process
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store)
-    environment = {
-        **os.environ,
-        "BT_STORE": str(store),
-        "BT_EXPERIMENTS": str(experiments),
-        "BT_TEST_STEP_DELAY": "0.3",
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main", "--nproc", "2"],
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
+    process = start(planned, store, experiments, "--nproc", "2", BT_TEST_STEP_DELAY="0.3")
     wait_for_step(process, experiments, 2)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
@@ -161,7 +148,9 @@ def test_a_world_size_that_does_not_divide_the_micro_batches_is_refused(tmp_path
     assert not (store / "steps").exists()
 
 
-def test_verify_at_two_processes_with_a_kill_passes_on_a_plan_built_on_one(micro_built: tuple[Path, str, dict]) -> None:
+def test_verify_at_two_processes_with_a_kill_passes_on_a_plan_built_on_one(
+    micro_built: tuple[Path, str, dict],
+) -> None:
     store, planned, _ = micro_built
     result = run_bt("verify", planned, "--nproc", "2", "--resume-at", "5", store=store)
     assert result.returncode == ExitCode.OK, result.stderr

@@ -17,6 +17,7 @@ from buildtrain.config.preflight import (
     expand_sources,
     machine_memory,
     memory_estimate,
+    parameter_count,
     preflight,
 )
 from buildtrain.config.schema import ModelConfig, TrainConfig
@@ -171,3 +172,10 @@ def test_bt_plan_refuses_a_model_larger_than_the_machine(tmp_path: Path, bt: BtR
     assert "p.toml: model: training stage 'main' needs about " in result.stderr
     assert "but this machine has" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_memory_estimate_counts_the_partial_sums_of_the_invariant_tree() -> None:
+    model = ModelConfig()
+    plain = memory_estimate(model, TrainConfig(batch_size=16, micro_batch_size=1, reduction="allreduce"))
+    tree = memory_estimate(model, TrainConfig(batch_size=16, micro_batch_size=1, reduction="invariant"))
+    assert tree - plain == parameter_count(model) * 4 * (1 + 4)  # 16 leaves: a tree 4 levels deep

@@ -18,11 +18,22 @@ from buildtrain.errors import ExitCode
 from buildtrain.store.store import Store
 
 
-def start(planned: str, store: Path, experiments: Path, **env: str) -> subprocess.Popen:
+def start(planned: str, store: Path, experiments: Path, *args: str, **env: str) -> subprocess.Popen:
     """`bt run` in its own session (so a test can kill the whole process group)."""
     environment = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(experiments), **env}
     return subprocess.Popen(
-        [sys.executable, "-m", "buildtrain", "run", planned, "--target", "train:main", "--progress", "off"],
+        [
+            sys.executable,
+            "-m",
+            "buildtrain",
+            "run",
+            planned,
+            "--target",
+            "train:main",
+            "--progress",
+            "off",
+            *args,
+        ],
         env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -48,9 +48,19 @@ def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> in
     return embeddings + model.n_layers * block + norm
 
 
+def gradient_vectors(train: TrainConfig) -> int:
+    """Gradient-sized float32 buffers an update holds at its peak: the gradient itself, plus for
+    the invariant reduction one partial sum per level of its tree and the newest micro-batch's."""
+    micro_batches = train.batch_size // train.micro_batch_size
+    if train.reduction == "allreduce":
+        return 1
+    return 2 + max(0, micro_batches - 1).bit_length()
+
+
 def memory_estimate(model: ModelConfig, train: TrainConfig) -> int:
-    """Bytes for float32 weights, gradients, two AdamW moments and one micro-batch of activations."""
-    state = parameter_count(model) * 4 * 4
+    """Bytes for float32 weights, gradients (and the reduction's partial sums), two AdamW moments
+    and one micro-batch of activations."""
+    state = parameter_count(model) * 4 * (3 + gradient_vectors(train))
     tokens = train.micro_batch_size * train.seq_len
     per_layer = (
         tokens * (12 * model.dim + 3 * model.ffn_hidden)

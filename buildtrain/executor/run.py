@@ -236,6 +236,9 @@ def spawn(
     distributed = step.kind == "train" and launch.world_size > 1
     launcher_log = store.tmp / f"torchrun-{name}.log"
     if distributed:
+        if launch.nnodes == 1:
+            # One machine: the ranks talk over loopback, whatever the host name resolves to.
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         with open(launcher_log, "wb") as stderr:
             process = subprocess.Popen(
                 [*launch.command(), *worker[1:], "--events-fd", "1"],

@@ -70,9 +70,7 @@ class Ranks:
         nodes = [cover(root, *self.share(micro_batches, r)) for r in range(self.world)]
         length = next(iter(partials.values())).numel()
         shard = math.ceil(length / self.world)
-        mine = torch.stack([_padded(partials[node], shard * self.world) for node in nodes[self.rank]])
-        # (partials, ranks, shard) -> (ranks, partials, shard): the slice for rank s is contiguous.
-        send = mine.view(len(nodes[self.rank]), self.world, shard).transpose(0, 1).contiguous()
+        send = _by_shard([partials[node] for node in nodes[self.rank]], self.world, shard)
         received = torch.empty(sum(len(n) for n in nodes) * shard, device=send.device)
         with self._peers("the gradient exchange"):
             dist.all_to_all_single(
@@ -84,10 +82,10 @@ class Ranks:
         pieces = iter(received.split(shard))
         known = {node: next(pieces) for rank_nodes in nodes for node in rank_nodes}
         total = tree_sum(root, known.get, _no_leaf)
-        gathered = [torch.empty_like(total) for _ in range(self.world)]
+        gathered = torch.empty(self.world * shard, device=total.device)
         with self._peers("the gradient exchange"):
-            dist.all_gather(gathered, total)
-        return torch.cat(gathered)[:length]
+            dist.all_gather(list(gathered.split(shard)), total)  # straight into one vector
+        return gathered[:length]
 
     def sum(self, vector: torch.Tensor) -> torch.Tensor:
         """The `allreduce` reduction: the library's all-reduce, whose order depends on the world size."""
@@ -151,8 +149,18 @@ class Ranks:
             raise StepFailed(f"rank {self.rank} lost its peers during {during} ({reason})") from None
 
 
-def _padded(vector: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.nn.functional.pad(vector, (0, length - vector.numel()))
+def _by_shard(vectors: list[torch.Tensor], world: int, shard: int) -> torch.Tensor:
+    """(ranks, vectors, shard): shard s of every vector, for rank s, side by side; one copy, with
+    the tail of the last shard zero-padded."""
+    length = vectors[0].numel()
+    whole, rest = divmod(length, shard)
+    out = torch.empty(world, len(vectors), shard, device=vectors[0].device)
+    out[whole:].zero_()  # the padding (and the part of the last shard filled below)
+    for index, vector in enumerate(vectors):
+        out[:whole, index] = vector[: whole * shard].view(whole, shard)
+        if rest:
+            out[whole, index, :rest] = vector[whole * shard :]
+    return out
 
 
 def _no_leaf(micro: int) -> Any:
