@@ -21,13 +21,20 @@ whole `bt run`.
 On this 2-core machine two processes of one thread each do the work one process does with two
 threads, so the 2-process rows show the cost of the exchange, not a speed-up.
 
-Run: python benchmarks/distributed.py [--quick]
+Run-to-run noise on a shared machine is larger than the tree's own cost in one process, so a last
+table measures that in this process: one model, the two reductions alternated update by update
+(forward, backward, reduction, clipping, AdamW step), at 2, 4 and 8 micro-batches.
+
+Run: python benchmarks/distributed.py [--quick] [--one-process]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,8 +149,91 @@ def compare(space: Workspace, n: int, size: str, overrides: list[str], steps: in
     return ratio(median(results["invariant, 2 processes"]), base)
 
 
+def in_one_process(space: Workspace, n: int) -> None:
+    """The tree's own cost, without processes or start-up: one model, one process, the two
+    reductions alternated update by update (forward, backward, reduction, clip, AdamW step)."""
+    space.import_buildtrain()
+    from buildtrain.executor import numerics
+
+    threads = os.cpu_count() or 1
+    os.environ.update(numerics.environment("portable", "cpu", threads))  # before torch loads
+    import torch
+
+    from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+    from buildtrain.steps.train.model import Transformer
+    from buildtrain.steps.train.optimizer import AdamW
+    from buildtrain.steps.train.ranks import Ranks
+    from buildtrain.steps.train.trainer import TrainJob, batch_gradient, param_groups, seeded
+
+    torch.set_num_threads(threads)
+
+    class RandomTokens:
+        def micro_batch(self, cursor: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = torch.randint(0, 256, (size, 65), generator=torch.Generator().manual_seed(micro))
+            return tokens[:, :-1], tokens[:, 1:]
+
+    rows = []
+    updates = 10 * n
+    for size, overrides in (("tiny", {}), ("wide", {"dim": 256, "n_layers": 4, "ffn_hidden": 704})):
+        model_config = ModelConfig(
+            **{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 176, **overrides}
+        )
+        model = Transformer.build(model_config, BYTE_VOCAB_SIZE, seeded(0, "init"))
+        optimizer = AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+        for micro_batches in (2, 4, 8):
+            times: dict[str, list[float]] = {"allreduce": [], "invariant": []}
+            note(f"  in one process: {size}, {micro_batches} micro-batches, {updates} updates each")
+            for update in range(updates):
+                for reduction, samples in times.items():
+                    train = TrainConfig(
+                        batch_size=16, micro_batch_size=16 // micro_batches, seq_len=64, reduction=reduction
+                    )
+                    job = TrainJob(
+                        model=model_config,
+                        train=train,
+                        eval=None,
+                        device="cpu",
+                        dtype="float32",
+                        data=(Path(), {}),
+                        init_weights=None,
+                        work=Path(),
+                        identity={},
+                    )
+                    started = time.perf_counter()
+                    batch_gradient(
+                        model,
+                        RandomTokens(),
+                        0,
+                        update,
+                        job,
+                        torch.device("cpu"),
+                        contextlib.nullcontext(),
+                        Ranks(),
+                    )  # type: ignore[arg-type]
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    samples.append(time.perf_counter() - started)
+            plain, tree = median(times["allreduce"]), median(times["invariant"])
+            rows.append(
+                [
+                    f"{size}, {micro_batches} micro-batches",
+                    fmt_seconds(plain),
+                    fmt_seconds(tree),
+                    fmt_ratio(ratio(plain, tree)),
+                ]
+            )
+    print_table(
+        f"one process, {threads} threads: an update with plain accumulation vs the invariant tree "
+        f"(median of {updates}, alternated update by update)",
+        ["model", "accumulate", "tree", "tree throughput vs accumulate"],
+        rows,
+    )
+
+
 def main() -> int:
     parser = make_parser(__doc__)
+    parser.add_argument("--one-process", action="store_true", help="only the in-process measurement")
     args = parser.parse_args()
     n = rounds(args, quick=2, full=5)
     sizes = [("tiny", [], 20 if args.quick else 40)]
@@ -152,10 +242,14 @@ def main() -> int:
 
     with workspace("distributed", args) as space:
         print_header("distributed training: invariant tree reduction vs all-reduce", args, space)
+        if args.one_process:
+            in_one_process(space, n)
+            return 0
         note("building the data step once")
         warm = space.plan(TINY, "train.steps=1", "train.warmup_steps=0", "train.seed=999999", *MICRO_BATCHES)
         space.run_bt("run", warm, "--progress", "off")
         ratios = [(size, compare(space, n, size, overrides, steps)) for size, overrides, steps in sizes]
+        in_one_process(space, n)
         print_goals(
             [
                 f"  info    {size}: invariant / allreduce at 2 processes: {fmt_ratio(value)} "

@@ -3,7 +3,8 @@
 The executor itself never imports torch, so a fully cached plan (a null build) returns at once.
 A step that must compute runs in `buildtrain.executor.worker`, started with the numerics
 environment, holding the step's lock (inherited), and reporting JSON events through a pipe that
-the executor writes to the run record and the terminal.
+the executor writes to the run record and the terminal. A train step on several processes runs
+the same worker on every rank under torchrun (see `launch.py`), the events arriving on its stdout.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class Outcome:
     status: int  # exit status; negative: killed by that signal (for torchrun: the failed rank's)
     errors: list[dict[str, Any]]  # error events, in order
     interrupted: bool  # this bt was asked to stop while the step ran
-    failure: RankFailure | None = None  # the rank torchrun saw fail first
+    failure: RankFailure | None = None  # the rank whose failure stopped the others
     world_size: int = 1
 
 
@@ -236,21 +237,7 @@ def spawn(
     distributed = step.kind == "train" and launch.world_size > 1
     launcher_log = store.tmp / f"torchrun-{name}.log"
     if distributed:
-        if launch.nnodes == 1:
-            # One machine: the ranks talk over loopback, whatever the host name resolves to.
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        with open(launcher_log, "wb") as stderr:
-            process = subprocess.Popen(
-                [*launch.command(), *worker[1:], "--events-fd", "1"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                pass_fds=(lock_fd,),  # torchrun holds the step lock for its ranks
-                preexec_fn=die_with_parent,
-            )
-        assert process.stdout is not None
-        events_fd = os.dup(process.stdout.fileno())
-        process.stdout.close()
+        process, events_fd = _start_torchrun(launch, worker, env, lock_fd, launcher_log)
     else:
         events_fd, write_fd = os.pipe()
         process = subprocess.Popen(
@@ -279,13 +266,8 @@ def spawn(
                 on_event(line)
         status = process.wait()
         if distributed and status != 0:
-            text = launcher_log.read_text(encoding="utf-8", errors="replace")
-            failure = root_cause(text)
+            failure = _torchrun_failure(launcher_log, status, on_event, errors)
             status = failure.status if failure is not None else status
-            tail = "\n".join(text.splitlines()[-LAUNCHER_LOG_LINES:])
-            on_event({"event": "torchrun_failed", "level": "warning", "status": status, "log_tail": tail})
-            if failure is None:
-                errors.append({"message": f"torchrun failed (exit {status}): {tail.splitlines()[-1:]}"})
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
@@ -293,6 +275,41 @@ def spawn(
         launcher_log.unlink(missing_ok=True)
     world_size = launch.world_size if distributed else 1
     return Outcome(status, errors, bool(interrupted), failure, world_size)
+
+
+def _start_torchrun(
+    launch: Launch, worker: list[str], env: dict[str, str], lock_fd: int, log: Path
+) -> tuple[subprocess.Popen[bytes], int]:
+    """torchrun starting `worker` on each rank; returns it and the read end of the ranks' events."""
+    if launch.nnodes == 1:
+        # One machine: the ranks talk over loopback, whatever the host name resolves to.
+        env = {"GLOO_SOCKET_IFNAME": "lo", **env}
+    with open(log, "wb") as stderr:
+        process = subprocess.Popen(
+            [*launch.command(), *worker[1:], "--events-fd", "1"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            pass_fds=(lock_fd,),  # torchrun holds the step lock for its ranks
+            preexec_fn=die_with_parent,
+        )
+    assert process.stdout is not None
+    events_fd = os.dup(process.stdout.fileno())
+    process.stdout.close()
+    return process, events_fd
+
+
+def _torchrun_failure(
+    log: Path, status: int, on_event: Any, errors: list[dict[str, Any]]
+) -> RankFailure | None:
+    """Which rank brought torchrun down, from its log; the log's tail goes to the run record."""
+    text = log.read_text(encoding="utf-8", errors="replace")
+    tail = text.splitlines()[-LAUNCHER_LOG_LINES:]
+    on_event({"event": "torchrun_failed", "level": "warning", "status": status, "log_tail": "\n".join(tail)})
+    failure = root_cause(text)
+    if failure is None:  # torchrun itself failed: a rendezvous that timed out, a bad endpoint
+        errors.append({"message": f"torchrun failed (exit {status}): {tail[-1] if tail else 'no output'}"})
+    return failure
 
 
 def raise_for_status(step: Step, outcome: Outcome, plan: Plan) -> None:

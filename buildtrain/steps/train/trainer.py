@@ -270,6 +270,27 @@ def train(
         checkpoint.prune(job.work, cfg.keep_checkpoints)
         log.info("checkpoint_saved", step=at, checkpoint=path.name)
 
+    def keep_record(at: int, loss_value: float, grad_norm: float, lr: float, started: float) -> bool:
+        """Rank 0's part of an update: trace, evaluate, log, watch. True: the watcher says stop."""
+        entry, tensors = trace_entry(at, loss_value, grad_norm, lr, cursor, model, optimizer, cfg)
+        trace.append(entry)
+        if heldout is not None and job.eval is not None and at % job.eval.every == 0:
+            result = evaluate(model, heldout, job.eval, device, autocast)
+            trace.append({"step": at, "eval": result})
+            log.info("eval", step=at, **result)
+            model.train()
+        log.info(
+            "train_step",
+            step=at,
+            steps=cfg.steps,
+            loss=round(loss_value, 6),
+            lr=lr,
+            grad_norm=round(grad_norm, 6),
+            tokens_per_s=round(tokens_per_step / (time.perf_counter() - started), 1),
+            max_rss_mb=round(max_rss_mb(), 1),
+        )
+        return watch is not None and watch(entry, tensors or state_tensors(model, optimizer))
+
     model.train()
     while step < last:
         started = time.perf_counter()
@@ -300,27 +321,7 @@ def train(
             log.info("hard_kill", step=step, rank=ranks.rank)
             signal.raise_signal(signal.SIGKILL)  # no checkpoint: the other ranks must cope
 
-        watched = False
-        if ranks.lead:
-            entry, tensors = trace_entry(step, loss_value, grad_norm, lr, cursor, model, optimizer, cfg)
-            trace.append(entry)
-            if heldout is not None and job.eval is not None and step % job.eval.every == 0:
-                result = evaluate(model, heldout, job.eval, device, autocast)
-                trace.append({"step": step, "eval": result})
-                log.info("eval", step=step, **result)
-                model.train()
-            elapsed = time.perf_counter() - started
-            log.info(
-                "train_step",
-                step=step,
-                steps=cfg.steps,
-                loss=round(loss_value, 6),
-                lr=lr,
-                grad_norm=round(grad_norm, 6),
-                tokens_per_s=round(tokens_per_step / elapsed, 1),
-                max_rss_mb=round(max_rss_mb(), 1),
-            )
-            watched = watch is not None and watch(entry, tensors or state_tensors(model, optimizer))
+        watched = ranks.lead and keep_record(step, loss_value, grad_norm, lr, started)
         if hooks.step_delay:
             time.sleep(hooks.step_delay)
         stopping, watched = ranks.any(stop.signal_name is not None, watched)
