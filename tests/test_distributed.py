@@ -164,6 +164,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def node(stores: list[Path], rank: int, planned: str, endpoint: str) -> subprocess.Popen:
+    """`bt run` as node `rank` of two, each with its own store, meeting at `endpoint`."""
+    argv = ["run", planned, "--target", "train:main", "--progress", "off", "--nproc", "1"]
+    argv += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
+    store = stores[rank]
+    environment = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(store.parent / "x")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", *argv],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=store.parent,
+    )
+
+
 def test_two_nodes_with_their_own_stores_train_the_weights_of_one_process(
     tmp_path: Path, one_process: tuple[str, dict[str, str]]
 ) -> None:
@@ -175,25 +191,7 @@ def test_two_nodes_with_their_own_stores_train_the_weights_of_one_process(
         store.parent.mkdir()
         assert plan_hash(run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store)) == planned
     endpoint = f"127.0.0.1:{free_port()}"
-
-    def node(rank: int) -> subprocess.Popen:
-        argv = ["run", planned, "--target", "train:main", "--progress", "off", "--nproc", "1"]
-        argv += ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint]
-        environment = {
-            **os.environ,
-            "BT_STORE": str(stores[rank]),
-            "BT_EXPERIMENTS": str(stores[rank].parent / "x"),
-        }
-        return subprocess.Popen(
-            [sys.executable, "-m", "buildtrain", *argv],
-            env=environment,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=stores[rank].parent,
-        )
-
-    nodes = [node(0), node(1)]
+    nodes = [node(stores, 0, planned, endpoint), node(stores, 1, planned, endpoint)]
     outputs = [process.communicate(timeout=240) for process in nodes]
     for process, (_, stderr) in zip(nodes, outputs, strict=True):
         assert process.returncode == ExitCode.OK, stderr
@@ -216,3 +214,19 @@ def test_two_nodes_with_their_own_stores_train_the_weights_of_one_process(
     )
     assert again.returncode == ExitCode.OK, again.stderr
     assert "cached (joined before)" in again.stderr
+
+
+def test_nodes_building_different_steps_refuse_to_train_together(tmp_path: Path) -> None:
+    stores = [tmp_path / f"node{rank}" / ".bt" for rank in (0, 1)]
+    plans = []
+    for rank, store in enumerate(stores):
+        store.parent.mkdir()
+        plans.append(plan_hash(run_bt("plan", str(MICRO), "--set", f"train.seed={rank}", store=store)))
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [node(stores, rank, plans[rank], endpoint) for rank in (0, 1)]
+    for process in nodes:
+        _, stderr = process.communicate(timeout=240)
+        assert process.returncode == ExitCode.FAILED, stderr
+        assert "build another step; run the same plan on every node" in stderr
+        assert "Traceback" not in stderr
+    assert "train:main" not in step_digests(stores[0], plans[0])

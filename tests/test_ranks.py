@@ -26,6 +26,11 @@ def leaves(count: int) -> list[torch.Tensor]:
     return list(torch.randn(count, LENGTH, generator=generator) * scale)
 
 
+def summed(vectors: list[torch.Tensor], node: tuple[int, int]) -> torch.Tensor:
+    """The tree node over `vectors` as one process computes it."""
+    return tree_sum(node, lambda _: None, lambda i: vectors[i].clone())
+
+
 def rank_main(rank: int, rendezvous: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=rendezvous, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
@@ -34,10 +39,7 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
     totals = {}
     for count in MICRO_BATCHES:
         vectors = leaves(count)
-        partials = {
-            node: tree_sum(node, lambda _: None, lambda i: vectors[i].clone())
-            for node in cover((0, count), *ranks.share(count))
-        }
+        partials = {node: summed(vectors, node) for node in cover((0, count), *ranks.share(count))}
         totals[str(count)] = ranks.finish_tree(partials, count)
     torch.save(totals, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -46,8 +48,7 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
 def test_three_ranks_finish_the_tree_of_one_process(tmp_path: Path) -> None:
     mp.spawn(rank_main, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=WORLD)
     for count in MICRO_BATCHES:
-        vectors = leaves(count)
-        alone = tree_sum((0, count), lambda _: None, lambda i: vectors[i].clone())
+        alone = summed(leaves(count), (0, count))
         for rank in range(WORLD):
             total = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)[str(count)]
             assert torch.equal(total, alone), (count, rank)

@@ -483,6 +483,17 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
         f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {processes}{node}) -> {record.folder}"
     )
     record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid(), **attrs.asdict(launch))
+    cores = os.cpu_count() or 1
+    if launch.nproc * threads > cores and any(step.kind == "train" for step in steps):
+        fix = (
+            "this native plan pins its thread count: plan it with fewer numerics.threads"
+            if pinned_threads(plan) is not None
+            else f"--threads {max(1, cores // launch.nproc)} fits"
+        )
+        reporter.say(
+            f"note: {launch.nproc} processes x {threads} threads exceed this machine's {cores} cores, "
+            f"which slows training; {fix}"
+        )
     outcome, code = "failed", int(ExitCode.FAILED)
     try:
         for step in steps:

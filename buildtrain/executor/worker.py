@@ -74,6 +74,7 @@ def execute(job: dict[str, Any], log: Any) -> int:
         if ranks.world > 1:
             log = log.bind(rank=ranks.rank, world_size=ranks.world)
             log.info("rank_started", pid=os.getpid())
+        ranks.agree_on(step.hash, step.label)
 
         stop = StopRequest()
         stop.install()

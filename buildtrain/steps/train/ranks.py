@@ -48,6 +48,25 @@ class Ranks:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, world, device)
 
+    def agree_on(self, step_hash: str, label: str) -> None:
+        """Refuse to train unless every rank builds the same step. Ranks on several machines meet
+        at a rendezvous address, not at a step; without this check, machines whose stores differ
+        could train two different steps together, and the mix would look like a normal run."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        mine = torch.tensor(list(bytes.fromhex(step_hash)), dtype=torch.uint8, device=self.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        with self._peers("the start of training"):
+            dist.all_gather(everyone, mine)
+        others = sorted({rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs, mine)})
+        if others:
+            raise StepFailed(
+                f"rank {self.rank} builds {label} (step {step_hash[:12]}) but ranks {others} build another "
+                "step; run the same plan on every node, from stores in the same state"
+            )
+
     def share(self, micro_batches: int, rank: int | None = None) -> tuple[int, int]:
         """The contiguous micro-batches [first, end) a rank computes (the world size divides them)."""
         per_rank = micro_batches // self.world
