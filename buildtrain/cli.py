@@ -10,10 +10,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, UsageError
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.executor.launch import Launch
 
 EPILOG = """\
 exit codes:
@@ -152,7 +155,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _launch(args: argparse.Namespace) -> Any:
+def _launch(args: argparse.Namespace) -> Launch:
     from buildtrain.executor.launch import Launch
 
     return Launch(

@@ -4,6 +4,9 @@ It is started by the executor with the numerics environment already in place, im
 after checking that, logs structured JSON events to a pipe the executor reads, builds the step's
 output in a temporary folder and publishes it atomically. Exit status: 0 done, 1 failed,
 3 interrupted (a checkpoint was written).
+
+Under torchrun the same module runs on every rank of a train step; rank 0 does all of the above,
+the other ranks only train (see `steps/train/ranks.py`).
 """
 
 from __future__ import annotations
