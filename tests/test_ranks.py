@@ -28,7 +28,7 @@ def leaves(count: int) -> list[torch.Tensor]:
 
 def summed(vectors: list[torch.Tensor], node: tuple[int, int]) -> torch.Tensor:
     """The tree node over `vectors` as one process computes it."""
-    return tree_sum(node, lambda _: None, lambda i: vectors[i].clone())
+    return tree_sum(node, lambda i: vectors[i].clone())
 
 
 def rank_main(rank: int, rendezvous: str, out: str) -> None:

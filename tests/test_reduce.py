@@ -20,7 +20,7 @@ def leaves(count: int, seed: int, length: int = 64) -> list[torch.Tensor]:
 
 
 def in_one_process(vectors: list[torch.Tensor]) -> torch.Tensor:
-    return tree_sum((0, len(vectors)), lambda _: None, lambda i: vectors[i].clone())
+    return tree_sum((0, len(vectors)), lambda i: vectors[i].clone())
 
 
 def from_partials(vectors: list[torch.Tensor], bounds: list[int]) -> torch.Tensor:
@@ -29,12 +29,12 @@ def from_partials(vectors: list[torch.Tensor], bounds: list[int]) -> torch.Tenso
     partials = {}
     for first, end in itertools.pairwise(bounds):
         for node in cover(root, first, end):
-            partials[node] = tree_sum(node, lambda _: None, lambda i: vectors[i].clone())
+            partials[node] = tree_sum(node, lambda i: vectors[i].clone())
 
     def no_leaf(micro: int) -> torch.Tensor:
         raise AssertionError(micro)
 
-    return tree_sum(root, partials.get, no_leaf)
+    return tree_sum(root, no_leaf, partials)
 
 
 @st.composite

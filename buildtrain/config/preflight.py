@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from buildtrain.config.loader import LoadedPreset, Problem, key_text
-from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig, world_size_problem
 
 GIB = 1 << 30
 
@@ -77,19 +77,6 @@ def machine_memory() -> int:
 def cuda_available() -> bool:
     """Whether a CUDA device is visible, asked without importing torch."""
     return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
-
-
-def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
-    """Why `world_size` processes cannot share this stage's micro-batches evenly, if they cannot."""
-    micro_batches = train.batch_size // train.micro_batch_size
-    if micro_batches % world_size == 0:
-        return None
-    fitting = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
-    return (
-        f"{train.batch_size} // {train.micro_batch_size} = {micro_batches} micro-batches per step cannot be "
-        f"shared by {world_size} processes; use a world size in {fitting}, or a micro_batch_size that "
-        f"makes the micro-batches a multiple of {world_size} (the batch stays the same; the plan hash changes)"
-    )
 
 
 def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list[Path]], list[str]]:

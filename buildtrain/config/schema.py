@@ -146,6 +146,22 @@ class TrainConfig:
             raise ValueError(f"{value} exceeds train.steps {self.steps}")
 
 
+def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
+    """Why `world_size` processes cannot share this stage's micro-batches evenly, if they cannot.
+
+    Not a field validator: the world size is a property of the run, not of the preset.
+    """
+    micro_batches = train.batch_size // train.micro_batch_size
+    if micro_batches % world_size == 0:
+        return None
+    fitting = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
+    return (
+        f"{train.batch_size} // {train.micro_batch_size} = {micro_batches} micro-batches per step cannot be "
+        f"shared by {world_size} processes; use a world size in {fitting}, or a micro_batch_size that "
+        f"makes the micro-batches a multiple of {world_size} (the batch stays the same; the plan hash changes)"
+    )
+
+
 @attrs.frozen(kw_only=True)
 class EvalConfig:
     """Held-out evaluation, after training and optionally during it."""

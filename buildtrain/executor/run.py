@@ -22,8 +22,7 @@ from typing import Any
 import attrs
 
 from buildtrain.config.convert import converter
-from buildtrain.config.preflight import world_size_problem
-from buildtrain.config.schema import NumericsConfig, TrainConfig
+from buildtrain.config.schema import NumericsConfig, TrainConfig, world_size_problem
 from buildtrain.errors import (
     BuildtrainError,
     CorruptObject,

@@ -33,7 +33,11 @@ class Ranks:
 
     def __init__(self, rank: int = 0, world: int = 1, device: str = "cpu") -> None:
         self.rank, self.world, self.device = rank, world, device
-        self.lead = rank == 0
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: reads and writes checkpoints, keeps the trace, evaluates, publishes."""
+        return self.rank == 0
 
     @classmethod
     def from_environment(cls, device: str) -> Ranks:
@@ -100,7 +104,7 @@ class Ranks:
             )
         pieces = iter(received.split(shard))
         known = {node: next(pieces) for rank_nodes in nodes for node in rank_nodes}
-        total = tree_sum(root, known.get, _no_leaf)
+        total = tree_sum(root, _no_leaf, known)
         gathered = torch.empty(self.world * shard, device=total.device)
         with self._peers("the gradient exchange"):
             dist.all_gather(list(gathered.split(shard)), total)  # straight into one vector

@@ -14,7 +14,7 @@ size either.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -39,21 +39,20 @@ def cover(node: Node, first: int, end: int) -> list[Node]:
 
 
 def tree_sum(
-    node: Node, value: Callable[[Node], torch.Tensor | None], leaf: Callable[[int], torch.Tensor]
+    node: Node, leaf: Callable[[int], torch.Tensor], known: Mapping[Node, torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """Evaluate `node` depth first: a known partial sum if `value` has one, a leaf, or left + right.
+    """Evaluate `node` depth first: a partial sum from `known` if it has one, a leaf, or left + right.
 
     Depth first keeps at most one pending vector per tree level, not one per micro-batch.
     """
-    known = value(node)
-    if known is not None:
-        return known
+    if known is not None and node in known:
+        return known[node]
     lo, hi = node
     if hi - lo == 1:
         return leaf(lo)
     left, right = children(node)
-    total = tree_sum(left, value, leaf)
-    total += tree_sum(right, value, leaf)  # in place, the same bits as left + right
+    total = tree_sum(left, leaf, known)
+    total += tree_sum(right, leaf, known)  # in place, the same bits as left + right
     return total
 
 

@@ -212,7 +212,7 @@ def batch_gradient(
             parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
         return flatten(parameters, backward(micro))
 
-    partials = {node: tree_sum(node, lambda _: None, leaf) for node in cover((0, micro_batches), first, end)}
+    partials = {node: tree_sum(node, leaf) for node in cover((0, micro_batches), first, end)}
     return unflatten(ranks.finish_tree(partials, micro_batches), parameters)
 
 
