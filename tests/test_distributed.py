@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MICRO, plan_hash, run_bt, step_digests
-from test_resume import start, wait_for_step
+from test_resume import events, resume, start, train_hash, wait_for_step
 
 from buildtrain.errors import ExitCode
 from buildtrain.store.store import Store
@@ -26,17 +26,9 @@ FOUR_MICRO_BATCHES = ("--set", "train.micro_batch_size=1")
 ALLREDUCE = ("--set", "train.reduction='allreduce'")
 
 
-def build(store: Path, planned: str, *args: str, env: dict[str, str] | None = None) -> dict[str, str]:
+def build(store: Path, planned: str, *args: str) -> dict[str, str]:
     """Build the train step (and its data) of a plan; the train step's digests."""
-    result = run_bt(
-        "run", planned, "--target", "train:main", "--progress", "off", *args, store=store, env=env
-    )
-    assert result.returncode == 0, result.stderr
-    return step_digests(store, planned)["train:main"]
-
-
-def train_work(store: Path, planned: str) -> Path:
-    return Store(store).work_dir(Store(store).load_plan(planned).by_label("train:main").hash)
+    return resume(planned, store, store.parent / "experiments", *args)["train:main"]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +79,9 @@ def test_a_run_killed_at_one_world_size_resumes_at_another(
         assert f"rank {last_rank} of {killed_at} was killed by SIGKILL" in killed.stderr
     assert "Traceback" not in killed.stderr
     assert "train:main" not in step_digests(store, planned)  # nothing partial was published
-    saved = sorted(p.name for p in (train_work(store, planned) / "checkpoints").iterdir())
+    saved = sorted(
+        p.name for p in (Store(store).work_dir(train_hash(store, planned)) / "checkpoints").iterdir()
+    )
     assert saved == ["step-000004"]
 
     assert build(store, planned, "--nproc", str(resumed_at)) == reference
@@ -105,6 +99,10 @@ def test_sigterm_stops_every_rank_at_the_same_update(
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == ExitCode.INTERRUPTED, stderr
     assert f"resume with: bt run {planned}" in stderr
+    stopped = {event["rank"]: event["message"] for event in events(experiments, "interrupted")}
+    saved = events(experiments, "checkpoint_saved")[-1]["step"]
+    assert set(stopped) == {0, 1}
+    assert all(f"after step {saved};" in message for message in stopped.values()), stopped
     assert build(store, planned) == reference  # resumed on one process
 
 

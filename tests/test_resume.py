@@ -62,9 +62,18 @@ def train_hash(store: Path, planned: str, label: str = "train:main") -> str:
     return Store(store).load_plan(planned).by_label(label).hash
 
 
-def resume(planned: str, store: Path, experiments: Path, target: str = "train:main", **env: str) -> dict:
+def resume(
+    planned: str, store: Path, experiments: Path, *args: str, target: str = "train:main", **env: str
+) -> dict:
+    """`bt run PLAN --target TARGET ARGS` to completion; the digests of every built step."""
     result = run_bt(
-        "run", planned, "--target", target, store=store, env={"BT_EXPERIMENTS": str(experiments), **env}
+        "run",
+        planned,
+        "--target",
+        target,
+        *args,
+        store=store,
+        env={"BT_EXPERIMENTS": str(experiments), **env},
     )
     assert result.returncode == 0, result.stderr
     return step_digests(store, planned)

@@ -75,7 +75,6 @@ def execute(job: dict[str, Any], log: Any) -> int:
         ranks = extra["ranks"] = Ranks.from_environment(job["numerics"]["device"])
         lead = ranks.lead
         if ranks.world > 1:
-            log = log.bind(rank=ranks.rank, world_size=ranks.world)
             log.info("rank_started", pid=os.getpid())
         ranks.agree_on(step.hash, step.label)
 
@@ -159,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(2, 1)
     stream = os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
     log = configure_logging(stream)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: every event says whose it is
+        log = log.bind(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     job = json.loads(Path(args.job).read_text(encoding="utf-8"))
     try:
         return execute(job, log)
