@@ -15,6 +15,8 @@ from buildtrain.store.store import Store
 
 FINETUNE_LR = "stages.finetune.train.lr=5e-4"
 LABELS = ["data:pretrain", "train:pretrain", "data:finetune", "train:finetune", "eval", "export"]
+# What FINETUNE_LR does to each step: the pretrain stage and the finetune data are reused.
+FINETUNE_LR_STATUS = dict.fromkeys(LABELS[:3], "reused") | dict.fromkeys(LABELS[3:], "invalidated")
 
 
 def hashes(plan: Plan) -> dict[str, str]:
@@ -76,14 +78,7 @@ def test_diff_plans_names_keys_and_reasons(tmp_path: Path) -> None:
     changes, steps = diff_plans(before, after)
     assert changes == [Change("stages[1].train.lr", 1e-3, 5e-4)]
     status = {s.label: s.status for s in steps}
-    assert status == {
-        "data:pretrain": "reused",
-        "train:pretrain": "reused",
-        "data:finetune": "reused",
-        "train:finetune": "invalidated",
-        "eval": "invalidated",
-        "export": "invalidated",
-    }
+    assert status == FINETUNE_LR_STATUS
     reasons = {s.label: s.reasons for s in steps}
     assert reasons["train:finetune"] == ("config train.lr",)
     assert reasons["eval"] == ("input weights (train:finetune) changed",)
@@ -124,14 +119,7 @@ def test_bt_diff_says_what_changed_and_what_is_reused(tmp_path: Path, store: Pat
     assert lines[0] == f"plan {before.hash[:12]} -> {after.hash[:12]}"
     assert "  stages[1].train.lr: 0.001 -> 0.0005" in lines
     status = {line.split()[0]: line.split()[1].rstrip(":") for line in lines if line.split()[0] in LABELS}
-    assert status == {
-        "data:pretrain": "reused",
-        "train:pretrain": "reused",
-        "data:finetune": "reused",
-        "train:finetune": "invalidated",
-        "eval": "invalidated",
-        "export": "invalidated",
-    }
+    assert status == FINETUNE_LR_STATUS
     assert any(line.split()[0] == "train:finetune" and "config train.lr" in line for line in lines)
     assert lines[-1] == "3 step(s) to rebuild, 3 reused"
 
