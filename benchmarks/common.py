@@ -17,6 +17,7 @@ import argparse
 import compileall
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import shutil
@@ -33,6 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "buildtrain"
 TINY = REPO / "presets" / "tiny.toml"
+WARM_UPDATES = 3  # updates left out of a run's throughput: the processes are still warming up
 
 
 # -- statistics and formatting --------------------------------------------------------------------
@@ -333,3 +335,19 @@ def age_files(paths: Sequence[Path], seconds: float = 3600.0) -> None:
     past = time.time() - seconds
     for path in paths:
         os.utime(path, (past, past))
+
+
+# -- run records ----------------------------------------------------------------------------------
+
+
+def updates_per_second(experiments: Path) -> float:
+    """Median tokens/s over the updates rank 0 logged in a run record, after the first few."""
+    (record,) = experiments.iterdir()
+    rates = []
+    for line in (record / "train.log").read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "train_step" and event["step"] > WARM_UPDATES:
+            rates.append(float(event["tokens_per_s"]))
+    if not rates:
+        raise RuntimeError(f"no train_step events in {record}")
+    return median(rates)

@@ -31,7 +31,6 @@ Run: python benchmarks/distributed.py [--quick] [--one-process]
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
 from common import (  # noqa: E402
     TINY,
+    WARM_UPDATES,
     Workspace,
     alternate,
     fmt_ratio,
@@ -54,26 +54,13 @@ from common import (  # noqa: E402
     print_table,
     ratio,
     rounds,
+    updates_per_second,
     workspace,
 )
 
 MICRO_BATCHES = ("train.micro_batch_size=4",)
 # tiny at width 256 and depth 4 (about 3.4M parameters, 13 MB of gradient per exchange)
 WIDE = ["model.dim=256", "model.n_layers=4", "model.ffn_hidden=704"]
-WARM_UPDATES = 3
-
-
-def updates_per_second(experiments: Path) -> float:
-    """Median tokens/s over the updates rank 0 logged, after the first few."""
-    (record,) = experiments.iterdir()
-    rates = []
-    for line in (record / "train.log").read_text().splitlines():
-        event = json.loads(line)
-        if event.get("event") == "train_step" and event["step"] > WARM_UPDATES:
-            rates.append(float(event["tokens_per_s"]))
-    if not rates:
-        raise RuntimeError(f"no train_step events in {record}")
-    return median(rates)
 
 
 def compare(space: Workspace, n: int, size: str, overrides: list[str], steps: int) -> float:

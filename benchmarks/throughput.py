@@ -29,6 +29,10 @@ visible separately.
 The table also gives tokens per CPU-second of each process as a cross-check (a busy machine
 inflates wall time more than CPU time); the goals use wall time.
 
+One process: under portable buildtrain computes on one thread (bits independent of the thread
+count; benchmarks/thread_invariance.py compares that with the ranks a large step runs on), while
+plain and native use --threads.
+
 Goals: buildtrain native >= 0.95 x plain; buildtrain portable >= 0.70 x plain (the plain loop as a
 user would run it, i.e. in the native environment). "plain, portable env" shows how much of the
 portable gap is the profile itself rather than buildtrain.
@@ -183,7 +187,7 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
     numerics.check_before_import(spec["profile"], "cpu", spec["threads"])
     import torch
 
-    numerics.apply_after_import(torch, "cpu", spec["threads"])
+    numerics.apply_after_import(torch, spec["profile"], "cpu", spec["threads"])
     from buildtrain.steps.context import StepContext
     from buildtrain.steps.train.step import make_job
     from buildtrain.steps.train.trainer import Hooks, StopRequest, train

@@ -285,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--threads",
         type=_positive,
-        help="intra-op threads per process for a portable plan (default: the preset's, or the cores "
-        "shared among --nproc processes)",
+        help="cores to compute with (default: the preset's numerics.threads, or all, shared among "
+        "--nproc processes); a portable plan computes with one thread per process and runs a large "
+        "train step on several, a native plan runs the thread count its hash pins",
     )
     sub.add_argument(
         "--experiments",
@@ -329,7 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--resume-at", metavar="N[,M]", help="hard-kill the re-execution after these steps and resume"
     )
-    sub.add_argument("--threads", type=_positive, help="re-execute with this many threads (portable plans)")
+    sub.add_argument(
+        "--threads",
+        type=_positive,
+        help="re-execute with this many cores (portable plans; see bt run --help)",
+    )
     sub.add_argument(
         "--steps", type=_positive, metavar="N", help="spot check: only the first N steps of each train stage"
     )

@@ -23,12 +23,27 @@ PROFILE_KEYS = (
 )
 
 
-def test_portable_cpu_pins_the_isa_and_threads() -> None:
-    env = numerics.environment("portable", "cpu", 3)
+@pytest.mark.parametrize("threads", [1, 3, 16, 64])
+def test_portable_cpu_pins_the_isa_and_one_thread_per_process(threads: int) -> None:
+    env = numerics.environment("portable", "cpu", threads)
     assert env["MKL_CBWR"] == "AVX2,STRICT"
     assert env["ATEN_CPU_CAPABILITY"] == "avx2"
-    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
     assert "CUBLAS_WORKSPACE_CONFIG" not in env
+
+
+@pytest.mark.parametrize(
+    ("cores", "micro_batches", "expected"),
+    [(1, 8, 1), (2, 8, 2), (3, 8, 2), (7, 8, 4), (16, 8, 8), (64, 6, 6), (4, 3, 3), (5, 7, 1)],
+)
+def test_portable_ranks_are_the_largest_divisor_of_the_micro_batches_within_the_cores(
+    cores: int, micro_batches: int, expected: int
+) -> None:
+    assert numerics.portable_ranks(cores, micro_batches, numerics.RANKS_MIN_FLOP) == expected
+
+
+def test_a_small_portable_step_stays_on_one_process() -> None:
+    assert numerics.portable_ranks(16, 8, numerics.RANKS_MIN_FLOP / 2) == 1
 
 
 def test_native_cpu_sets_only_threads() -> None:
@@ -96,8 +111,8 @@ def test_check_before_import_names_a_missing_variable(dropped: str) -> None:
 
 
 def test_check_before_import_refuses_a_wrong_value() -> None:
-    env = numerics.environment("portable", "cpu", 2)
-    error = check_in_fresh_process("portable", "cpu", 1, env)  # started for 2 threads, asked for 1
+    env = numerics.environment("native", "cpu", 2)
+    error = check_in_fresh_process("native", "cpu", 1, env)  # started for 2 threads, asked for 1
     assert error is not None and "OMP_NUM_THREADS" in error
 
 
@@ -108,9 +123,11 @@ def test_check_before_import_refuses_after_torch_in_a_fresh_process() -> None:
 
 
 def test_apply_after_import_sets_threads_and_deterministic_algorithms() -> None:
+    """(The portable profile's single thread is tested with the building blocks, in
+    test_thread_invariance.py.)"""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
-        applied = numerics.apply_after_import(torch, "cpu", 1)
+        applied = numerics.apply_after_import(torch, "native", "cpu", 1)
         assert torch.get_num_threads() == 1
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()  # error mode, not warn

@@ -189,7 +189,10 @@ class NumericsConfig:
         "float32", "compute dtype: float32 or bfloat16 (autocast)", one_of("float32", "bfloat16")
     )
     threads: int = setting(
-        0, "intra-op threads (0 = all cores); pinned in the hash only under native", at_least(0)
+        0,
+        "cores to compute with (0 = all): under native, intra-op threads, pinned in the hash; under "
+        "portable, single-threaded processes, which leave the hash and the bits unchanged",
+        at_least(0),
     )
 
 

@@ -1,13 +1,23 @@
-"""The numerics profile, in two halves: the environment a step's process starts with, and the
-torch settings applied right after `import torch` in that process.
+"""The numerics profile, in three parts: the environment a step's process starts with, the torch
+settings applied right after `import torch` in that process, and how a profile turns a machine's
+cores into processes and threads.
 
-The environment half matters most: MKL's conditional numerical reproducibility (MKL_CBWR) and the
-ATen/oneDNN instruction-set caps are read once, when the libraries load, so they must be in the
-process environment before torch is imported; setting them later silently does nothing. That is
-why every computing step runs in a child process started with this environment.
+The environment matters most: MKL's conditional numerical reproducibility (MKL_CBWR), the
+ATen/oneDNN instruction-set caps and the thread counts are read once, when the libraries load, so
+they must be in the process environment before torch is imported; setting them later silently
+does nothing. That is why every computing step runs in a child process started with this
+environment.
 
-Measured on torch 2.13 CPU (see README, Reproducibility): with the portable settings a training
-loop is bit-identical at 1 and 2 threads; without them, 1 and 2 threads give different weights.
+Why `portable` computes on one thread per process: ATen cuts elementwise and reduction work into
+min(threads, ceil(n / 32,768)) chunks, and the bits depend on where the cuts fall (a chunk's tail
+takes the scalar path, whose SiLU and sigmoid round differently from the vector path; a whole-tensor
+sum is added up per chunk). Measured on torch 2.13 CPU under the portable environment
+(benchmarks/thread_invariance.py): SiLU, its gradient and sigmoid differ from 3 threads on, sums of
+90k elements already at 2. Which kernels are affected depends on the shapes, the torch build and
+the CPU, so a list of safe kernels proves nothing about the next model. One thread per process
+has a single chunk per op whatever the machine, so its bits cannot depend on the thread count; a
+machine's cores work as ranks instead, which the `invariant` gradient tree makes exact at any
+world size.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import sys
 from typing import Any
 
 # Pin MKL to its AVX2 code path in strict CNR mode and cap ATen's and oneDNN's kernels at AVX2, so
-# that reductions are computed in the same order on any AVX2 x86-64 CPU, whatever the thread count.
+# that the same kernels run on any AVX2 x86-64 CPU.
 PORTABLE_CPU = {
     "MKL_CBWR": "AVX2,STRICT",
     "ATEN_CPU_CAPABILITY": "avx2",
@@ -27,11 +37,39 @@ PORTABLE_CPU = {
 # cuBLAS needs a fixed workspace configuration for deterministic results; read when CUDA starts.
 CUDA_DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
+# A train step under `portable` shares its cores out as single-threaded ranks only when the step is
+# big enough for the extra start-up (torchrun and one more `import torch`, about 3 s here) to pay:
+# presets/tiny.toml (about 1.2e11 FLOP) ran in the same wall time on 1 process and on 2 ranks on
+# the 2-core development machine, and larger steps gain up to the core count (see the README).
+RANKS_MIN_FLOP = 2e11
+
+
+def portable_cpu(profile: str, device: str) -> bool:
+    return profile == "portable" and device == "cpu"
+
+
+def intra_op_threads(profile: str, device: str, threads: int) -> int:
+    """The threads one process computes with: one under portable on the CPU (see above)."""
+    return 1 if portable_cpu(profile, device) else threads
+
+
+def portable_ranks(cores: int, micro_batches: int, step_flop: float) -> int:
+    """How many single-threaded ranks a portable train step uses on `cores` cores.
+
+    The ranks share an update's micro-batches evenly, so the most that fit is the largest divisor
+    of the micro-batch count not above the cores; a step too small to repay the start-up of
+    several processes runs on one. Only speed depends on this choice, never the bits.
+    """
+    if step_flop < RANKS_MIN_FLOP:
+        return 1
+    return max(n for n in range(1, min(cores, micro_batches) + 1) if micro_batches % n == 0)
+
 
 def environment(profile: str, device: str, threads: int) -> dict[str, str]:
     """Environment variables a step process needs for this profile, device and thread count."""
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    if device == "cpu" and profile == "portable":
+    count = str(intra_op_threads(profile, device, threads))
+    env = {"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count}
+    if portable_cpu(profile, device):
         env.update(PORTABLE_CPU)
     if device == "cuda":
         env.update(CUDA_DETERMINISTIC)
@@ -47,11 +85,12 @@ def check_before_import(profile: str, device: str, threads: int) -> None:
         raise RuntimeError(f"the step process was started without the numerics environment: {missing}")
 
 
-def apply_after_import(torch: Any, device: str, threads: int) -> dict[str, Any]:
+def apply_after_import(torch: Any, profile: str, device: str, threads: int) -> dict[str, Any]:
     """Torch-level settings; returns what was set, for the log."""
-    torch.set_num_threads(threads)
+    count = intra_op_threads(profile, device, threads)
+    torch.set_num_threads(count)
     torch.use_deterministic_algorithms(True)  # error, not warn, on a nondeterministic kernel
-    applied: dict[str, Any] = {"threads": threads, "deterministic_algorithms": True}
+    applied: dict[str, Any] = {"threads": count, "deterministic_algorithms": True}
     if device == "cuda":
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import NumericsConfig, TrainConfig, world_size_problem
+from buildtrain.config.schema import ModelConfig, NumericsConfig, TrainConfig, world_size_problem
 from buildtrain.errors import (
     BuildtrainError,
     CorruptObject,
@@ -197,6 +197,24 @@ class Outcome:
     world_size: int = 1
 
 
+def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Launch) -> Launch:
+    """The processes a step runs on: `launch` as given, except that a portable train step on one
+    process shares its `threads` cores out as single-threaded ranks (see `numerics`)."""
+    if step.kind != "train" or launch != SINGLE_PROCESS:
+        return launch
+    if not numerics.portable_cpu(settings.profile, settings.device) or threads == 1:
+        return launch
+    train = converter.structure(step.config["train"], TrainConfig)
+    if train.reduction != "invariant":
+        return launch  # the world size of an allreduce plan is fixed by its hash
+    from buildtrain.config.preflight import parameter_count  # only once a train step computes
+
+    flop = 6 * parameter_count(converter.structure(step.config["model"], ModelConfig))
+    flop *= train.batch_size * train.seq_len * train.steps
+    nproc = numerics.portable_ranks(threads, train.batch_size // train.micro_batch_size, flop)
+    return attrs.evolve(launch, nproc=nproc)
+
+
 def spawn(
     store: Store,
     plan: Plan,
@@ -209,6 +227,7 @@ def spawn(
 ) -> Outcome:
     """Run one step in a worker process, or a train step on `launch.world_size` ranks."""
     settings = plan_numerics(plan)
+    launch = step_launch(settings, step, threads, launch)
     job = {
         "store": str(store.root),
         "plan": plan.hash,
@@ -472,18 +491,21 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     check_world_size(steps, launch.world_size)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash))
     reporter = Reporter(options.progress, options.log_every)
-    processes = (
-        f"{launch.world_size} processes x {threads} threads"
-        if launch.world_size > 1
-        else f"{threads} threads"
-    )
+    settings = plan_numerics(plan)
+    per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
+    if launch.world_size > 1:
+        processes = f"{launch.world_size} processes x {per_process} threads"
+    elif per_process != threads:
+        processes = f"{threads} cores, one thread per process"
+    else:
+        processes = f"{threads} threads"
     node = f", node {launch.node_rank} of {launch.nnodes}" if launch.nnodes > 1 else ""
     reporter.say(
         f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {processes}{node}) -> {record.folder}"
     )
     record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid(), **attrs.asdict(launch))
     cores = os.cpu_count() or 1
-    if launch.nproc * threads > cores and any(step.kind == "train" for step in steps):
+    if launch.nproc * per_process > cores and any(step.kind == "train" for step in steps):
         fix = (
             "this native plan pins its thread count: plan it with fewer numerics.threads"
             if pinned_threads(plan) is not None

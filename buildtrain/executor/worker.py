@@ -63,7 +63,9 @@ def execute(job: dict[str, Any], log: Any) -> int:
         numerics.check_before_import(settings["profile"], settings["device"], settings["threads"])
         import torch  # only now: the numerics environment is in place
 
-        applied = numerics.apply_after_import(torch, settings["device"], settings["threads"])
+        applied = numerics.apply_after_import(
+            torch, settings["profile"], settings["device"], settings["threads"]
+        )
         log.info("numerics_applied", profile=settings["profile"], **applied)
 
     extra: dict[str, Any] = {}
