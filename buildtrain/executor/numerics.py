@@ -38,10 +38,11 @@ PORTABLE_CPU = {
 CUDA_DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 # A train step under `portable` shares its cores out as single-threaded ranks only when the step is
-# big enough for the extra start-up (torchrun and one more `import torch`, about 3 s here) to pay:
-# presets/tiny.toml (about 1.2e11 FLOP) ran in the same wall time on 1 process and on 2 ranks on
-# the 2-core development machine, and larger steps gain up to the core count (see the README).
-RANKS_MIN_FLOP = 2e11
+# big enough for the extra start-up (torchrun and one more `import torch`, about 3 s here) to pay.
+# On the 2-core development machine two ranks ran updates 1.6x faster than one process at 3.4M
+# parameters, which repays 3 s from about 8 s of single-process work: 4e11 FLOP at that model's
+# 53 GFLOP/s. presets/tiny.toml (1.2e11 FLOP) took the same wall time either way.
+RANKS_MIN_FLOP = 5e11
 
 
 def portable_cpu(profile: str, device: str) -> bool:

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel where torch has one
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
@@ -47,7 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Dropout drawn from an explicit generator (off when there is none, as in evaluation)."""
+    """Dropout drawn from an explicit generator on x's device (off when there is none, as in
+    evaluation)."""
     if generator is None or p == 0.0:
         return x
     keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
@@ -70,9 +71,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeats = self.n_heads // self.n_kv_heads  # each key/value head serves a group of query heads
-        k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        # Each key/value head serves a group of query heads; SDPA reads them in place, no copies.
+        gqa = self.n_heads != self.n_kv_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -116,12 +117,19 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.embedding.weight
+        # cos and sin by (length, device): computed once, not per forward (nor copied to a GPU
+        # per forward); not parameters, so never in a checkpoint.
+        self.rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if (length, device) not in self.rope:
+            cos, sin = rope_tables(self.config.dim // self.config.n_heads, length, self.config.rope_theta)
+            self.rope[(length, device)] = (cos.to(device), sin.to(device))
+        return self.rope[(length, device)]
 
     def forward(self, tokens: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T)."""
-        _, T = tokens.shape
-        cos, sin = rope_tables(self.config.dim // self.config.n_heads, T, self.config.rope_theta)
-        cos, sin = cos.to(tokens.device), sin.to(tokens.device)
+        cos, sin = self.rope_for(tokens.shape[1], tokens.device)
         x = dropout(self.embedding(tokens), self.config.dropout, generator)  # (B, T, C)
         for block in self.blocks:
             x = block(x, cos, sin, generator)

@@ -33,7 +33,7 @@ from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.reduce import cover, flatten, tree_sum, unflatten
 from buildtrain.steps.train.schedule import learning_rate
-from buildtrain.steps.train.state import digests, load_model, state_tensors
+from buildtrain.steps.train.state import checksums, digests, load_model, state_tensors
 from buildtrain.store.tensors import combine
 
 TENSOR_DIGEST_CHARS = 16
@@ -44,8 +44,9 @@ def float_bits(value: float) -> str:
     return struct.pack(">f", value).hex()
 
 
-def seeded(seed: int, purpose: str, *counters: int) -> torch.Generator:
-    generator = torch.Generator()
+def seeded(seed: int, purpose: str, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one purpose; on the device that draws from it (CUDA kernels refuse a CPU one)."""
+    generator = torch.Generator(device=device)
     generator.manual_seed(derive_seed(seed, purpose, *counters))
     return generator
 
@@ -151,7 +152,9 @@ def trace_entry(
 
     Weights are digested every `digest_every` updates, the whole state (weights and AdamW moments)
     at every regular checkpoint step and at the end. Only the cadence decides, never an
-    interruption, so the trace of a resumed run equals that of an uninterrupted one.
+    interruption, so the trace of a resumed run equals that of an uninterrupted one. Between
+    checkpoints, weights on a GPU are checksummed where they are (`state.checksums`) instead of
+    copied to the host for blake3.
     """
     entry: dict[str, Any] = {
         "step": step,
@@ -164,7 +167,8 @@ def trace_entry(
     if not (full or step % cfg.digest_every == 0):
         return entry, {}
     tensors = state_tensors(model, optimizer if full else None)
-    tensor_digests = digests(tensors)
+    on_host = full or next(model.parameters()).device.type == "cpu"
+    tensor_digests = digests(tensors) if on_host else checksums(tensors)
     entry["weights"] = combine({k: v for k, v in tensor_digests.items() if k.startswith("model.")})
     if full:
         entry["state"] = combine(tensor_digests)
@@ -190,8 +194,11 @@ def batch_gradient(
 
     def backward(micro: int) -> torch.Tensor:
         x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
-        x, y = x.to(device), y.to(device)
-        generator = seeded(cfg.seed, "dropout", step, micro) if job.model.dropout else None
+        if device.type == "cuda":  # copied from page-locked memory, without waiting for the GPU
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        else:
+            x, y = x.to(device), y.to(device)
+        generator = seeded(cfg.seed, "dropout", step, micro, device=device) if job.model.dropout else None
         with autocast:
             logits = model(x, generator)  # (B, T, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
@@ -301,15 +308,15 @@ def train(
 
         with out_of_memory_fails(step, job.work):
             loss_sum = batch_gradient(model, batches, cursor, step, job, device, autocast, ranks)
-            loss_value = loss_sum.item()
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            loss_value, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one sync
             if not math.isfinite(loss_value):
                 raise StepFailed(
                     f"loss is {loss_value} at step {step}; nothing was written for this step "
                     f"(newest checkpoint: {newest(job.work)}). "
                     "Lower train.lr or raise train.warmup_steps."
                 )
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
             optimizer.step()
             optimizer.zero_grad()
         cursor += cfg.batch_size

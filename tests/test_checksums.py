@@ -1,0 +1,72 @@
+"""Per-update checksums of the weights, computed where the weights live (the GPU's record between
+checkpoints): exact integer sums, so the same on any device and thread count, and sensitive to a
+change in any element or to two elements trading places."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buildtrain.steps.train.state import checksums
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def values(size: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.integers(1, 100_000),
+    seed=st.integers(0, 2**16),
+    where=st.floats(0, 1, exclude_max=True),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_changing_one_element_changes_the_checksum(size: int, seed: int, where: float, dtype) -> None:
+    tensor = values(size, seed, dtype)
+    changed = tensor.clone()
+    index = int(where * size)
+    changed.view(-1).view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[index] ^= 1  # one bit
+    assert checksums({"w": changed})["w"] != checksums({"w": tensor})["w"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(size=st.integers(2, 50_000), seed=st.integers(0, 2**16), data=st.data())
+def test_two_elements_trading_places_change_the_checksum(size: int, seed: int, data) -> None:
+    tensor = values(size, seed)
+    i, j = data.draw(st.lists(st.integers(0, size - 1), min_size=2, max_size=2, unique=True))
+    if tensor[i] == tensor[j]:
+        return
+    swapped = tensor.clone()
+    swapped[[i, j]] = swapped[[j, i]]
+    assert checksums({"w": swapped})["w"] != checksums({"w": tensor})["w"]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8, 16])
+def test_checksums_do_not_depend_on_the_thread_count(threads: int) -> None:
+    tensors = {"a": values(300_000, 1), "b": values(70_001, 2, torch.bfloat16)}
+    reference = checksums(tensors)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert checksums(tensors) == reference
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_names_map_to_their_own_checksums_and_empty_tensors_work() -> None:
+    a, b = values(1000, 3), values(1000, 4)
+    both = checksums({"b": b, "a": a, "empty": torch.zeros(0)})
+    assert list(both) == ["a", "b", "empty"]
+    assert both["a"] == checksums({"a": a})["a"] != both["b"]
+    assert all(len(value) == 16 and int(value, 16) >= 0 for value in both.values())
+
+
+@CUDA
+def test_a_gpu_computes_the_checksums_of_the_host() -> None:
+    tensors = {"a": values(300_000, 5), "b": values(4096, 6, torch.bfloat16)}
+    on_device = {name: tensor.cuda() for name, tensor in tensors.items()}
+    assert checksums(on_device) == checksums(tensors)
