@@ -188,6 +188,11 @@ class NumericsConfig:
     dtype: str = setting(
         "float32", "compute dtype: float32 or bfloat16 (autocast)", one_of("float32", "bfloat16")
     )
+    compile: bool = setting(
+        False,
+        "run the train step's model through torch.compile: faster on a GPU, deterministic, but not "
+        "the bits of eager execution, so it enters the train step's hash",
+    )
     threads: int = setting(
         0,
         "cores to compute with (0 = all): under native, intra-op threads, pinned in the hash; under "

@@ -126,6 +126,8 @@ def fingerprint(
     if world_size is not None:
         facts["world_size"] = world_size
     facts.update(torch=torch_build(), device=numerics.device, dtype=numerics.dtype, profile=numerics.profile)
+    if kind == "train" and numerics.compile:
+        facts["compile"] = True  # only when set: an eager plan keeps the fingerprint it had
     if numerics.device == "cuda":
         facts.update(cuda_facts())
     if numerics.profile == "portable":

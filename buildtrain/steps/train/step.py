@@ -39,6 +39,7 @@ def make_job(ctx: StepContext) -> TrainJob:
         eval=converter.structure(config["eval"], EvalConfig) if "eval" in config else None,
         device=numerics["device"],
         dtype=numerics["dtype"],
+        compile=numerics.get("compile", False),
         data=(data_dir, read_json(data_dir / DATA_INDEX)),
         init_weights=final_weights(init) if init is not None else None,
         work=ctx.store.work_dir(ctx.step.hash) / "checkpoints",

@@ -60,6 +60,7 @@ class TrainJob:
     eval: EvalConfig | None
     device: str
     dtype: str
+    compile: bool = False  # the forward pass through torch.compile (numerics.compile)
     data: tuple[Path, dict[str, Any]]  # the data step's output folder and its index
     init_weights: Path | None
     work: Path  # checkpoints of this step in progress
@@ -298,6 +299,9 @@ def train(
         )
         return watch is not None and watch(entry, tensors or state_tensors(model, optimizer))
 
+    # Compiled: the same parameters, a generated forward and backward (imports torch._dynamo, so
+    # only when asked for).
+    compute = torch.compile(model) if job.compile else model
     model.train()
     while step < last:
         started = time.perf_counter()
@@ -307,7 +311,7 @@ def train(
             group["lr"] = lr
 
         with out_of_memory_fails(step, job.work):
-            loss_sum = batch_gradient(model, batches, cursor, step, job, device, autocast, ranks)
+            loss_sum = batch_gradient(compute, batches, cursor, step, job, device, autocast, ranks)
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             loss_value, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one sync
