@@ -187,7 +187,7 @@ def main() -> int:
     n = rounds(args, quick=2, full=5)
     sizes = [("tiny", [], 20 if args.quick else 40)]
     if not args.quick:
-        sizes.append(("3.4M parameters", WIDE, 20))
+        sizes.append(("3.4M parameters", WIDE, 40))  # 8e11 FLOP: large enough for ranks
 
     with workspace("thread-invariance", args) as space:
         print_header("thread invariance: one thread per process vs intra-op threads", args, space)
