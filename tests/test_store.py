@@ -135,7 +135,7 @@ def test_manifest_rewritten_non_canonically_is_rejected(tmp_path: Path) -> None:
 def test_commit_renames_into_place_creating_parents(tmp_path: Path) -> None:
     temporary = tmp_path / "tmp" / "step.abc"
     write_tree(temporary, {"a.bin": b"data"})
-    objects.seal(temporary)
+    objects.seal(temporary, name="abc")  # the name it will be found under
     final = tmp_path / "steps" / "deep" / "abc"
     objects.commit(temporary, final)
     assert not temporary.exists()
