@@ -201,11 +201,14 @@ def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> Non
     assert resumed is not None and resumed.step == 1
     assert skips.calls == [("step-000002", "belongs to another configuration (seed)")]
     assert_same_tensors(snapshot(restored, restored_optimizer), at_one)
+    # A skipped checkpoint is moved out of the candidates, so it never counts among those kept.
+    assert checkpoint.candidates(folder) == [(1, folder / "step-000001")]
+    assert len(list(folder.glob("damaged-step-000002.*"))) == 1
 
     skips = Skips()
     other = {**IDENTITY, "step_hash": "b" * 64}
     assert checkpoint.load_newest(folder, *fresh(), other, skips) is None
-    assert [name for name, _ in skips.calls] == ["step-000002", "step-000001"]
+    assert [name for name, _ in skips.calls] == ["step-000001"]
 
 
 def test_no_checkpoints_means_start_fresh(tmp_path: Path) -> None:
