@@ -321,7 +321,8 @@ def read_meta(path: Path, plan_hash: str) -> dict[str, Any] | None:
     try:
         if path.is_symlink() or not path.is_file():
             return None
-        body = json.loads(path.read_bytes())
+        raw = path.read_bytes()
+        body = json.loads(raw)
         claimed = body.pop("seal")
         if (
             body.get("format") != META_FORMAT
@@ -330,6 +331,6 @@ def read_meta(path: Path, plan_hash: str) -> dict[str, Any] | None:
         ):
             return None
         meta = body["meta"]
-        return meta if isinstance(meta, dict) else None
+        return meta if isinstance(meta, dict) and seal_meta(plan_hash, meta) == raw else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
