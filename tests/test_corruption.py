@@ -3,7 +3,8 @@
 Kinds: the data, train, eval and export outputs, a checkpoint, an evaluation result, a plan, its
 metadata, a stamp, the stat cache and a lock. Modes: flip a byte, truncate, delete, replace by a
 directory, swap with another plan's object, replace by a symbolic link (to an intact copy outside
-the store: content that is right but not the store's own is still refused).
+the store: content that is right but not the store's own is still refused), and, for folders,
+replace by a file.
 
 `test_every_kind_and_mode_is_detected_and_never_read_as_valid` covers the whole cross product in
 process (fsck's scan plus every reader; fast). Running `bt fsck` and `bt run` on every case would
@@ -34,13 +35,16 @@ from buildtrain.store import objects
 from buildtrain.store.store import STAMP_FORMAT, Store
 from buildtrain.verify.fsck import scan
 
-MODES = ("flip", "truncate", "delete", "directory", "swap", "symlink")
+MODES = ("flip", "truncate", "delete", "directory", "swap", "symlink", "file")
 FOLDER_KINDS = ("data output", "train output", "eval output", "export output", "checkpoint")
 FILE_KINDS = ("eval entry", "plan", "plan metadata", "stamp", "stat cache", "lock")
 # Deleting a whole cache or index file is no damage: it is rebuilt (or was only a hint); a lock
 # holds no data, and another store's stat cache is a valid cache (entries match only by stat).
 NOT_DAMAGE = {(kind, "delete") for kind in FILE_KINDS}
-NOT_APPLICABLE = {("lock", "flip"), ("lock", "truncate"), ("lock", "swap"), ("stat cache", "swap")}
+NOT_APPLICABLE = {("lock", "flip"), ("lock", "truncate"), ("lock", "swap"), ("stat cache", "swap")} | {
+    (kind, "file")
+    for kind in FILE_KINDS  # "a folder replaced by a file" is for folders
+}
 # The file damaged inside a folder object by flip, truncate and delete.
 INNER = {
     "data output": "data.json",
@@ -166,6 +170,9 @@ def damage(world: World, kind: str, mode: str, outside: Path) -> None:
             shutil.copytree(foreign, target)
         else:
             target.write_bytes(foreign.read_bytes())
+    elif mode == "file":
+        shutil.rmtree(target)
+        target.write_bytes(b"not a folder")
     elif mode == "symlink":  # the object itself, intact, but kept outside the store
         outside.mkdir(parents=True, exist_ok=True)
         moved = outside / target.name
@@ -252,13 +259,14 @@ def assert_whole_and_clean(world: World, micro_built) -> None:
 
 
 def test_caches_indexes_and_cheap_outputs_damaged_together_are_rebuilt(micro_built, stages_built, tmp_path):
-    """data/directory, eval output/symlink, export/truncate, plan/delete, plan metadata/flip,
-    stamp/symlink, stat cache/directory, lock/directory: no torch step needs to run again."""
+    """data/directory, eval output/file, export/symlink, export file/truncate, plan/delete, plan
+    metadata/flip, stamp/symlink, stat cache/directory, lock/directory: no torch step needs to
+    run again."""
     world = make_world(tmp_path, micro_built, stages_built)
     cases = [
         ("data output", "directory"),  # MANIFEST.json replaced by a folder (once: never rebuildable)
         ("lock", "directory"),
-        ("eval output", "symlink"),
+        ("eval output", "file"),  # an output replaced by a file (once: never rebuildable)
         ("export output", "truncate"),
         ("plan metadata", "flip"),
         ("stamp", "symlink"),
@@ -276,11 +284,17 @@ def test_caches_indexes_and_cheap_outputs_damaged_together_are_rebuilt(micro_bui
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert "data:main" in result.stderr and "moved to" in result.stderr
-    assert (tmp_path / "outside" / world.hashes["eval"]).is_dir()  # a link is moved, never followed
+    assert_whole_and_clean(world, micro_built)
+    export = world.store.output(world.hashes["export"])  # now a link to an intact copy outside
+    shutil.move(export, tmp_path / "outside" / "export")
+    export.symlink_to(tmp_path / "outside" / "export", target_is_directory=True)
+    result = run_bt("run", world.plan, store=world.root)
+    assert result.returncode == 0 and "export" in result.stderr and "moved to" in result.stderr, result.stderr
+    assert (tmp_path / "outside" / "export" / objects.MANIFEST).is_file()  # moved, never followed
     assert_whole_and_clean(world, micro_built)
     gc = run_bt("gc", store=world.root)
     assert gc.returncode == 0 and "quarantine/" in gc.stderr, gc.stderr
-    assert (tmp_path / "outside" / world.hashes["eval"] / "eval.json").is_file()
+    assert (tmp_path / "outside" / "export" / objects.MANIFEST).is_file()
 
 
 def test_foreign_outputs_results_and_checkpoints_and_hidden_decay_are_rebuilt(
