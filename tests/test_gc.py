@@ -94,3 +94,17 @@ def test_gc_keeps_what_a_damaged_plan_may_use_and_never_follows_links(micro_buil
     assert f"removed steps/{'d' * 64}" in result.stderr and "freed 0.0 MB" in result.stderr
     assert sorted(p.name for p in (root / "steps").iterdir()) == outputs
     assert (outside / "data" / "big.bin").stat().st_size == 4096
+
+
+def test_what_gc_could_not_remove_is_reported_as_left_never_as_removed(micro_built, tmp_path, monkeypatch):
+    from buildtrain.store import gc
+
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+    leftover = store.new_temp("train-main")
+    (leftover / "half.bin").write_bytes(b"x" * 100)
+    monkeypatch.setattr(gc.objects, "remove_tree", lambda path: None)  # as if permissions said no
+    report = gc.collect(store, drop=[])
+    assert report.removed == [] and report.freed == 0
+    assert report.left == [f"tmp/{leftover.name}: still there (permissions?)"]
