@@ -158,11 +158,12 @@ class Store:
             return None
         try:
             stats = {}
-            for path in sorted(folder.rglob("*")):
+            for path in sorted(folder.rglob("*")):  # rglob does not descend into links
                 s = path.lstat()
-                if stat.S_ISREG(s.st_mode):
+                if not stat.S_ISDIR(s.st_mode):  # a link or a pipe is recorded too, as a change
+                    size = s.st_size if stat.S_ISREG(s.st_mode) else -s.st_mode
                     stats[path.relative_to(folder).as_posix()] = [
-                        s.st_size,
+                        size,
                         s.st_mtime_ns,
                         s.st_ino,
                         s.st_ctime_ns,
