@@ -17,20 +17,30 @@ from typing import Any
 from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Step
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.store.objects import sealed_digests
+from buildtrain.store.objects import read_manifest
 from buildtrain.store.store import Store
 
 EVAL_RESULT = "eval.json"
 
 
+def _declared(output: Path, step_hash: str, name: str) -> str:
+    """A digest an input's manifest declares, from the output sealed for `step_hash` only (another
+    step's output copied or linked into its place declares another step's weights)."""
+    body = read_manifest(output)
+    if body["name"] != step_hash or output.name != step_hash or output.is_symlink():
+        raise ValueError(f"{output} was not sealed as the output of step {step_hash[:12]}")
+    return body["digests"][name]
+
+
 def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str, dict[str, Any]]:
-    """The content address of this evaluation and the identity it is computed from."""
+    """The content address of this evaluation and the identity it is computed from. Raises
+    ValueError (or OSError) when an input's manifest is damaged or another step's."""
     config = step.config
     identity = {
         "suite": config["eval"]["suite"],
         "version": config["version"],
-        "weights": sealed_digests(weights_output)["weights"],
-        "data": sealed_digests(data_output)["data"],
+        "weights": _declared(weights_output, step.inputs["weights"], "weights"),
+        "data": _declared(data_output, step.inputs["data"], "data"),
         "settings": {k: v for k, v in config["eval"].items() if k != "suite"},
         "model": config["model"],
     }
