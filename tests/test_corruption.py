@@ -353,3 +353,16 @@ def test_two_runs_meeting_one_damaged_output_both_succeed(micro_built, stages_bu
     assert [run.returncode for run in runs] == [0, 0, 0], outputs
     assert len(list((world.root / "quarantine").iterdir())) == 1
     assert_whole_and_clean(world, micro_built)
+
+
+def test_fsck_rehashes_past_a_matching_stamp_and_drops_it(micro_built, stages_built, tmp_path):
+    """Decay under a stamp that still matches: fsck finds it anyway and drops the stamp, so the
+    advice it gives ("bt run rebuilds it") holds: the next check re-hashes and refuses it."""
+    world = make_world(tmp_path, micro_built, stages_built)
+    store, train = world.store, world.hashes["train:main"]
+    flip_byte(store.output(train) / INNER["train output"])
+    forge_stamp(store, train)
+    assert store.check_output(train) == []  # the stamp alone is fooled
+    assert [item.object for item in scan(store).damaged] == [f"steps/{train}"]
+    assert store.read_stamp(train) is None
+    assert store.check_output(train) != []

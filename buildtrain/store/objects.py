@@ -117,6 +117,10 @@ def read_manifest(root: Path) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"manifest is not valid JSON ({exc})") from None
+    if isinstance(body, dict) and isinstance(body.get("format"), int) and body["format"] < MANIFEST_FORMAT:
+        raise ValueError(
+            f"manifest format {body['format']}, written by an older buildtrain (bound to no name)"
+        )
     if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
         raise ValueError("manifest has an unknown format")
     if not all(
