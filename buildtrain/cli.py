@@ -134,15 +134,69 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
+    import json
+
     from buildtrain.verify.fsck import fsck
 
-    return fsck(_store(args), json_output=args.json)
+    store = _store(args)
+    report = fsck(store, fix=args.repair)
+    if report is None:
+        _err(f"bt fsck: no store at {store.root}")
+        return ExitCode.OK
+    if args.json:
+        body = {
+            "store": report.store,
+            "checked": report.checked,
+            "damaged": [item.to_json() for item in report.damaged],
+            "repaired": report.repaired,
+            "not_repaired": report.not_repaired,
+        }
+        print(json.dumps(body, indent=2))
+    for item in report.damaged:
+        _err(f"damaged {item.kind}: {item.object}")
+        for problem in item.problems[:5]:
+            _err(f"    {problem}")
+        for referrer in item.referenced_by:
+            _err(f"    used by {referrer}")
+        if item.note:
+            _err(f"    {item.note}")
+    for line in report.repaired:
+        _err(f"repaired {line}")
+    for line in report.not_repaired:
+        _err(f"not repaired {line}")
+    verdict = f"{len(report.damaged)} damaged" if report.damaged else "all intact"
+    _err(f"bt fsck: {report.checked} objects checked in {store.root}: {verdict}")
+    if report.damaged and not args.repair:
+        _err(
+            "bt fsck --repair moves every damaged object to quarantine/; then bt run rebuilds what "
+            "a plan needs (a damaged plan: bt plan PRESET again)"
+        )
+    elif report.damaged and not report.not_repaired:
+        _err("repaired: bt run rebuilds what a plan needs; bt gc removes the quarantine")
+        return ExitCode.OK
+    return ExitCode.CORRUPT if report.damaged else ExitCode.OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from buildtrain.store.gc import collect
 
-    return collect(_store(args), drop=args.drop, dry_run=args.dry_run)
+    store = _store(args)
+    report = collect(store, drop=args.drop, dry_run=args.dry_run)
+    for line in report.warnings:
+        _err(f"warning: {line}")
+    for plan_hash in report.dropped:
+        _err(f"{'would drop' if args.dry_run else 'dropped'} plan {plan_hash[:12]}")
+    for path in report.removed:
+        _err(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    for line in report.left:
+        _err(f"could not remove {line}")
+    if report.busy:
+        _err("note: a bt run holds a step lock; work and temporary folders were left alone")
+    _err(
+        f"bt gc: {'would free' if args.dry_run else 'freed'} {report.freed / 1e6:.1f} MB "
+        f"in {len(report.removed)} item(s)"
+    )
+    return ExitCode.FAILED if report.left else ExitCode.OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -346,10 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = command(
         "fsck",
         "re-hash every object in the store",
-        "Re-hash every plan, step output, checkpoint and evaluation result in the store and "
-        "report each damaged one with the plans and steps that reference it (exit 5).",
+        "Re-hash every plan, step output, checkpoint and evaluation result in the store (and "
+        "check its stamps, locks and stat cache) and report each damaged one with the plans and "
+        "steps that reference it (exit 5). --repair moves them to quarantine/ (exit 0 when every "
+        "one was moved); bt run then rebuilds what a plan needs.",
     )
     sub.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    sub.add_argument(
+        "--repair", action="store_true", help="move every damaged object to quarantine/ (caches are removed)"
+    )
     sub.set_defaults(func=cmd_fsck)
 
     sub = command(

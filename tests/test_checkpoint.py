@@ -201,11 +201,14 @@ def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> Non
     assert resumed is not None and resumed.step == 1
     assert skips.calls == [("step-000002", "belongs to another configuration (seed)")]
     assert_same_tensors(snapshot(restored, restored_optimizer), at_one)
+    # A skipped checkpoint is moved out of the candidates, so it never counts among those kept.
+    assert checkpoint.candidates(folder) == [(1, folder / "step-000001")]
+    assert len(list(folder.glob("damaged-step-000002.*"))) == 1
 
     skips = Skips()
     other = {**IDENTITY, "step_hash": "b" * 64}
     assert checkpoint.load_newest(folder, *fresh(), other, skips) is None
-    assert [name for name, _ in skips.calls] == ["step-000002", "step-000001"]
+    assert [name for name, _ in skips.calls] == ["step-000001"]
 
 
 def test_no_checkpoints_means_start_fresh(tmp_path: Path) -> None:
@@ -277,3 +280,24 @@ def test_state_tensors_name_every_parameter_and_moment_once() -> None:
     }
     assert set(tensors) == expected
     assert list(digests(tensors)) == sorted(tensors)
+
+
+def test_a_checkpoint_renamed_or_linked_under_another_step_is_never_resumed(
+    saved: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """A folder's name must agree with its sealed manifest and its recorded step: renamed to a
+    later step (even beyond train.steps) or linked, it is reported and moved aside."""
+    folder = copy_of(saved, tmp_path / "checkpoints")
+    (folder / "step-000002").rename(folder / "step-000030")
+    (folder / "step-000040").symlink_to(folder / "step-000001")
+    skips = Skips()
+    resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
+    assert resumed is not None and resumed.step == 1
+    assert [name for name, _ in skips.calls] == ["step-000040", "step-000030"]
+    assert checkpoint.candidates(folder) == [(1, folder / "step-000001")]
+
+
+def test_the_torch_free_identity_module_names_the_same_state_file() -> None:
+    from buildtrain.steps.train import identity
+
+    assert identity.TRAIN_STATE == TRAIN_STATE

@@ -88,3 +88,79 @@ def test_a_damaged_plan_is_refused(micro_built, tmp_path, position):
     result = run_bt("run", micro_built[1], store=store)
     assert result.returncode == ExitCode.CORRUPT, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_fsck_repair_quarantines_every_damaged_object_and_run_makes_the_store_whole(micro_built, tmp_path):
+    """Damage of every shape at once (an eval entry holding null, another a folder, a stamp, lock
+    and stat cache that are folders, plan metadata holding []): fsck exits 5 naming each without
+    crashing; --repair moves them aside (exit 0); bt run then finds a whole store."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    plan = Store(store).load_plan(micro_built[1])
+    train = plan.by_label("train:main").hash
+    entry = next((store / "evals").glob("*.json"))
+    entry.write_text("null")
+    (store / "evals" / f"{'a' * 64}.json").mkdir()
+    (store / "plans" / f"{micro_built[1]}.meta.json").write_text("[]")
+    for folder in (
+        Store(store).stamp_path(train),
+        store / "locks" / f"{train}.lock",
+        store / "cache" / "files.json",
+    ):
+        folder.unlink(missing_ok=True)
+        folder.mkdir(parents=True)
+        (folder / "junk").write_text("x")
+    export = plan.by_label("export").hash
+    flip(store / "steps" / export / "BLAKE3SUMS", 3)
+
+    found = run_bt("fsck", "--json", store=store)
+    assert found.returncode == ExitCode.CORRUPT, found.stderr
+    assert "Traceback" not in found.stderr
+    import json
+
+    named = {item["object"]: item["kind"] for item in json.loads(found.stdout)["damaged"]}
+    assert named == {
+        f"evals/{entry.name}": "evaluation result",
+        f"evals/{'a' * 64}.json": "evaluation result",
+        f"plans/{micro_built[1]}.meta.json": "plan metadata",
+        f"cache/verified/{train}.json": "stamp",
+        f"locks/{train}.lock": "lock",
+        "cache/files.json": "stat cache",
+        f"steps/{export}": "step output",
+    }
+
+    repaired = run_bt("fsck", "--repair", store=store)
+    assert repaired.returncode == ExitCode.OK, repaired.stderr
+    assert repaired.stderr.count("repaired ") == len(named)
+    assert run_bt("fsck", store=store).returncode == ExitCode.OK
+    result = run_bt("run", micro_built[1], store=store)
+    assert result.returncode == 0, result.stderr
+    assert step_digests(store, micro_built[1]) == micro_built[2]
+    assert run_bt("fsck", store=store).returncode == ExitCode.OK
+
+
+def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built, tmp_path, monkeypatch):
+    """Every write into the store fails (as on a read-only mount; the tests run as root, where
+    chmod does not stop writes): planning an already-stored plan and a null build only read."""
+    import errno
+
+    from conftest import MICRO
+
+    from buildtrain.executor.run import RunOptions, run_plan
+    from buildtrain.plan.planner import plan_preset
+    from buildtrain.store import objects, sources
+
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+
+    def refuse(path: Path, data: bytes) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(objects, "write_bytes_durably", refuse)
+    monkeypatch.setattr(sources, "write_bytes_durably", refuse)
+    assert plan_preset(MICRO, [], store).plan.hash == micro_built[1]
+    code = run_plan(
+        store, store.load_plan(micro_built[1]), RunOptions(experiments=tmp_path / "exp", progress=False)
+    )
+    assert code == ExitCode.OK

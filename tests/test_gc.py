@@ -58,3 +58,53 @@ def test_dropping_a_plan_frees_its_outputs(micro_built, tmp_path):
     assert Store(root).plan_hashes() == []
     assert list((root / "steps").iterdir()) == []
     assert list((root / "evals").iterdir()) == []
+
+
+def test_gc_keeps_what_a_damaged_plan_may_use_and_never_follows_links(micro_built, tmp_path):
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    outputs = sorted(p.name for p in (root / "steps").iterdir())
+    plan_file = root / "plans" / f"{micro_built[1]}.json"
+    raw = bytearray(plan_file.read_bytes())
+    raw[200] ^= 0x01
+    plan_file.write_bytes(bytes(raw))
+    outside = tmp_path / "outside"
+    (outside / "data").mkdir(parents=True)
+    (outside / "data" / "big.bin").write_bytes(b"\0" * 4096)
+    (root / "steps" / ("d" * 64)).symlink_to(outside, target_is_directory=True)
+    (root / "quarantine").mkdir()
+    (root / "quarantine" / "link").symlink_to(outside, target_is_directory=True)
+
+    dry = run_bt("gc", "--dry-run", store=root)
+    assert dry.returncode == 0, dry.stderr
+    assert f"warning: plan(s) {micro_built[1][:12]} cannot be read" in dry.stderr
+    assert "steps/" not in dry.stderr  # nothing the damaged plan may reference is listed
+
+    result = run_bt("gc", store=root)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (root / "steps").iterdir()) == sorted([*outputs, "d" * 64])
+    assert "removed quarantine/link" in result.stderr and "freed 0.0 MB" in result.stderr
+    assert (outside / "data" / "big.bin").stat().st_size == 4096  # a link is removed, not followed
+    assert not (root / "quarantine" / "link").is_symlink()
+
+    raw[200] ^= 0x01  # the plan mended: the link in steps/ is unreferenced, removed as a link
+    plan_file.write_bytes(bytes(raw))
+    result = run_bt("gc", store=root)
+    assert result.returncode == 0, result.stderr
+    assert f"removed steps/{'d' * 64}" in result.stderr and "freed 0.0 MB" in result.stderr
+    assert sorted(p.name for p in (root / "steps").iterdir()) == outputs
+    assert (outside / "data" / "big.bin").stat().st_size == 4096
+
+
+def test_what_gc_could_not_remove_is_reported_as_left_never_as_removed(micro_built, tmp_path, monkeypatch):
+    from buildtrain.store import gc
+
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+    leftover = store.new_temp("train-main")
+    (leftover / "half.bin").write_bytes(b"x" * 100)
+    monkeypatch.setattr(gc.objects, "remove_tree", lambda path: None)  # as if permissions said no
+    report = gc.collect(store, drop=[])
+    assert report.removed == [] and report.freed == 0
+    assert report.left == [f"tmp/{leftover.name}: still there (permissions?)"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_manifest_rewritten_non_canonically_is_rejected(tmp_path: Path) -> None:
 def test_commit_renames_into_place_creating_parents(tmp_path: Path) -> None:
     temporary = tmp_path / "tmp" / "step.abc"
     write_tree(temporary, {"a.bin": b"data"})
-    objects.seal(temporary)
+    objects.seal(temporary, name="abc")  # the name it will be found under
     final = tmp_path / "steps" / "deep" / "abc"
     objects.commit(temporary, final)
     assert not temporary.exists()
@@ -330,3 +331,106 @@ def test_locks_of_different_steps_are_independent(tmp_path: Path) -> None:
             pass
     finally:
         release(holder)
+
+
+# -- every object bound to its name; links and odd entries -------------------------------------
+
+
+def test_a_sealed_folder_verifies_only_under_the_name_it_was_sealed_for(tmp_path: Path) -> None:
+    write_tree(tmp_path / "tmp" / "x", {"a.bin": b"data"})
+    objects.publish(tmp_path / "tmp" / "x", tmp_path / "steps" / ("a" * 64))
+    assert objects.verify(tmp_path / "steps" / ("a" * 64)) == []
+    os.rename(tmp_path / "steps" / ("a" * 64), tmp_path / "steps" / ("b" * 64))  # copied, renamed
+    (problem,) = objects.verify(tmp_path / "steps" / ("b" * 64))
+    assert "foreign" in problem
+    (tmp_path / "steps" / ("a" * 64)).symlink_to(tmp_path / "steps" / ("b" * 64))
+    assert "symbolic link" in objects.verify(tmp_path / "steps" / ("a" * 64))[0]
+
+
+def test_links_and_non_files_inside_a_sealed_folder_are_problems(tmp_path: Path) -> None:
+    write_tree(tmp_path / "out", {"a.bin": b"data", "b.bin": b"more"})
+    objects.seal(tmp_path / "out")
+    (tmp_path / "out" / "b.bin").unlink()
+    (tmp_path / "out" / "b.bin").symlink_to(tmp_path / "elsewhere")
+    os.mkfifo(tmp_path / "out" / "pipe")
+    problems = objects.verify(tmp_path / "out")
+    assert "b.bin: a symbolic link (foreign)" in problems and "pipe: not a regular file" in problems
+    (tmp_path / "file").write_bytes(b"x")
+    assert objects.verify(tmp_path / "file") == ["is not a folder"]
+
+
+@pytest.mark.parametrize("content", [b"null", b"[]", b"{}", None])
+def test_damaged_plan_metadata_reads_as_empty_and_bt_plan_replaces_it(
+    tmp_path: Path, content: bytes | None
+) -> None:
+    store = Store(tmp_path)
+    plan = make_plan()
+    store.save_plan(plan, preset="p.toml")
+    assert store.plan_meta(plan.hash)["preset"] == "p.toml"
+    meta = tmp_path / "plans" / f"{plan.hash}.meta.json"
+    meta.unlink()
+    if content is None:
+        meta.mkdir()
+    else:
+        meta.write_bytes(content)
+    assert store.plan_meta(plan.hash) == {}
+    store.save_plan(plan, preset="p.toml")
+    assert store.plan_meta(plan.hash)["preset"] == "p.toml"
+    other = make_plan(value=2)
+    store.save_plan(other, preset="q.toml")
+    meta.write_bytes((tmp_path / "plans" / f"{other.hash}.meta.json").read_bytes())  # another plan's
+    assert store.plan_meta(plan.hash) == {}
+
+
+def test_stamps_are_sealed_bound_to_their_output_and_never_override_a_mismatch(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for name in ("a" * 64, "b" * 64):
+        write_tree(tmp_path / "tmp" / name, {"w.bin": b"weights"})
+        objects.publish(tmp_path / "tmp" / name, store.output(name))
+        assert store.check_output(name) == [] and store.read_stamp(name) is not None
+    store.stamp_path("a" * 64).write_bytes(store.stamp_path("b" * 64).read_bytes())  # another's stamp
+    assert store.read_stamp("a" * 64) is None and store.stamp_problem("a" * 64)
+    (store.output("a" * 64) / "w.bin").write_bytes(b"WEIGHTS")  # same size, new content
+    assert store.check_output("a" * 64) != []
+    assert not store.stamp_path("a" * 64).exists()  # a failed re-hash drops the stamp
+
+
+def test_an_in_place_edit_that_restores_size_and_mtime_is_rehashed(tmp_path: Path) -> None:
+    """The stat cache keys by ctime too: the kernel sets it on every write and every utime."""
+    source = tmp_path / "corpus.txt"
+    source.write_bytes(b"1+1=2\n" * 100)
+    past = time.time() - 60
+    os.utime(source, (past, past))
+    cache = Store(tmp_path / ".bt").stat_cache()
+    before = cache.digest_of(source)
+    stat = source.stat()
+    source.write_bytes(b"1+1=3\n" * 100)
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert source.stat().st_size == stat.st_size and source.stat().st_mtime_ns == stat.st_mtime_ns
+    assert cache.digest_of(source) != before
+
+
+def test_quarantine_names_never_collide_and_links_are_moved_not_followed(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "keep").write_bytes(b"x")
+    for _ in range(3):
+        store.steps.mkdir(parents=True, exist_ok=True)
+        store.output("c" * 64).symlink_to(tmp_path / "target")
+        assert store.quarantine("c" * 64) is not None
+    assert len(list(store.quarantined.iterdir())) == 3
+    assert (tmp_path / "target" / "keep").read_bytes() == b"x"
+    assert store.quarantine("c" * 64) is None  # nothing there: another run moved it
+
+
+def test_a_folder_or_link_where_a_lock_belongs_is_set_aside(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.locks.mkdir(parents=True)
+    (store.locks / f"{'d' * 64}.lock").mkdir()
+    (store.locks / f"{'e' * 64}.lock").symlink_to(tmp_path / "outside.lock")
+    for name in ("d" * 64, "e" * 64):
+        with store.lock(name, wait=False):
+            assert (store.locks / f"{name}.lock").is_file() and not (
+                store.locks / f"{name}.lock"
+            ).is_symlink()
+    assert not (tmp_path / "outside.lock").exists()  # never created through the link

@@ -356,11 +356,17 @@ def raise_for_status(step: Step, outcome: Outcome, plan: Plan) -> None:
 
 
 def complete_eval_from_cache(store: Store, step: Step) -> dict[str, str] | None:
-    """An evaluation of the same weights and data may already be in the store: no process needed."""
-    from buildtrain.steps.eval import cache_key, lookup, publish
+    """An evaluation of the same weights and data may already be in the store: no process needed.
+    Called holding the step's lock; a damaged or foreign cache entry is set aside, never used."""
+    from buildtrain.steps.eval import cache_key, entry_problem, publish
 
-    key, _ = cache_key(step, store.output(step.inputs["weights"]), store.output(step.inputs["data"]))
-    cached = lookup(store, key)
+    try:
+        key, _ = cache_key(step, store.output(step.inputs["weights"]), store.output(step.inputs["data"]))
+    except (OSError, ValueError, KeyError):
+        return None  # an input's manifest does not verify: the step process says which
+    cached, problem = entry_problem(store.evals / f"{key}.json", key)
+    if problem is not None:
+        store.set_aside(store.evals / f"{key}.json")
     if cached is None:
         return None
     out = store.new_temp("eval")
@@ -372,6 +378,17 @@ def complete_eval_from_cache(store: Store, step: Step) -> dict[str, str] | None:
     return digests
 
 
+def damaged_inputs(store: Store, plan: Plan, step: Step) -> list[Step]:
+    """The upstream steps whose outputs do not verify when fully re-hashed (their stamps, which
+    said otherwise, are dropped): what to rebuild when a step process finds an input damaged."""
+    damaged = []
+    for step_hash in dict.fromkeys(step.upstream.values()):
+        if store.verify_output(step_hash):
+            store.drop_stamp(step_hash)
+            damaged.append(plan.step(step_hash))
+    return damaged
+
+
 def build_step(
     store: Store,
     plan: Plan,
@@ -381,6 +398,9 @@ def build_step(
     reporter: Reporter,
     options: RunOptions,
 ) -> dict[str, Any]:
+    """A cache hit when the step's output verifies; else, under the step's lock, set aside
+    whatever occupies its place (damaged, foreign, half-made) and build it. Inputs that a step
+    process finds damaged (decay that a stamp could not see) are rebuilt and the step retried."""
     started = time.perf_counter()
 
     def result(action: str, detail: str = "") -> dict[str, Any]:
@@ -401,39 +421,58 @@ def build_step(
             "digests": digests,
         }
 
-    if store.has_output(step.hash):
-        problems = store.check_output(step.hash)
-        if not problems:
-            return result("cached")
-        moved = store.quarantine(step.hash)
-        reporter.step(step.label, f"output damaged ({problems[0]}); moved to {moved} and rebuilding")
-        record.event("output_quarantined", step=step.label, problems=problems, moved_to=str(moved))
+    # Without the lock: a null build only reads (and works in a read-only store).
+    if store.has_output(step.hash) and not store.check_output(step.hash):
+        return result("cached")
 
     def waiting(holder: str) -> None:
         reporter.step(step.label, f"waiting: pid {holder} is building this step")
         record.event("waiting_for_lock", step=step.label, holder=holder)
 
-    with store.lock(step.hash, wait=options.wait, on_wait=waiting) as lock_fd:
-        if store.has_output(step.hash) and not store.check_output(step.hash):
-            return result("cached", "built by another run")
-        if step.kind == "eval" and complete_eval_from_cache(store, step) is not None:
-            return result("cached", "same weights evaluated before")
-        record.event("step_started", step=step.label, hash=step.hash, threads=threads)
-        if step.kind == "train":
-            reporter.train_started(step.label)
-        else:
-            reporter.step(step.label, "running")
+    for attempt in (1, 2):
+        with store.lock(step.hash, wait=options.wait, on_wait=waiting) as lock_fd:
+            output = store.output(step.hash)
+            if os.path.lexists(output):
+                problems = store.check_output(step.hash)
+                if not problems:
+                    return result("cached", "built by another run")
+                moved = store.quarantine(step.hash)
+                if moved is not None:
+                    reporter.step(
+                        step.label, f"output damaged ({problems[0]}); moved to {moved} and rebuilding"
+                    )
+                    record.event(
+                        "output_quarantined", step=step.label, problems=problems, moved_to=str(moved)
+                    )
+            if step.kind == "eval" and complete_eval_from_cache(store, step) is not None:
+                return result("cached", "same weights evaluated before")
+            record.event("step_started", step=step.label, hash=step.hash, threads=threads)
+            if step.kind == "train":
+                reporter.train_started(step.label)
+            else:
+                reporter.step(step.label, "running")
 
-        def on_event(line: dict[str, Any]) -> None:
-            record.forward(line)
-            reporter.event(line)
+            def on_event(line: dict[str, Any]) -> None:
+                record.forward(line)
+                reporter.event(line)
 
-        try:
-            outcome = spawn(store, plan, step, threads, lock_fd, on_event, StepJob(), options.launch)
-        finally:
-            reporter.train_finished()
-        raise_for_status(step, outcome, plan)
-    return result("executed")
+            try:
+                outcome = spawn(store, plan, step, threads, lock_fd, on_event, StepJob(), options.launch)
+            finally:
+                reporter.train_finished()
+            try:
+                raise_for_status(step, outcome, plan)
+                return result("executed")
+            except CorruptObject:
+                damaged = damaged_inputs(store, plan, step) if attempt == 1 else []
+                if not damaged:
+                    raise
+        # Outside this step's lock: rebuild each damaged input under its own, then try again.
+        for upstream in damaged:
+            reporter.step(step.label, f"input {upstream.label} is damaged; rebuilding it")
+            record.event("input_damaged", step=step.label, input=upstream.label, hash=upstream.hash)
+            build_step(store, plan, upstream, threads, record, reporter, options)
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 def join_step(

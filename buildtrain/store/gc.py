@@ -1,9 +1,14 @@
 """`bt gc`: remove what no stored plan needs.
 
 Removed: step outputs that no plan references, work folders of steps that are complete or no
-longer referenced, leftover temporary folders, quarantined outputs, and evaluation results that no
-step output holds. Anything belonging to a step whose lock is held (a `bt run` in progress) is
-left alone.
+longer referenced, leftover temporary folders, quarantined objects, stamps of outputs that are
+gone, and evaluation results that no step output holds. Anything belonging to a step whose lock is
+held (a `bt run` in progress) is left alone.
+
+gc fails safe: a plan that cannot be read might reference any output, so while one is damaged no
+step output, work folder or evaluation result is removed (and gc says so). It never follows a
+symbolic link: a link in the store is removed as a link, its size is not counted, and what it
+points to is never touched. What could not be removed is reported as left, never as removed.
 """
 
 from __future__ import annotations
@@ -11,26 +16,64 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import sys
+import stat
 from pathlib import Path
 
-from buildtrain.errors import ExitCode
+import attrs
+
+from buildtrain.errors import BuildtrainError
 from buildtrain.plan.canonical import digest
 from buildtrain.steps.eval import EVAL_RESULT
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 
+@attrs.define(kw_only=True)
+class Collected:
+    dropped: list[str] = attrs.Factory(list)  # plan hashes forgotten
+    removed: list[str] = attrs.Factory(list)  # paths relative to the store (or would be, dry run)
+    left: list[str] = attrs.Factory(list)  # 'path: why' for what could not be removed
+    warnings: list[str] = attrs.Factory(list)
+    freed: int = 0  # bytes
+    busy: bool = False
+
+
 def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the files under `path`, links not followed and not counted."""
+    try:
+        found = path.lstat()
+    except OSError:
+        return 0
+    if stat.S_ISREG(found.st_mode):
+        return found.st_size
+    if not stat.S_ISDIR(found.st_mode):
+        return 0
+    total = 0
+    for folder, _, names in os.walk(path):  # os.walk does not descend into linked folders
+        for name in names:
+            try:
+                entry = os.lstat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(entry.st_mode):
+                total += entry.st_size
+    return total
+
+
+def _listing(folder: Path, pattern: str = "*") -> list[Path]:
+    """Entries of a store folder; none if the folder itself is a link (it may lead anywhere)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    return sorted(folder.glob(pattern))
 
 
 def _busy(store: Store) -> bool:
     """Whether any step lock is held right now."""
-    for lock in store.locks.glob("*.lock") if store.locks.is_dir() else []:
-        fd = os.open(lock, os.O_RDWR)
+    for lock in _listing(store.locks, "*.lock"):
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # a link or a folder is no lock anyone holds (bt fsck reports it)
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -40,64 +83,72 @@ def _busy(store: Store) -> bool:
     return False
 
 
-def collect(store: Store, drop: list[str], dry_run: bool = False) -> int:
+def _eval_key(output: Path) -> str | None:
+    """The evaluation cache key an eval output holds, if it has one."""
+    path = output / EVAL_RESULT
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        return digest("eval", json.loads(path.read_bytes())["identity"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
+    report = Collected()
     for ref in drop:
         plan_hash = store.resolve(ref)
-        for path in (store.plans / f"{plan_hash}.json", store.plans / f"{plan_hash}.meta.json"):
-            if not dry_run:
-                path.unlink(missing_ok=True)
-        print(f"{'would drop' if dry_run else 'dropped'} plan {plan_hash[:12]}", file=sys.stderr)
+        report.dropped.append(plan_hash)
+        if not dry_run:
+            for path in (store.plans / f"{plan_hash}.json", store.plans / f"{plan_hash}.meta.json"):
+                objects.remove_tree(path)
 
     referenced: set[str] = set()
+    damaged_plans: list[str] = []
     for plan_hash in store.plan_hashes():
-        if dry_run and any(plan_hash.startswith(ref) for ref in drop):
+        if dry_run and plan_hash in report.dropped:
             continue
         try:
             referenced.update(step.hash for step in store.load_plan(plan_hash).steps)
-        except Exception:  # a damaged plan protects nothing; bt fsck reports it
-            continue
+        except BuildtrainError:
+            damaged_plans.append(plan_hash)
+    if damaged_plans:
+        listed = ", ".join(h[:12] for h in damaged_plans)
+        report.warnings.append(
+            f"plan(s) {listed} cannot be read and may reference any output: no step output, work "
+            "folder or evaluation result is removed; run bt fsck"
+        )
 
     doomed: list[Path] = []
-    outputs = sorted(store.steps.glob("*")) if store.steps.is_dir() else []
-    doomed += [p for p in outputs if p.name not in referenced]
-    busy = _busy(store)
-    if not busy:
-        work = sorted(store.work.glob("*")) if store.work.is_dir() else []
-        doomed += [p for p in work if p.name not in referenced or store.has_output(p.name)]
-        doomed += sorted(store.tmp.glob("*")) if store.tmp.is_dir() else []
-    doomed += sorted(store.quarantined.glob("*")) if store.quarantined.is_dir() else []
-    kept_outputs = {p.name for p in outputs if p.name in referenced}
-    stamps = store.root / "cache" / "verified"
-    doomed += (
-        [p for p in sorted(stamps.glob("*.json")) if p.stem not in kept_outputs] if stamps.is_dir() else []
-    )
+    outputs = _listing(store.steps)
+    report.busy = _busy(store)
+    if not damaged_plans:
+        doomed += [p for p in outputs if p.name not in referenced]
+        if not report.busy:
+            doomed += [
+                p for p in _listing(store.work) if p.name not in referenced or store.has_output(p.name)
+            ]
+    if not report.busy:
+        doomed += _listing(store.tmp)
+    doomed += _listing(store.quarantined)
+    kept_outputs = {p.name for p in outputs if p not in doomed}
+    doomed += [p for p in _listing(store.root / "cache" / "verified", "*.json") if p.stem not in kept_outputs]
+    if not damaged_plans:
+        kept_evals = {_eval_key(p) for p in outputs if p.name in referenced}
+        doomed += [p for p in _listing(store.evals, "*.json") if p.stem not in kept_evals]
 
-    kept_evals = set()
-    for output in outputs:
-        if output.name in referenced and (output / EVAL_RESULT).is_file():
-            try:
-                kept_evals.add(digest("eval", json.loads((output / EVAL_RESULT).read_bytes())["identity"]))
-            except (ValueError, KeyError):
-                continue
-    doomed += (
-        [p for p in sorted(store.evals.glob("*.json")) if p.stem not in kept_evals]
-        if store.evals.is_dir()
-        else []
-    )
-
-    freed = 0
     for path in doomed:
-        freed += _size(path)
-        print(f"{'would remove' if dry_run else 'removed'} {path.relative_to(store.root)}", file=sys.stderr)
+        relative = str(path.relative_to(store.root))
+        size = _size(path)
         if not dry_run:
-            if path.is_dir():
+            try:
                 objects.remove_tree(path)
-            else:
-                path.unlink(missing_ok=True)
-    if busy:
-        print("note: a bt run holds a step lock; work and temporary folders were left alone", file=sys.stderr)
-    print(
-        f"bt gc: {'would free' if dry_run else 'freed'} {freed / 1e6:.1f} MB in {len(doomed)} item(s)",
-        file=sys.stderr,
-    )
-    return ExitCode.OK
+            except OSError as exc:
+                report.left.append(f"{relative}: {exc.strerror or exc}")
+                continue
+            if os.path.lexists(path):
+                report.left.append(f"{relative}: still there (permissions?)")
+                continue
+        report.freed += size
+        report.removed.append(relative)
+    return report

@@ -1,9 +1,12 @@
-"""Digests of data source files, hashed once: a stat cache keyed by (size, mtime, inode).
+"""Digests of data source files, hashed once: a stat cache keyed by (size, mtime, inode, device,
+ctime).
 
 A second `bt plan` over gigabytes of data only stats the files. The cache is a cache, not an
 object: it carries its own digest and is discarded (and rebuilt) if it does not verify, so a
 damaged cache can cost time but never a wrong digest. Entries for files modified in the last
-two seconds are not kept, since a write within the same timestamp tick could go unnoticed.
+two seconds are not kept, since a write within the same timestamp tick could go unnoticed. The
+ctime is in the key because a file edited in place and given back its size and mtime still has a
+new ctime (the kernel sets it on every write and on every change of mtime).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +23,25 @@ import blake3
 from buildtrain.plan.plan import SourceFile
 from buildtrain.store.objects import hash_file, write_bytes_durably
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: ctime in the key
 RACY_SECONDS = 2.0
 
 
 def _stat_key(stat: os.stat_result) -> list[int]:
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev]
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev, stat.st_ctime_ns]
 
 
 class StatCache:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, set_aside: Callable[[Path], object] | None = None) -> None:
         self.path = path
         self.entries: dict[str, Any] = {}
         self.dirty = False
         self.hashed_bytes = 0
         self.damaged = False
-        if path.is_file():
+        self._set_aside = set_aside  # moves a folder or link found in the cache's place
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):
+            self.damaged = self.dirty = True
+        elif path.is_file():
             self._load()
 
     def _load(self) -> None:
@@ -47,7 +54,13 @@ class StatCache:
             body = json.loads(raw)
             if body.get("format") != CACHE_FORMAT:
                 raise ValueError("unknown format")
-            self.entries = body["entries"]
+            entries = body["entries"]
+            if not isinstance(entries, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("blake3"), str) and isinstance(e.get("stat"), list)
+                for e in entries.values()
+            ):
+                raise ValueError("malformed entries")
+            self.entries = entries
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.entries = {}
             self.damaged = True
@@ -70,11 +83,19 @@ class StatCache:
         return [path for path, entry in self.entries.items() if entry["blake3"] == blake3_hex]
 
     def save(self) -> None:
+        """Write the cache back; best effort, since it is only a cache (a read-only store, say)."""
         if not self.dirty:
             return
         raw = json.dumps({"format": CACHE_FORMAT, "entries": self.entries}, separators=(",", ":")).encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_durably(self.path, blake3.blake3(raw).hexdigest().encode() + b"\n" + raw)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_symlink() or self.path.is_dir():
+                if self._set_aside is None:
+                    return
+                self._set_aside(self.path)
+            write_bytes_durably(self.path, blake3.blake3(raw).hexdigest().encode() + b"\n" + raw)
+        except OSError:
+            return
         self.dirty = False
 
 

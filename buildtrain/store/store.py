@@ -3,7 +3,7 @@
 Layout under the store root (default `./.bt`, or `--store` / `BT_STORE`):
 
     plans/<plan hash>.json        the canonical plan bytes (the hash is of exactly these bytes)
-    plans/<plan hash>.meta.json   when and from which preset it was planned (never hashed)
+    plans/<plan hash>.meta.json   when and from which preset it was planned (sealed, not in the hash)
     steps/<step hash>/            a completed step output, sealed by MANIFEST.json, immutable
     work/<step hash>/             checkpoints of a step in progress
     evals/<key>.json              evaluation results by (suite, version, weights, data)
@@ -11,15 +11,18 @@ Layout under the store root (default `./.bt`, or `--store` / `BT_STORE`):
     tmp/                          outputs being built; renamed into steps/ when complete
     quarantine/                   outputs that failed verification, moved aside, never loaded
     cache/files.json              stat cache of source file digests
+    cache/verified/<step>.json    stamps: an output's file stats at its last full re-hash
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.errors import CorruptObject, Locked, UsageError
-from buildtrain.plan.canonical import canonical_bytes
+from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Plan
 from buildtrain.store import objects
 from buildtrain.store.sources import StatCache
@@ -35,6 +38,8 @@ from buildtrain.store.sources import StatCache
 DEFAULT_STORE = ".bt"
 HEX = re.compile(r"^[0-9a-f]+$")
 MIN_PREFIX = 4
+STAMP_FORMAT = 2  # sealed, names its output, stats include ctime
+META_FORMAT = 2  # sealed, names its plan
 
 
 def utc_now() -> str:
@@ -60,15 +65,33 @@ class Store:
     # -- plans ------------------------------------------------------------------------------------
 
     def save_plan(self, plan: Plan, **meta: Any) -> None:
-        self.plans.mkdir(parents=True, exist_ok=True)
+        """Store the plan's canonical bytes (replacing a damaged copy) and its sealed metadata.
+
+        Planning an already-stored plan in a read-only store still works: the metadata is only a
+        record of when and from where, so failing to refresh it is not an error.
+        """
+        raw = canonical_bytes(plan.to_body())
         path = self.plans / f"{plan.hash}.json"
-        if not path.exists():
-            objects.write_bytes_durably(path, canonical_bytes(plan.to_body()))
+        if not self._holds(path, raw):
+            self.plans.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(path):
+                self.set_aside(path)
+            objects.write_bytes_durably(path, raw)
         previous = self.plan_meta(plan.hash)
         record = {"created": previous.get("created", utc_now()), **previous, **meta, "planned": utc_now()}
-        objects.write_bytes_durably(
-            self.plans / f"{plan.hash}.meta.json", json.dumps(record, indent=1).encode()
-        )
+        try:
+            self.replace_file(self.plans / f"{plan.hash}.meta.json", seal_meta(plan.hash, record))
+        except OSError:
+            if not self._holds(path, raw):
+                raise
+
+    @staticmethod
+    def _holds(path: Path, raw: bytes) -> bool:
+        """Whether `path` is a regular file (not a link) holding exactly `raw`."""
+        try:
+            return not path.is_symlink() and path.is_file() and path.read_bytes() == raw
+        except OSError:
+            return False
 
     def plan_hashes(self) -> list[str]:
         if not self.plans.is_dir():
@@ -92,21 +115,23 @@ class Store:
         plan_hash = self.resolve(ref)
         path = self.plans / f"{plan_hash}.json"
         try:
+            if path.is_symlink():
+                raise ValueError("a symbolic link, not a stored plan")
             raw = path.read_bytes()
             plan = Plan.from_body(json.loads(raw))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptObject(
-                f"plan {plan_hash[:12]} in {self.root} is damaged ({exc}); run bt fsck"
+                f"plan {plan_hash[:12]} in {self.root} is damaged ({exc}); run bt fsck, "
+                "then plan it again from its preset (bt plan PRESET)"
             ) from None
         if plan.hash != plan_hash or canonical_bytes(plan.to_body()) != raw:
             raise CorruptObject(f"plan {plan_hash[:12]} does not match its hash; run bt fsck")
         return plan
 
     def plan_meta(self, plan_hash: str) -> dict[str, Any]:
-        try:
-            return json.loads((self.plans / f"{plan_hash}.meta.json").read_bytes())
-        except (OSError, ValueError):
-            return {}
+        """When and from where the plan was made; {} when absent or damaged (it only holds hints:
+        data files are found by content, so lost metadata costs a search, never a wrong file)."""
+        return read_meta(self.plans / f"{plan_hash}.meta.json", plan_hash) or {}
 
     # -- step outputs -----------------------------------------------------------------------------
 
@@ -114,46 +139,122 @@ class Store:
         return self.steps / step_hash
 
     def has_output(self, step_hash: str) -> bool:
-        return (self.output(step_hash) / objects.MANIFEST).is_file()
+        folder = self.output(step_hash)
+        return not folder.is_symlink() and (folder / objects.MANIFEST).is_file()
 
     def verify_output(self, step_hash: str, *, contents: bool = True) -> list[str]:
         return objects.verify(self.output(step_hash), contents=contents)
 
-    def _stamp(self, step_hash: str) -> Path:
+    def stamp_path(self, step_hash: str) -> Path:
         return self.root / "cache" / "verified" / f"{step_hash}.json"
 
-    def check_output(self, step_hash: str) -> list[str]:
-        """`verify_output`, remembered: after a full re-hash, the (size, mtime, inode) of every
-        file is stamped, and while the stamp matches the files are not hashed again. This keeps a
-        null build instant with gigabytes of outputs; anything written to an output changes its
-        stamp. (Decay that changes no metadata is what `bt fsck` is for: it always re-hashes.)"""
+    def _stats(self, step_hash: str) -> dict[str, list[int]] | None:
+        """(size, mtime, inode, ctime) of every file of an output; None if it is not a plain folder.
+
+        ctime is set by the kernel on every write and on every change of mtime, so an edit that
+        restores size and mtime still changes the stamp."""
         folder = self.output(step_hash)
+        if folder.is_symlink() or not folder.is_dir():
+            return None
         try:
-            stats = {
-                p.relative_to(folder).as_posix(): [s.st_size, s.st_mtime_ns, s.st_ino]
-                for p in sorted(folder.rglob("*"))
-                if (s := p.stat()) and p.is_file()
-            }
+            stats = {}
+            for path in sorted(folder.rglob("*")):  # rglob does not descend into links
+                s = path.lstat()
+                if not stat.S_ISDIR(s.st_mode):  # a link or a pipe is recorded too, as a change
+                    size = s.st_size if stat.S_ISREG(s.st_mode) else -s.st_mode
+                    stats[path.relative_to(folder).as_posix()] = [
+                        size,
+                        s.st_mtime_ns,
+                        s.st_ino,
+                        s.st_ctime_ns,
+                    ]
+            return stats
         except OSError:
-            return ["output folder unreadable"]
-        stamp = self._stamp(step_hash)
+            return None
+
+    def read_stamp(self, step_hash: str) -> dict[str, Any] | None:
+        """The sealed stamp of an output, or None when it is absent, damaged or not this output's."""
+        path = self.stamp_path(step_hash)
         try:
-            if json.loads(stamp.read_bytes()) == stats:
-                return []
-        except (OSError, ValueError):
-            pass
+            if path.is_symlink() or not path.is_file():
+                return None
+            body = json.loads(path.read_bytes())
+            claimed = body.pop("seal")
+            if body.get("format") != STAMP_FORMAT or body.get("step") != step_hash:
+                return None
+            return body if claimed == digest("stamp", body) else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def stamp_problem(self, step_hash: str) -> str | None:
+        """Why the stamp file of `step_hash` is damaged; None when it is absent or sound."""
+        path = self.stamp_path(step_hash)
+        if not os.path.lexists(path):
+            return None
+        if path.is_symlink():
+            return "a symbolic link, not a stamp"
+        if not path.is_file():
+            return "not a regular file"
+        return None if self.read_stamp(step_hash) is not None else "does not match its seal or its name"
+
+    def drop_stamp(self, step_hash: str) -> None:
+        """Forget that an output was verified, so the next reader re-hashes it (best effort)."""
+        with contextlib.suppress(OSError):
+            self.set_aside(self.stamp_path(step_hash), keep=False)
+
+    def check_output(self, step_hash: str) -> list[str]:
+        """`verify_output`, remembered: after a full re-hash, the (size, mtime, inode, ctime) of
+        every file is stamped, and while the stamp matches the files are not hashed again. This
+        keeps a null build instant with gigabytes of outputs; anything written to an output
+        changes its stamp. A stamp is sealed and names its output, and only ever saves a re-hash:
+        a damaged or foreign stamp is ignored, and `bt fsck`, which always re-hashes, drops the
+        stamp of every output it finds damaged."""
+        stats = self._stats(step_hash)
+        if stats is None:
+            return self.verify_output(step_hash) or ["output folder unreadable"]
+        stamp = self.read_stamp(step_hash)
+        if stamp is not None and stamp.get("files") == stats:
+            return []
         problems = self.verify_output(step_hash)
         if not problems:
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            objects.write_bytes_durably(stamp, json.dumps(stats).encode())
+            body = {"format": STAMP_FORMAT, "step": step_hash, "files": stats}
+            with contextlib.suppress(OSError):  # a read-only store just re-hashes next time
+                self.replace_file(
+                    self.stamp_path(step_hash), canonical_bytes({**body, "seal": digest("stamp", body)})
+                )
+        else:
+            self.drop_stamp(step_hash)
         return problems
 
-    def quarantine(self, step_hash: str) -> Path:
-        """Move a damaged output aside so that it is rebuilt and never loaded."""
+    def set_aside(self, path: Path, *, keep: bool = True) -> Path | None:
+        """Move whatever is at `path` (a folder, a file, a link; never followed) out of the way:
+        into quarantine/ (or removed, with `keep=False`). None when nothing was there."""
+        if not keep and (path.is_symlink() or (os.path.lexists(path) and not path.is_dir())):
+            path.unlink(missing_ok=True)
+            return None
         self.quarantined.mkdir(parents=True, exist_ok=True)
-        target = self.quarantined / f"{step_hash}.{int(time.time())}"
-        os.rename(self.output(step_hash), target)
+        target = self.quarantined / f"{path.name}.{time.time_ns()}.{os.getpid()}"
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            return None
+        if not keep:
+            objects.remove_tree(target)
+            return None
         return target
+
+    def quarantine(self, step_hash: str) -> Path | None:
+        """Move a damaged or foreign output aside so that it is rebuilt and never loaded.
+        Call it holding the step's lock; None when another run already moved it."""
+        self.drop_stamp(step_hash)
+        return self.set_aside(self.output(step_hash))
+
+    def replace_file(self, path: Path, data: bytes) -> None:
+        """Write a small store file durably, first setting aside a folder or link in its place."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() or path.is_dir():
+            self.set_aside(path)
+        objects.write_bytes_durably(path, data)
 
     def work_dir(self, step_hash: str) -> Path:
         return self.work / step_hash
@@ -163,7 +264,7 @@ class Store:
         return Path(tempfile.mkdtemp(prefix=f"{label}.", dir=self.tmp))
 
     def stat_cache(self) -> StatCache:
-        return StatCache(self.root / "cache" / "files.json")
+        return StatCache(self.root / "cache" / "files.json", set_aside=self.set_aside)
 
     # -- locks ------------------------------------------------------------------------------------
 
@@ -178,7 +279,7 @@ class Store:
         """
         self.locks.mkdir(parents=True, exist_ok=True)
         path = self.locks / f"{step_hash}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock(path)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -194,3 +295,43 @@ class Store:
             yield fd
         finally:
             os.close(fd)
+
+    def _open_lock(self, path: Path) -> int:
+        """Open (or create) a lock file, never through a link; a folder or link found in its
+        place is set aside (a lock holds no data, so a fresh one loses nothing)."""
+        for _ in range(3):
+            try:
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                if exc.errno not in (errno.EISDIR, errno.ELOOP):
+                    raise
+                with contextlib.suppress(FileNotFoundError):
+                    if not stat.S_ISREG(os.lstat(path).st_mode):
+                        self.set_aside(path)
+        raise CorruptObject(f"lock {path} cannot be opened as a file; run bt fsck --repair")
+
+
+def seal_meta(plan_hash: str, meta: dict[str, Any]) -> bytes:
+    """Plan metadata sealed by a digest over the plan hash and the whole record."""
+    body = {"format": META_FORMAT, "plan": plan_hash, "meta": meta}
+    return json.dumps({**body, "seal": digest("plan-meta", body)}, indent=1, sort_keys=True).encode()
+
+
+def read_meta(path: Path, plan_hash: str) -> dict[str, Any] | None:
+    """The metadata record of `plan_hash`, or None if it is absent, damaged or another plan's."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        raw = path.read_bytes()
+        body = json.loads(raw)
+        claimed = body.pop("seal")
+        if (
+            body.get("format") != META_FORMAT
+            or body.get("plan") != plan_hash
+            or claimed != digest("plan-meta", body)
+        ):
+            return None
+        meta = body["meta"]
+        return meta if isinstance(meta, dict) and seal_meta(plan_hash, meta) == raw else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -1,16 +1,21 @@
 """Atomic checkpoints of a training step in progress, and resume from the newest valid one.
 
 `checkpoints/.step-000050.tmp/` is written, every file fsynced, the manifest written last, then
-renamed to `checkpoints/step-000050/` and the folder fsynced. Only folders whose manifest verifies
-are candidates for resume; a damaged one is reported and skipped, a temporary one is ignored.
+renamed to `checkpoints/step-000050/` and the folder fsynced. The manifest records the folder's
+name and the state records the step and the step hash, so a checkpoint renamed, linked or copied
+from another step never passes for another update. Only folders whose manifest verifies and whose
+recorded step and identity agree with their name are candidates for resume; any other is reported,
+moved aside (renamed `damaged-...`, out of the candidates, removed with the work folder) and
+skipped; a temporary one is ignored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +24,7 @@ import attrs
 import torch
 
 from buildtrain.plan.canonical import canonical_bytes
+from buildtrain.steps.train.identity import CHECKPOINT, STATE_FORMAT, checkpoint_name, checkpoint_problems
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
@@ -32,13 +38,6 @@ from buildtrain.steps.train.state import (
     save_tensors,
 )
 from buildtrain.store import objects
-
-CHECKPOINT = re.compile(r"^step-(\d{6,})$")
-STATE_FORMAT = 1
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 @attrs.frozen
@@ -92,7 +91,7 @@ def save(
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
     (temporary / TRACE).write_bytes(trace.to_bytes())
-    objects.seal(temporary)  # before removing anything, so a crash here costs no checkpoint
+    objects.seal(temporary, name=final.name)  # before removing anything: a crash here costs nothing
     if final.exists():  # a checkpoint of this step from an earlier attempt: same content by design
         objects.remove_tree(final)
     objects.commit(temporary, final)
@@ -105,7 +104,7 @@ def candidates(folder: Path) -> list[tuple[int, Path]]:
     if folder.is_dir():
         for path in folder.iterdir():
             match = CHECKPOINT.match(path.name)
-            if match and path.is_dir():
+            if match and path.is_dir() and not path.is_symlink():
                 found.append((int(match.group(1)), path))
     return sorted(found, reverse=True)
 
@@ -117,6 +116,21 @@ def prune(folder: Path, keep: int) -> None:
         objects.remove_tree(path)
 
 
+def problems(path: Path, step: int, expect: dict[str, Any]) -> list[str]:
+    """Why the checkpoint folder `path` (named for `step`) cannot be resumed from; [] if it can:
+    its manifest must verify and its state must record the same step and identity (`expect`)."""
+    return checkpoint_problems(path, step, expect)
+
+
+def set_aside(path: Path) -> None:
+    """Move a checkpoint that must not be resumed out of the candidates (a link is removed)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(path, path.with_name(f"damaged-{path.name}.{time.time_ns()}"))
+
+
 def load_newest(
     folder: Path,
     model: torch.nn.Module,
@@ -124,17 +138,19 @@ def load_newest(
     expect: dict[str, Any],
     on_skip: Callable[[Path, str], None],
 ) -> Resumed | None:
-    """Restore the newest checkpoint that verifies and belongs to this step; None to start fresh."""
+    """Restore the newest checkpoint that verifies and belongs to this step; None to start fresh.
+    Every newer one that does not is reported through `on_skip` and moved aside."""
+    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+        if path.is_symlink():  # never a checkpoint, whatever it points to
+            on_skip(path, "a symbolic link, not a checkpoint folder")
+            set_aside(path)
     for step, path in candidates(folder):
-        problems = objects.verify(path)
-        if problems:
-            on_skip(path, "; ".join(problems[:3]))
+        found = problems(path, step, expect)
+        if found:
+            on_skip(path, "; ".join(found))
+            set_aside(path)
             continue
         state = json.loads((path / TRAIN_STATE).read_bytes())
-        mismatched = [key for key, value in expect.items() if state.get(key) != value]
-        if state.get("format") != STATE_FORMAT or mismatched:
-            on_skip(path, f"belongs to another configuration ({', '.join(mismatched) or 'format'})")
-            continue
         load_model(model, path / MODEL)
         load_optimizer(model, optimizer, path / OPTIMIZER)
         return Resumed(step=step, state=state, trace=Trace(read_trace(path / TRACE)), path=path)

@@ -16,6 +16,7 @@ from typing import Any
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
+from buildtrain.errors import StepFailed
 from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.steps.data import DATA_INDEX
@@ -61,11 +62,30 @@ def _link_tree(source: Path, target: Path) -> None:
             shutil.copy2(path, destination)
 
 
-def publish(job: TrainJob, result: TrainResult, out: Path) -> dict[str, str]:
-    """Assemble the output folder from the retained checkpoints and the trace."""
-    retained = checkpoint.candidates(job.work)[: job.train.keep_checkpoints]
+def publish(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> dict[str, str]:
+    """Assemble the output folder from the retained checkpoints and the trace. Only checkpoints
+    that verify and belong to this step go into the output, and the newest must be the last
+    update: nothing unverified is sealed into an output."""
+    retained = []
+    for at, path in checkpoint.candidates(job.work):
+        found = (
+            checkpoint.problems(path, at, job.identity) if at <= job.train.steps else ["beyond train.steps"]
+        )
+        if found:
+            if log is not None:
+                log.warning("checkpoint_skipped", checkpoint=path.name, reason="; ".join(found))
+            checkpoint.set_aside(path)
+            continue
+        retained.append((at, path))
+        if len(retained) == job.train.keep_checkpoints:
+            break
+    if not retained or retained[0][0] != job.train.steps:
+        newest = retained[0][0] if retained else "none"
+        raise StepFailed(
+            f"the final checkpoint of update {job.train.steps} is missing or damaged (newest intact: {newest}); "
+            "bt run again resumes from the newest intact checkpoint"
+        )
     final_step, final_path = retained[0]
-    assert final_step == job.train.steps, (final_step, job.train.steps)
     for _, path in retained:
         _link_tree(path, out / "checkpoints" / path.name)
     (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in result.trace))
@@ -101,4 +121,4 @@ def execute(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
     if result.steps_done < job.train.steps or not ranks.lead:
         return None  # stopped early, or another rank publishes
     assert out is not None
-    return publish(job, result, out)
+    return publish(job, result, out, ctx.log)

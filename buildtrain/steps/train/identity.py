@@ -1,0 +1,43 @@
+"""What makes a checkpoint folder the checkpoint its name says: torch-free, so that `bt fsck`
+checks checkpoints exactly as resume does without loading torch.
+
+A checkpoint `step-000050/` must verify against its manifest (every file, and the folder name it
+was sealed under), and its training state must record step 50 and the identity of its step (the
+step hash). A folder renamed, linked or copied from another step or another plan fails one of these.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from buildtrain.store import objects
+
+CHECKPOINT = re.compile(r"^step-(\d{6,})$")
+STATE_FORMAT = 1
+TRAIN_STATE = "train_state.json"  # = state.TRAIN_STATE (state.py imports torch; a test pins them equal)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def checkpoint_problems(path: Path, step: int, expect: dict[str, Any]) -> list[str]:
+    """Why the checkpoint folder `path` (named for `step`) cannot be resumed from; [] if it can."""
+    found = objects.verify(path)
+    if found:
+        return found[:3]
+    try:
+        state = json.loads((path / TRAIN_STATE).read_bytes())
+    except (OSError, ValueError) as exc:
+        return [f"{TRAIN_STATE} unreadable ({exc})"]
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        return [f"{TRAIN_STATE} has an unknown format"]
+    if state.get("step") != step:
+        return [f"records step {state.get('step')}, named step {step}"]
+    mismatched = [key for key, value in expect.items() if state.get(key) != value]
+    if mismatched:
+        return [f"belongs to another configuration ({', '.join(mismatched)})"]
+    return []
