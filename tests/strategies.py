@@ -345,7 +345,13 @@ def exports(draw: st.DrawFn) -> dict[str, Any]:
     return {"enabled": draw(st.booleans()), "dtype": draw(_choices(ExportConfig, "dtype"))}
 
 
-NAMES = st.text(min_size=1, max_size=12)
+# Preset and stage names become parts of paths, so the language admits only safe ones
+# (`buildtrain.config.checks.SAFE_NAME`); `UNSAFE_NAMES` are ones it must refuse.
+NAMES = st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,11}", fullmatch=True)
+UNSAFE_NAMES = st.one_of(
+    st.sampled_from(["/abs", "../up", "a/b", ".hidden", "..", ".", "a\x00b", "ä", "a b", "x" * 101]),
+    st.text(min_size=1, max_size=12).filter(lambda t: not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", t)),
+)
 FILE_NAMES = st.text(alphabet=string.ascii_lowercase + string.digits + "_-", min_size=1, max_size=8)
 
 
