@@ -104,9 +104,10 @@ class Store:
 
     def plan_meta(self, plan_hash: str) -> dict[str, Any]:
         try:
-            return json.loads((self.plans / f"{plan_hash}.meta.json").read_bytes())
+            meta = json.loads((self.plans / f"{plan_hash}.meta.json").read_bytes())
         except (OSError, ValueError):
             return {}
+        return meta if isinstance(meta, dict) else {}  # never hashed: damaged reads as absent
 
     # -- step outputs -----------------------------------------------------------------------------
 
