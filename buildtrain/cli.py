@@ -96,6 +96,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _experiments(args: argparse.Namespace) -> Path:
+    return Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from buildtrain.executor.run import RunOptions, run_plan
 
@@ -114,7 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = store.load_plan(args.plan)
     options = RunOptions(
         threads=threads,
-        experiments=Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments"),
+        experiments=_experiments(args),
         wait=not args.no_wait,
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
@@ -135,6 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         steps=args.steps,
         json=args.json,
         keep=args.keep_scratch,
+        experiments=_experiments(args),
         launch=_launch(args),
     )
     return verify_plan(store, plan, options)
@@ -379,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Re-execute every step of PLAN in a scratch store, each in a fresh process, and compare each "
         "output with the recorded one by canonical tensor digests. On a difference, name the first "
         "training step that diverged and the tensors that differ. An unbuilt plan is built, then "
-        "checked against a second independent execution. Exit 0: reproduced; 4: not reproduced.",
+        "checked against a second independent execution. Exit 0: reproduced; 4: not reproduced, or "
+        "a comparison could not be made (verify fails closed); 5: a recorded output is damaged or "
+        "belongs to another step.",
     )
     sub.add_argument("plan", help="plan hash or prefix")
     sub.add_argument(
@@ -391,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     sub.add_argument("--keep-scratch", action="store_true", help="keep the scratch store for inspection")
+    sub.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where the record of a first build goes (default: $BT_EXPERIMENTS or ./experiments)",
+    )
     _add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=cmd_verify)
 
