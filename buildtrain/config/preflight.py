@@ -37,13 +37,6 @@ def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str]]:
     return list(found.values()), empty
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
     head_dim = model.dim // model.n_heads
     kv_dim = model.n_kv_heads * head_dim
@@ -111,18 +104,6 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         key = stage_key(index, "data", "files")
         for pattern in empty:
             problems.append(Problem(loaded.source_of(key), key_text(key), f"'{pattern}' matches no file"))
-        # Byte tokens plus one end-of-document token per file bound the train split from above.
-        tokens = sum(_size(path) for path in files) + len(files)
-        if files and tokens < stage.train.seq_len + 1:
-            key = stage_key(index, "train", "seq_len")
-            problems.append(
-                Problem(
-                    loaded.source_of(key),
-                    key_text(key),
-                    f"{stage.train.seq_len} needs at least {stage.train.seq_len + 1} tokens, but the data files "
-                    f"of stage '{stage.name}' hold {tokens} in all; lower train.seq_len or add data",
-                )
-            )
 
     available = machine_memory()
     for stage in config.stages:
