@@ -25,6 +25,7 @@ from conftest import MICRO, run_bt, summaries
 
 from buildtrain import cli
 from buildtrain.errors import ExitCode
+from buildtrain.executor.launch import Launch
 from buildtrain.plan.canonical import canonical_bytes
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
@@ -158,7 +159,9 @@ def test_a_full_disk_fails_the_step_in_one_line_and_leaves_the_store_intact(micr
     assert not Store(store).has_output(plan.by_label(label).hash)
 
 
-@pytest.mark.parametrize("content", [b"null", b"[]", b'{"sources": [], "overrides": 3}'])
+@pytest.mark.parametrize(
+    "content", [b"null", b"[]", b'{"sources": [], "overrides": 3, "preset": 5, "created": []}', b"\xff"]
+)
 def test_a_damaged_plan_meta_file_is_read_as_absent(micro_built, tmp_path, content):
     """The meta file holds hints (where the preset and data were), never anything hashed."""
     store = tmp_path / ".bt"
@@ -172,6 +175,15 @@ def test_a_damaged_plan_meta_file_is_read_as_absent(micro_built, tmp_path, conte
     ):
         code, err = bt_main("--store", str(store), *command)
         assert code == ExitCode.OK, (command, err)
+
+
+def test_the_rendezvous_of_several_machines_is_bounded():
+    """torchrun's own default is ten minutes of silence for an endpoint no node reaches."""
+    launch = Launch(nproc=1, nnodes=2, rdzv_endpoint="node0:29500", rdzv_timeout=7)
+    command = launch.command()
+    assert command[command.index("--rdzv-conf") + 1] == "timeout=7"
+    code, err = bt_main("run", str(MICRO), "--nnodes", "2", "--rdzv-endpoint", "node0:99999")
+    assert code == ExitCode.USAGE and "port in 1..65535" in err
 
 
 def _wait_for(records: Path, text: str, process: subprocess.Popen, seconds: float = 60) -> None:
