@@ -481,9 +481,8 @@ def signals_interrupt(plan: Plan) -> Iterator[None]:
 
     def stop(number: int, _: object) -> None:
         raise Interrupted(
-            f"stopped by {signal.Signals(number).name} between steps or while waiting for a step's lock; "
-            "nothing partial was written; "
-            f"resume with: bt run {plan.hash}"
+            f"stopped by {signal.Signals(number).name} between steps or while waiting for a step's "
+            f"lock; nothing partial was written; resume with: bt run {plan.hash}"
         )
 
     previous: dict[int, Any] = {}

@@ -146,7 +146,8 @@ def _kept(job: dict[str, Any]) -> str:
     """What survives a failed write: only a train step has checkpoints to fall back on."""
     if job.get("kind") == "train":
         return (
-            "nothing partial was published and the last checkpoint is intact; free space, then bt run again"
+            "nothing partial was published and the newest checkpoint (if any) is intact; free space, then "
+            "bt run again"
         )
     return "nothing partial was published; free space, then bt run again"
 
