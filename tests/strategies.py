@@ -443,12 +443,19 @@ def micro_specs(draw: st.DrawFn) -> PresetSpec:
             batch_size=micro * draw(st.integers(1, 2)),
             warmup_steps=draw(st.integers(0, steps)),
             lr=draw(st.floats(1e-5, 1e-2)),
+            eps=draw(st.sampled_from([1e-8, 1e-6])),
             checkpoint_every=draw(st.integers(1, 3)),
         )
         init_from = draw(st.none() | st.sampled_from(names[:index])) if index else None
         stages.append({"name": name, "init_from": init_from, "data": data, "train": train})
     model = draw(models())
-    model.update(n_layers=draw(st.integers(1, 2)), ffn_hidden=draw(st.integers(1, 64)))
+    model.update(  # numbers that keep three updates finite (a theta of 5e-324 would not)
+        n_layers=draw(st.integers(1, 2)),
+        ffn_hidden=draw(st.integers(1, 64)),
+        rope_theta=draw(st.sampled_from([100.0, 10000.0, 500000.0])),
+        norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+        init_std=draw(st.floats(0.005, 0.1)),
+    )
     evaluation = draw(evals())
     evaluation.update(
         seq_len=draw(st.integers(2, 32)),
