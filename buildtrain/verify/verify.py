@@ -77,9 +77,17 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # the scratch store is on another file system than the store
+        shutil.copy2(source, target)
+
+
 def _link_output(source: Path, target: Path) -> None:
-    """Bring a recorded output into the scratch store (hard links: instant and read-only use)."""
-    shutil.copytree(source, target, copy_function=os.link)
+    """Bring a recorded output into the scratch store (hard links where possible: instant, and
+    only read)."""
+    shutil.copytree(source, target, copy_function=_link_or_copy)
 
 
 def _compare(step: Step, recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
