@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -284,8 +285,15 @@ def _endpoint(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line like every other error of bt (no usage block)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bt",
         description="buildtrain: compile training presets into content-hashed plans and run them "
         "reproducibly. Identical plan hashes reproduce identical weights, bit for bit.",

@@ -45,7 +45,7 @@ def bt_main(*argv: str) -> tuple[int, str]:
 def one_line_error(text: str) -> str:
     """The message of a refusal: no traceback, and only the problem plus bt's own summary line."""
     assert "Traceback" not in text, text
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
+    lines = [line for line in text.splitlines() if line.strip()]
     assert 1 <= len(lines) <= 2, text
     return lines[0]
 
