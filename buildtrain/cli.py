@@ -6,17 +6,25 @@ that need them, so `bt plan` and a null `bt run` stay instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, UsageError
+from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.executor.launch import Launch
+
+# More processes per machine or machines than this is a typo, not a cluster.
+MAX_PROCESSES = 1024
+# Exit status after stdout was closed early (`bt show | head`): what a shell reports for SIGPIPE.
+BROKEN_PIPE = 141
 
 EPILOG = """\
 exit codes:
@@ -89,6 +97,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _experiments(args: argparse.Namespace) -> Path:
+    return Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from buildtrain.executor.run import RunOptions, run_plan
 
@@ -107,7 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = store.load_plan(args.plan)
     options = RunOptions(
         threads=threads,
-        experiments=Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments"),
+        experiments=_experiments(args),
         wait=not args.no_wait,
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
@@ -128,6 +140,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         steps=args.steps,
         json=args.json,
         keep=args.keep_scratch,
+        experiments=_experiments(args),
         launch=_launch(args),
     )
     return verify_plan(store, plan, options)
@@ -212,11 +225,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> Launch:
     from buildtrain.executor.launch import Launch
 
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    if endpoint and args.nnodes > 1:
+        _check_resolves(endpoint)
     return Launch(
         nproc=args.nproc,
         nnodes=args.nnodes,
         node_rank=getattr(args, "node_rank", 0),
         rdzv_endpoint=getattr(args, "rdzv_endpoint", None),
+        rdzv_timeout=getattr(args, "rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
     )
 
 
@@ -232,13 +249,13 @@ def _add_world_size(sub: argparse.ArgumentParser, *, rendezvous: bool) -> None:
     )
     group.add_argument(
         "--nproc",
-        type=_positive,
+        type=_processes,
         default=1,
         metavar="N",
         help="training processes on this machine (default 1)",
     )
     group.add_argument(
-        "--nnodes", type=_positive, default=1, metavar="K", help="machines taking part (default 1)"
+        "--nnodes", type=_processes, default=1, metavar="K", help="machines taking part (default 1)"
     )
     if rendezvous:
         group.add_argument(
@@ -250,9 +267,30 @@ def _add_world_size(sub: argparse.ArgumentParser, *, rendezvous: bool) -> None:
         )
         group.add_argument(
             "--rdzv-endpoint",
+            type=_endpoint,
             metavar="HOST:PORT",
             help="where node 0 hosts torchrun's rendezvous (needed with --nnodes > 1)",
         )
+        group.add_argument(
+            "--rdzv-timeout",
+            type=_positive,
+            default=DEFAULT_RDZV_TIMEOUT,
+            metavar="S",
+            help=f"give up when the nodes have not all met after S seconds (default {DEFAULT_RDZV_TIMEOUT})",
+        )
+
+
+def _check_resolves(endpoint: str) -> None:
+    """A host name that does not resolve would only surface as torchrun's timeout, minutes later."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(
+            f"--rdzv-endpoint {endpoint}: cannot resolve {host!r} ({exc}); give node 0's address"
+        ) from None
 
 
 def _parse_steps(text: str | None) -> tuple[int, ...]:
@@ -267,18 +305,49 @@ def _parse_steps(text: str | None) -> tuple[int, ...]:
     return steps
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, limit: int = 1 << 31) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"must be <= {limit}, got {value}")
     return value
 
 
+def _threads(text: str) -> int:
+    from buildtrain.config.schema import MAX_THREADS
+
+    return _positive(text, MAX_THREADS)
+
+
+def _processes(text: str) -> int:
+    return _positive(text, MAX_PROCESSES)
+
+
+def _endpoint(text: str) -> str:
+    """HOST:PORT (or [IPv6]:PORT), checked here so that a typo fails at once, not after a timeout."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
+    if any(c.isspace() or c in "/@?#" for c in host):
+        raise argparse.ArgumentTypeError(f"{host!r} is not a host name or address")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line like every other error of bt (no usage block)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bt",
         description="buildtrain: compile training presets into content-hashed plans and run them "
         "reproducibly. Identical plan hashes reproduce identical weights, bit for bit.",
@@ -338,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument(
         "--threads",
-        type=_positive,
+        type=_threads,
         help="cores to compute with (default: the preset's numerics.threads, or all, shared among "
         "--nproc processes); a portable plan computes with one thread per process and runs a large "
         "train step on several, a native plan runs the thread count its hash pins",
@@ -378,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Re-execute every step of PLAN in a scratch store, each in a fresh process, and compare each "
         "output with the recorded one by canonical tensor digests. On a difference, name the first "
         "training step that diverged and the tensors that differ. An unbuilt plan is built, then "
-        "checked against a second independent execution. Exit 0: reproduced; 4: not reproduced.",
+        "checked against a second independent execution. Exit 0: reproduced; 4: not reproduced, or "
+        "a comparison could not be made (verify fails closed); 5: a recorded output is damaged or "
+        "belongs to another step.",
     )
     sub.add_argument("plan", help="plan hash or prefix")
     sub.add_argument(
@@ -386,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument(
         "--threads",
-        type=_positive,
+        type=_threads,
         help="re-execute with this many cores (portable plans; see bt run --help)",
     )
     sub.add_argument(
@@ -394,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--json", action="store_true", help="machine-readable result on stdout")
     sub.add_argument("--keep-scratch", action="store_true", help="keep the scratch store for inspection")
+    sub.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where the record of a first build goes (default: $BT_EXPERIMENTS or ./experiments)",
+    )
     _add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=cmd_verify)
 
@@ -461,11 +537,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_stdout() -> None:
+    """stdout's reader went away: send the rest (and the final flush) nowhere, without a word."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `bt show | head`: the reader has all it wanted
+        _quiet_stdout()
+        return BROKEN_PIPE
     except ConfigError as exc:
         for line in exc.problems:
             _err(line)

@@ -50,7 +50,11 @@ def show_text(store: Store, plan: Plan) -> str:
     if meta.get("preset"):
         lines.append(
             f"preset  {meta['preset']}"
-            + (f"  (--set {' '.join(meta['overrides'])})" if meta.get("overrides") else "")
+            + (
+                f"  (--set {' '.join(map(str, meta['overrides']))})"
+                if isinstance(meta.get("overrides"), list) and meta["overrides"]
+                else ""
+            )
         )
     if meta.get("created"):
         lines.append(f"created {meta['created']}")
@@ -132,6 +136,7 @@ def ls_rows(store: Store) -> list[dict[str, Any]]:
     rows = []
     for plan_hash in store.plan_hashes():
         meta = store.plan_meta(plan_hash)
+        created = meta.get("created") if isinstance(meta.get("created"), str) else "?"  # a hint only
         try:
             plan = store.load_plan(plan_hash)
         except Exception:  # a damaged plan is listed, not fatal; fsck says more
@@ -139,7 +144,7 @@ def ls_rows(store: Store) -> list[dict[str, Any]]:
                 {
                     "hash": plan_hash,
                     "name": "?",
-                    "created": meta.get("created", "?"),
+                    "created": created,
                     "steps": 0,
                     "status": "damaged",
                 }
@@ -155,7 +160,7 @@ def ls_rows(store: Store) -> list[dict[str, Any]]:
             {
                 "hash": plan_hash,
                 "name": plan.name,
-                "created": meta.get("created", "?"),
+                "created": created,
                 "steps": len(plan.steps),
                 "status": status,
             }

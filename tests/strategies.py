@@ -345,7 +345,13 @@ def exports(draw: st.DrawFn) -> dict[str, Any]:
     return {"enabled": draw(st.booleans()), "dtype": draw(_choices(ExportConfig, "dtype"))}
 
 
-NAMES = st.text(min_size=1, max_size=12)
+# Preset and stage names become parts of paths, so the language admits only safe ones
+# (`buildtrain.config.checks.SAFE_NAME`); `UNSAFE_NAMES` are ones it must refuse.
+NAMES = st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,11}", fullmatch=True)
+UNSAFE_NAMES = st.one_of(
+    st.sampled_from(["/abs", "../up", "a/b", ".hidden", "..", ".", "a\x00b", "ä", "a b", "x" * 101]),
+    st.text(min_size=1, max_size=12).filter(lambda t: not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", t)),
+)
 FILE_NAMES = st.text(alphabet=string.ascii_lowercase + string.digits + "_-", min_size=1, max_size=8)
 
 
@@ -414,6 +420,57 @@ def preset_specs(draw: st.DrawFn, max_stages: int = 3) -> PresetSpec:
         "stages": stages,
     }
     return PresetSpec(values=values, files=files)
+
+
+@st.composite
+def micro_specs(draw: st.DrawFn) -> PresetSpec:
+    """A valid preset small enough to run to the end in seconds: synthetic data of a few thousand
+    tokens, a model of a few thousand parameters, one to three updates per stage, one thread."""
+    count = draw(st.integers(1, 2))
+    names = draw(st.lists(NAMES, min_size=count, max_size=count, unique=True))
+    stages = []
+    for index, name in enumerate(names):
+        data = draw(datas([]))
+        data["synthetic"].update(documents=draw(st.integers(60, 150)), lines=draw(st.integers(4, 8)))
+        data.update(heldout_fraction=draw(st.floats(0.2, 0.5)), split_block=draw(st.integers(16, 32)))
+        train = draw(trains())
+        steps = draw(st.integers(1, 3))
+        micro = draw(st.integers(1, 2))
+        train.update(
+            steps=steps,
+            seq_len=draw(st.integers(2, 32)),
+            micro_batch_size=micro,
+            batch_size=micro * draw(st.integers(1, 2)),
+            warmup_steps=draw(st.integers(0, steps)),
+            lr=draw(st.floats(1e-5, 1e-2)),
+            eps=draw(st.sampled_from([1e-8, 1e-6])),
+            checkpoint_every=draw(st.integers(1, 3)),
+        )
+        init_from = draw(st.none() | st.sampled_from(names[:index])) if index else None
+        stages.append({"name": name, "init_from": init_from, "data": data, "train": train})
+    model = draw(models())
+    model.update(  # numbers that keep three updates finite (a theta of 5e-324 would not)
+        n_layers=draw(st.integers(1, 2)),
+        ffn_hidden=draw(st.integers(1, 64)),
+        rope_theta=draw(st.sampled_from([100.0, 10000.0, 500000.0])),
+        norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+        init_std=draw(st.floats(0.005, 0.1)),
+    )
+    evaluation = draw(evals())
+    evaluation.update(
+        seq_len=draw(st.integers(2, 32)),
+        max_batches=draw(st.integers(1, 2)),
+        every=draw(st.sampled_from([0, 2])),
+    )
+    values = {
+        "name": draw(NAMES),
+        "model": model,
+        "eval": evaluation,
+        "numerics": {**draw(numerics()), "profile": "portable", "threads": 1},
+        "export": draw(exports()),
+        "stages": stages,
+    }
+    return PresetSpec(values=values, files={})
 
 
 @st.composite

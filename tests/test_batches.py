@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buildtrain.errors import StepFailed
 from buildtrain.steps.train.batches import Batches, TokenStream, WindowOrder
 
 
@@ -146,7 +147,7 @@ def test_each_epoch_visits_every_window_once(corpus: tuple[Path, dict[str, Any]]
 
 
 def test_batches_need_at_least_seq_len_plus_one_tokens(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"train split has 8 tokens, fewer than seq_len \+ 1 = 9"):
+    with pytest.raises(StepFailed, match=r"train split has 8 tokens, fewer than train.seq_len \+ 1 = 9"):
         make_batches(tmp_path, 8, 8, 0)
 
 

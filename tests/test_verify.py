@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
+import pytest
 from conftest import MICRO, plan_hash, run_bt
 
 from buildtrain.errors import ExitCode
+from buildtrain.steps.train.state import TRAIN_STATE
+from buildtrain.store.store import Store
+from buildtrain.verify import verify as verify_module
+from buildtrain.verify.watch import Watcher
 
 
 def verify(store, planned, *options, env=None):
@@ -84,12 +90,17 @@ def test_spot_check_compares_the_first_steps_only(micro_built, tmp_path):
 
 def test_unbuilt_plan_is_built_then_checked_against_a_second_execution(tmp_path):
     store = tmp_path / ".bt"
+    records = tmp_path / "records"  # not ./experiments: the first build honours BT_EXPERIMENTS
     planned = plan_hash(run_bt("plan", str(MICRO), "--set", "train.steps=6", store=store))
-    result, report = verify(store, planned)
+    result, report = verify(store, planned, "--threads", "1", env={"BT_EXPERIMENTS": str(records)})
     assert result.returncode == ExitCode.OK, result.stderr
     assert "is not built; building it once" in result.stderr
-    assert report["reproduced"]
-    assert len(list((tmp_path / "experiments").glob("*/summary.json"))) == 1  # the first build's record
+    assert report["reproduced"] and report["threads"] == 1
+    assert not (tmp_path / "experiments").exists()
+    (summary,) = list(records.glob("*/summary.json"))  # the first build's record
+    log = [json.loads(line) for line in (summary.parent / "train.log").read_text().splitlines()]
+    started = [e for e in log if e["event"] == "step_started"]
+    assert started and {e["threads"] for e in started} == {1}  # built at the --threads it was given
 
 
 def test_native_plan_refuses_another_thread_count(tmp_path):
@@ -102,3 +113,105 @@ def test_native_plan_refuses_another_thread_count(tmp_path):
     result = run_bt("verify", planned, "--threads", "1", store=store)
     assert result.returncode == ExitCode.USAGE
     assert "pins 2 threads" in result.stderr and "portable" in result.stderr
+
+
+PERTURB_AT_1 = {"BT_TEST_PERTURB": "1:blocks.1.ffn.w2.weight:1e-3"}
+
+
+@pytest.mark.parametrize(
+    "options", [("--steps", "1"), ("--steps", "2"), ("--steps", "5", "--resume-at", "3")], ids=str
+)
+def test_a_divergence_at_the_first_update_fails_every_spot_check(micro_built, tmp_path, options):
+    """Fail closed: the divergence is reported where it happens, not at the next kept checkpoint
+    (which a short spot check never reaches), and a kill-and-resume does not paper over it."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    result, report = verify(store, micro_built[1], *options, env=PERTURB_AT_1)
+    assert result.returncode == ExitCode.NOT_REPRODUCED, result.stderr
+    train = by_label(report)["train:main"]
+    assert train["status"] == "diverged" and train["divergence"]["step"] == 1
+    assert train["divergence"]["tensors"] == ["model.blocks.1.ffn.w2.weight"]
+    assert "match" not in result.stderr and "NOT REPRODUCED" in result.stderr
+
+
+def test_a_spot_check_longer_than_the_plan_is_clamped_and_says_so(micro_built, tmp_path):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    result, report = verify(store, micro_built[1], "--steps", "100")
+    assert result.returncode == ExitCode.OK, result.stderr
+    train = by_label(report)["train:main"]
+    assert train["status"] == "reproduced" and "first 100" not in result.stderr
+    assert "all 12 steps match" in train["detail"] and "clamped to the stage's 12" in train["detail"]
+    assert train["reexecuted"]["weights"] == micro_built[2]["train:main"]["weights"]  # a full check
+
+
+def _flip_trace(store: Path, step_hash: str, _: Path) -> None:
+    trace = store / "steps" / step_hash / "trace.jsonl"
+    data = bytearray(trace.read_bytes())
+    data[10] ^= 1
+    trace.write_bytes(bytes(data))
+
+
+def _swap_in_another_plans_output(store: Path, step_hash: str, other: Path) -> None:
+    shutil.rmtree(store / "steps" / step_hash)
+    shutil.copytree(other, store / "steps" / step_hash)
+
+
+@pytest.mark.parametrize("damage", [_flip_trace, _swap_in_another_plans_output], ids=["flipped", "swapped"])
+def test_a_damaged_or_foreign_recorded_output_fails_as_a_damaged_store(
+    micro_built, stages_built, tmp_path, damage
+):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    train = Store(store).load_plan(micro_built[1]).by_label("train:main")
+    other = Store(stages_built[0]).load_plan(stages_built[1]).by_label("train:pretrain")
+    damage(store, train.hash, stages_built[0] / "steps" / other.hash)
+    for options in ((), ("--steps", "3")):
+        result, report = verify(store, micro_built[1], *options)
+        assert result.returncode == ExitCode.CORRUPT, result.stderr
+        assert by_label(report)["train:main"]["status"] == "damaged" and not report["reproduced"]
+        assert "DAMAGED STORE" in result.stderr and "reproduced:" not in result.stderr
+
+
+class _Log:
+    def warning(self, *_: object, **__: object) -> None:
+        pass
+
+
+def _watcher(tmp_path: Path, recorded: list[dict], stop_after: int | None = None) -> Watcher:
+    folder = tmp_path / "recorded"
+    folder.mkdir(exist_ok=True)
+    (folder / "trace.jsonl").write_text("".join(json.dumps(e) + "\n" for e in recorded))
+    return Watcher(folder, tmp_path / "report.json", [4], stop_after, _Log())
+
+
+def _entry(step: int, **fields: object) -> dict:
+    return {"step": step, "loss": "3f80", "grad_norm": "3f00", "lr": 0.1, "cursor": step * 4, **fields}
+
+
+@pytest.mark.parametrize(
+    ("recorded", "reexecuted", "fields"),
+    [
+        ([_entry(1)], _entry(1, weights="ab"), ["weights"]),  # a digest only one side has
+        ([_entry(1, weights="ab")], _entry(1), ["weights"]),
+        ([_entry(1, loss="3f81")], _entry(1), ["loss"]),
+        ([], _entry(1), ["missing from the record"]),  # an update the record lacks
+    ],
+    ids=["extra-field", "missing-field", "loss", "missing-update"],
+)
+def test_the_watcher_counts_an_uncomparable_update_as_a_divergence(tmp_path, recorded, reexecuted, fields):
+    watcher = _watcher(tmp_path, recorded, stop_after=1)
+    assert watcher(reexecuted, {})  # a spot check of 1 stops at once: no checkpoint in reach
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["diverged"] and report["step"] == 1 and report["fields"] == fields
+
+
+def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
+    recorded = [_entry(1), _entry(2), _entry(3)]
+    first = _watcher(tmp_path, recorded)
+    assert not first(_entry(1), {}) and not first(_entry(2), {})
+    resumed = _watcher(tmp_path, recorded)  # a new process after a kill goes on with the list
+    assert not resumed(_entry(3), {})
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report == {"diverged": False, "steps_compared": 3, "compared": [1, 2, 3]}
+    assert verify_module.TRAIN_STATE == TRAIN_STATE

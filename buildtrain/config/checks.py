@@ -7,6 +7,7 @@ collecting pass, so one bad value never hides another.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,18 @@ import attrs
 DOC = "buildtrain.doc"
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+# Names become parts of paths (export folders, step labels, temporary folders), so they are held
+# to characters that can neither climb out of a folder nor hide in it.
+SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+SAFE_NAME_RULE = "use only letters, digits, '.', '_' and '-' (1 to 100, not starting with '.')"
+
+
+def name_problem(value: str) -> str | None:
+    """Why a preset, stage or step name cannot be part of a path, if it cannot."""
+    if SAFE_NAME.fullmatch(value):
+        return None
+    return f"{value!r} is not a safe name: {SAFE_NAME_RULE}"
 
 
 def setting(default: Any, doc: str, *validators: Validator, **kwargs: Any) -> Any:

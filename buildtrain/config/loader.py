@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
+from buildtrain.config.checks import name_problem
 from buildtrain.config.convert import converter, describe
 from buildtrain.config.schema import (
     SECTIONS,
@@ -38,6 +40,8 @@ from buildtrain.errors import ConfigError
 
 KeyPath = tuple[str | int, ...]
 SET_SOURCE = "--set"
+# A chain of `extends` deeper than this is a mistake (or a cycle through links), not a design.
+MAX_EXTENDS_DEPTH = 32
 
 
 @attrs.frozen
@@ -119,14 +123,47 @@ def _lookup(tree: Any, key: KeyPath) -> Any:
 # -- reading and merging -------------------------------------------------------------------------
 
 
+def _kind_of(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _read_regular(path: Path) -> bytes:
+    """A file's bytes, refusing anything but a regular file before reading (a FIFO would block).
+
+    Opened without blocking and checked on the open descriptor, so a swap between check and read
+    cannot slip a FIFO in."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise IsADirectoryError(0, f"{_kind_of(info.st_mode)}, not a preset file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            return handle.read()
+    finally:
+        os.close(fd)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
     label = display(path)
     try:
-        raw = path.read_bytes()
+        raw = _read_regular(path)
     except FileNotFoundError:
         raise _Problems([Problem(label, "", "file not found")]) from None
+    except IsADirectoryError as exc:
+        raise _Problems([Problem(label, "", f"is {exc.strerror}")]) from None
     except OSError as exc:
-        raise _Problems([Problem(label, "", f"cannot read: {exc.strerror}")]) from None
+        raise _Problems([Problem(label, "", f"cannot read: {exc.strerror or exc}")]) from None
+    except ValueError as exc:  # a path the OS cannot take (an embedded NUL)
+        raise _Problems([Problem(label, "", f"cannot read: {exc}")]) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -201,6 +238,16 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, A
     if path in chain:
         cycle = " -> ".join(display(p) for p in (*chain[chain.index(path) :], path))
         raise _Problems([Problem(display(chain[-1]), "extends", f"cycle: {cycle}")])
+    if len(chain) >= MAX_EXTENDS_DEPTH:
+        raise _Problems(
+            [
+                Problem(
+                    display(chain[0]),
+                    "extends",
+                    f"chain deeper than {MAX_EXTENDS_DEPTH} presets (reached {label}); flatten it",
+                )
+            ]
+        )
     raw = _read_toml(path)
     _absolute_globs(raw.get("data"), path.parent)
     for stage in raw.get("stages", []) if isinstance(raw.get("stages"), list) else []:
@@ -220,8 +267,17 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, A
     problems: list[Problem] = []
     for base_name in extends:
         base_path = path.parent / os.path.expanduser(base_name)
-        if not base_path.is_file():
+        try:
+            mode = base_path.stat().st_mode
+        except (OSError, ValueError):
             problems.append(Problem(label, "extends", f"'{base_name}' not found (looked for {base_path})"))
+            continue
+        if not stat.S_ISREG(mode):
+            problems.append(
+                Problem(
+                    label, "extends", f"'{base_name}' is {_kind_of(mode)}, not a preset file ({base_path})"
+                )
+            )
             continue
         try:
             base, base_provenance = _load_with_extends(base_path, (*chain, path))
@@ -442,6 +498,8 @@ def _structure_config(raw: dict[str, Any]) -> tuple[Config | None, list[tuple[Ke
     name = raw.get("name", "unnamed")
     if not isinstance(name, str) or not name:
         problems.append((("name",), f"expected a non-empty string, got {describe(name)}"))
+    elif name_problem(name):
+        problems.append((("name",), str(name_problem(name))))
 
     sections: dict[str, Any] = {}
     for section in ("model", "eval", "numerics", "export"):
@@ -477,6 +535,8 @@ def _structure_config(raw: dict[str, Any]) -> tuple[Config | None, list[tuple[Ke
         if not isinstance(stage_name, str) or not stage_name:
             problems.append(((*key, "name"), 'each stage needs a name, for example name = "pretrain"'))
             stage_name = f"stage{index}"
+        elif name_problem(stage_name):
+            problems.append(((*key, "name"), str(name_problem(stage_name))))
         init_from = stage_raw.get("init_from")
         if init_from is not None and not isinstance(init_from, str):
             problems.append(((*key, "init_from"), f"expected a stage name, got {describe(init_from)}"))

@@ -17,6 +17,8 @@ from buildtrain.config.checks import at_least, at_most, below, greater_than, one
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
 END_OF_DOCUMENT = 256
+# More intra-op threads than any machine has cores is a typo, not a setting (torch would fail late).
+MAX_THREADS = 4096
 
 
 @attrs.frozen(kw_only=True)
@@ -198,6 +200,7 @@ class NumericsConfig:
         "cores to compute with (0 = all): under native, intra-op threads, pinned in the hash; under "
         "portable, single-threaded processes, which leave the hash and the bits unchanged",
         at_least(0),
+        at_most(MAX_THREADS),
     )
 
 
@@ -213,7 +216,7 @@ class ExportConfig:
 class Stage:
     """One resolved training stage: its name, its parent, and its fully merged data and train."""
 
-    name: str = setting("main", "stage name, unique within the preset")
+    name: str = setting("main", "stage name, unique within the preset; letters, digits, '.', '_', '-'")
     init_from: str | None = setting(None, "an earlier stage whose final weights start this one")
     data: DataConfig = setting(attrs.Factory(DataConfig), "this stage's data")
     train: TrainConfig = setting(attrs.Factory(TrainConfig), "this stage's training")
@@ -223,7 +226,11 @@ class Stage:
 class Config:
     """A fully resolved preset: what a plan is compiled from."""
 
-    name: str = setting("unnamed", "a label for people; in the plan hash, not in step hashes")
+    name: str = setting(
+        "unnamed",
+        "a label for people (and the export folder); letters, digits, '.', '_', '-'; in the plan hash, "
+        "not in step hashes",
+    )
     model: ModelConfig = setting(attrs.Factory(ModelConfig), "the model")
     eval: EvalConfig = setting(attrs.Factory(EvalConfig), "evaluation")
     numerics: NumericsConfig = setting(attrs.Factory(NumericsConfig), "numerics profile")

@@ -20,6 +20,8 @@ import attrs
 from buildtrain.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
+# Seconds torchrun waits for every node to join before it gives up (its own default is 600).
+DEFAULT_RDZV_TIMEOUT = 120
 
 
 def die_with_parent() -> None:
@@ -38,6 +40,7 @@ class Launch:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT
 
     def __attrs_post_init__(self) -> None:
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -70,6 +73,8 @@ class Launch:
             str(self.node_rank),
             "--rdzv-endpoint",
             self.rdzv_endpoint,
+            "--rdzv-conf",
+            f"timeout={self.rdzv_timeout}",
         ]
 
 

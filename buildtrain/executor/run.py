@@ -10,12 +10,14 @@ the same worker on every rank under torchrun (see `launch.py`), the events arriv
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +173,8 @@ def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
     if not sources:
         return []
     hints = store.plan_meta(plan.hash).get("sources", {})
+    if not isinstance(hints, dict):  # only hints: damaged ones are ignored, the digests decide
+        hints = {}
     cache = store.stat_cache()
     found = []
     for source in sources:
@@ -232,6 +236,7 @@ def spawn(
         "store": str(store.root),
         "plan": plan.hash,
         "step": step.hash,
+        "kind": step.kind,
         "numerics": {
             "profile": settings.profile,
             "device": settings.device,
@@ -284,7 +289,7 @@ def spawn(
                 on_event(line)
         status = process.wait()
         if distributed and status != 0:
-            failure = _torchrun_failure(launcher_log, status, on_event, errors)
+            failure = _torchrun_failure(launcher_log, status, on_event, errors, launch)
             status = failure.status if failure is not None else status
     finally:
         for number, handler in previous.items():
@@ -318,7 +323,7 @@ def _start_torchrun(
 
 
 def _torchrun_failure(
-    log: Path, status: int, on_event: Any, errors: list[dict[str, Any]]
+    log: Path, status: int, on_event: Any, errors: list[dict[str, Any]], launch: Launch
 ) -> RankFailure | None:
     """Which rank brought torchrun down, from its log; the log's tail goes to the run record."""
     text = log.read_text(encoding="utf-8", errors="replace")
@@ -326,7 +331,14 @@ def _torchrun_failure(
     on_event({"event": "torchrun_failed", "level": "warning", "status": status, "log_tail": "\n".join(tail)})
     failure = root_cause(text)
     if failure is None:  # torchrun itself failed: a rendezvous that timed out, a bad endpoint
-        errors.append({"message": f"torchrun failed (exit {status}): {tail[-1] if tail else 'no output'}"})
+        hint = ""
+        if launch.nnodes > 1:
+            hint = (
+                f"; the nodes did not all meet at {launch.rdzv_endpoint} within {launch.rdzv_timeout} s: "
+                "check --rdzv-endpoint (node 0's address) and that every node runs the same command"
+            )
+        last = tail[-1] if tail else "no output"
+        errors.append({"message": f"torchrun failed (exit {status}): {last}{hint}"})
     return failure
 
 
@@ -519,6 +531,31 @@ def steps_for(plan: Plan, target: str | None) -> list[Step]:
     return [step for step in plan.steps if step.hash in wanted]
 
 
+@contextlib.contextmanager
+def signals_interrupt(plan: Plan) -> Iterator[None]:
+    """Between step processes (waiting for a lock, reading the store) SIGINT and SIGTERM stop the
+    run as an interruption (exit 3, recorded as such, not a bare death by signal); while a step
+    process runs, `spawn` forwards them to it instead, so that it checkpoints first."""
+
+    def stop(number: int, _: object) -> None:
+        raise Interrupted(
+            f"stopped by {signal.Signals(number).name} between steps or while waiting for a step's "
+            f"lock; nothing partial was written; resume with: bt run {plan.hash}"
+        )
+
+    previous: dict[int, Any] = {}
+    try:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, stop)
+    except ValueError:  # not the main thread: the signals are not ours to take
+        pass
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
 def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     started = time.perf_counter()
     launch = options.launch
@@ -556,12 +593,17 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
         )
     outcome, code = "failed", int(ExitCode.FAILED)
     try:
-        for step in steps:
-            if launch.follower and step.kind == "train":
-                record.step_result(**join_step(store, plan, step, threads, record, reporter, launch))
-                continue
-            record.step_result(**build_step(store, plan, step, threads, record, reporter, options))
+        with signals_interrupt(plan):
+            for step in steps:
+                if launch.follower and step.kind == "train":
+                    record.step_result(**join_step(store, plan, step, threads, record, reporter, launch))
+                    continue
+                record.step_result(**build_step(store, plan, step, threads, record, reporter, options))
         outcome, code = "done", int(ExitCode.OK)
+    except KeyboardInterrupt:  # SIGINT where no handler of ours was installed (another thread)
+        outcome, code = "interrupted", int(ExitCode.INTERRUPTED)
+        record.event("run_interrupted", message="interrupted")
+        raise
     except BuildtrainError as exc:
         outcome = "interrupted" if isinstance(exc, Interrupted) else "failed"
         code = int(exc.exit_code)

@@ -144,6 +144,16 @@ def _dispatch(ctx: Any, out: Path | None) -> dict[str, str] | None:
     return export.execute(ctx, out)
 
 
+def _kept(job: dict[str, Any]) -> str:
+    """What survives a failed write: only a train step has checkpoints to fall back on."""
+    if job.get("kind") == "train":
+        return (
+            "nothing partial was published and the newest checkpoint (if any) is intact; free space, then "
+            "bt run again"
+        )
+    return "nothing partial was published; free space, then bt run again"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
     parser.add_argument("--job", required=True, help="JSON job description written by the executor")
@@ -177,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except OSError as exc:  # disk full, permissions: the store and the last checkpoint stay intact
         where = f" {exc.filename}" if exc.filename else ""
-        log.error(
-            "step_failed",
-            message=f"cannot write{where}: {exc.strerror or exc}; the last checkpoint is intact",
-        )
+        log.error("step_failed", message=f"cannot write{where}: {exc.strerror or exc}; {_kept(job)}")
         return ExitCode.FAILED
     except Exception as exc:
+        if type(exc).__name__ == "SafetensorError":  # safetensors' own I/O error: disk full, file too large
+            log.error("step_failed", message=f"cannot write a tensor file: {exc}; {_kept(job)}")
+            return ExitCode.FAILED
         if type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc):
             log.error(
                 "step_failed",

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from buildtrain.config.checks import name_problem
 from buildtrain.plan.canonical import digest, plain
 
 PLAN_FORMAT = 1
@@ -113,6 +114,18 @@ class Plan:
             raise ValueError(f"unknown plan format {body.get('format')!r}")
         steps = tuple(Step.from_body(step) for step in body["steps"])
         plan = cls.create(body["name"], body["config"], steps, tuple(body["targets"]))
+        # Names become paths (export folders, temporary folders): an edited plan must not choose them.
+        problem = name_problem(plan.name) if isinstance(plan.name, str) else "the name is not a string"
+        if problem:
+            raise ValueError(f"name: {problem}")
+        for step in plan.steps:
+            label = step.label if isinstance(step.label, str) else ""
+            kind, colon, stage = label.partition(":")
+            if kind != step.kind or (colon and name_problem(stage)):
+                raise ValueError(
+                    f"step label {step.label!r} is not '{step.kind}' or '{step.kind}:NAME' with a safe NAME "
+                    "(letters, digits, '.', '_', '-', not starting with '.')"
+                )
         seen: set[str] = set()
         for step in plan.steps:
             missing = set(step.upstream.values()) - seen

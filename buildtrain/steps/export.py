@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
+from buildtrain.config.checks import name_problem
 from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Plan
@@ -62,13 +64,27 @@ def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
     problems = store.verify_output(step.hash)
     if problems:
         raise CorruptObject(f"the export output {step.hash[:12]} does not verify: {problems[0]}; run bt fsck")
-    destination = destination or Path("export") / f"{plan.name}-{plan.hash[:12]}"
-    if destination.exists():
+    if destination is None:
+        # The plan's name was checked to be a safe file name when it was loaded; check again here,
+        # where it becomes a path, so that no name can place the export outside ./export.
+        problem = name_problem(plan.name)
+        if problem:
+            raise CorruptObject(f"plan {plan.hash[:12]}: name: {problem}; run bt fsck")
+        destination = Path("export") / f"{plan.name}-{plan.hash[:12]}"
+    if os.path.lexists(destination):
         raise UsageError(f"{destination} already exists; exports are immutable, choose another destination")
-    temporary = destination.with_name(f".{destination.name}.tmp")
-    objects.remove_tree(temporary)
-    shutil.copytree(store.output(step.hash), temporary, ignore=shutil.ignore_patterns(objects.MANIFEST))
-    for path in temporary.iterdir():
-        os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-    os.rename(temporary, destination)
+    parent = destination.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    # A fresh temporary folder beside the destination: never one of the user's, never reused.
+    temporary = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
+    try:
+        package = temporary / "package"
+        shutil.copytree(store.output(step.hash), package, ignore=shutil.ignore_patterns(objects.MANIFEST))
+        for path in package.iterdir():
+            os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        if os.path.lexists(destination):
+            raise UsageError(f"{destination} appeared while exporting; nothing was written there")
+        os.rename(package, destination)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     return destination

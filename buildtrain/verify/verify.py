@@ -5,6 +5,12 @@ process, from its re-executed inputs, and its output is compared with the record
 digests (tensors by name, dtype, shape and bytes). A train step is compared update by update while
 it runs, so a difference is reported with the first update where it appeared, the tensors it
 touched and how far they moved, and the re-execution stops there.
+
+It fails closed: a step counts as reproduced only when every comparison it stands for was made
+(every update of a train step against the recorded trace, every declared digest of its output). A
+missing report, an update left uncompared or an output without digests is "not compared", which
+fails like a difference (exit 4); a recorded output that is damaged or belongs to another step
+fails as a damaged store (exit 5).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 RESUMED_KILL_STATUS = -9
+# `steps.train.state.TRAIN_STATE`, named here so that the bt process does not import torch for it.
+TRAIN_STATE = "train_state.json"
 
 
 @attrs.frozen(kw_only=True)
@@ -55,7 +63,7 @@ class VerifyOptions:
 class StepVerdict:
     label: str
     kind: str
-    status: str  # reproduced, diverged, skipped
+    status: str  # reproduced, diverged, not compared, damaged, skipped
     recorded: dict[str, str] = attrs.Factory(dict)
     reexecuted: dict[str, str] = attrs.Factory(dict)
     detail: str = ""
@@ -69,9 +77,17 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # the scratch store is on another file system than the store
+        shutil.copy2(source, target)
+
+
 def _link_output(source: Path, target: Path) -> None:
-    """Bring a recorded output into the scratch store (hard links: instant and read-only use)."""
-    shutil.copytree(source, target, copy_function=os.link)
+    """Bring a recorded output into the scratch store (hard links where possible: instant, and
+    only read)."""
+    shutil.copytree(source, target, copy_function=_link_or_copy)
 
 
 def _compare(step: Step, recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
@@ -88,6 +104,14 @@ def _spawn_in(
         return spawn(scratch, plan, step, threads, lock_fd, lambda _: None, job, launch)
 
 
+def _read_report(report: Path) -> dict[str, Any] | None:
+    try:
+        body = json.loads(report.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def _run_train(
     scratch: Store,
     plan: Plan,
@@ -96,26 +120,51 @@ def _run_train(
     recorded_output: Path,
     options: VerifyOptions,
     report: Path,
+    limit: int | None,
 ) -> tuple[dict[str, Any] | None, list[int]]:
-    """Re-execute a train step under the watcher, killing and resuming it at the requested steps."""
-    watch = {"recorded": str(recorded_output), "report": str(report), "stop_after": options.steps}
-    hooks: dict[str, Any] = {"stop_after": options.steps} if options.steps else {}
-    pending = [n for n in options.resume_at if options.steps is None or n < options.steps]
+    """Re-execute a train step under the watcher, killing and resuming it at the requested steps;
+    `limit` is the spot check's number of updates (None: all of them)."""
+    watch = {"recorded": str(recorded_output), "report": str(report), "stop_after": limit}
+    hooks: dict[str, Any] = {"stop_after": limit} if limit else {}
+    pending = [n for n in options.resume_at if limit is None or n < limit]
     resumed: list[int] = []
     while True:
-        job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=options.steps is None)
+        job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
         outcome = _spawn_in(scratch, plan, step, threads, job, options.launch)
-        if outcome.status == RESUMED_KILL_STATUS and pending and not report.exists():
-            resumed.append(pending.pop(0))  # killed on purpose after a checkpoint: resume now
+        diverged = (_read_report(report) or {}).get("diverged")
+        if outcome.status == RESUMED_KILL_STATUS and pending:  # killed on purpose after a checkpoint
+            if diverged:
+                break  # the divergence before the kill stands; resuming would only blur it
+            resumed.append(pending.pop(0))
             continue
         raise_for_status(step, outcome, plan)
         break
-    divergence = json.loads(report.read_text()) if report.exists() else None
-    return divergence, resumed
+    return _read_report(report), resumed
+
+
+def _train_steps(step: Step) -> int:
+    return int(step.config["train"]["steps"])
+
+
+def _foreign(step: Step, recorded_output: Path) -> str | None:
+    """Why a recorded train output is not this step's own, if it is not: its checkpoints carry
+    the hash of the step that wrote them, and its result the number of updates."""
+    try:
+        result = json.loads((recorded_output / "result.json").read_bytes())
+        if result.get("steps") != _train_steps(step):
+            return f"it records {result.get('steps')} updates, the step has {_train_steps(step)}"
+        for name in result["checkpoints"]:
+            state = json.loads((recorded_output / "checkpoints" / name / TRAIN_STATE).read_bytes())
+            if state.get("step_hash") != step.hash:
+                found = str(state.get("step_hash"))[:12]
+                return f"checkpoints/{name} was written by step {found}, not {step.hash[:12]}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its result or checkpoints cannot be read ({exc})"
+    return None
 
 
 def _verdict_line(verdict: StepVerdict) -> str:
-    mark = {"reproduced": "✓", "diverged": "✗"}.get(verdict.status, "-")
+    mark = {"reproduced": "✓", "diverged": "✗", "damaged": "✗", "not compared": "✗"}.get(verdict.status, "-")
     shown = ""
     for name in ("weights", "data", "eval", "package"):
         if verdict.status == "reproduced" and len(verdict.reexecuted.get(name, "")) == 64:
@@ -135,6 +184,8 @@ def _describe(divergence: dict[str, Any]) -> str:
     if divergence.get("differences"):
         top = ", ".join(f"{d['tensor']} {d['max_abs_diff']:.3g}" for d in divergence["differences"][:5])
         lines.append(f"max |difference| at checkpoint step {divergence['compared_at']}: {top}")
+    elif divergence.get("compared_at") is None:
+        lines.append("(no recorded checkpoint within the steps run to measure the differences at)")
     return "\n                    ".join(lines)
 
 
@@ -152,7 +203,11 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
         _say(
             f"bt verify: plan {plan.hash[:12]} is not built; building it once, then checking it against a second execution"
         )
-        run_plan(store, plan, RunOptions(experiments=options.experiments, progress=False, launch=launch))
+        run_plan(
+            store,
+            plan,
+            RunOptions(threads=threads, experiments=options.experiments, progress=False, launch=launch),
+        )
 
     scratch_root = Path(tempfile.mkdtemp(prefix="bt-verify-"))
     scratch = Store(scratch_root / "store")
@@ -163,7 +218,13 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
     if options.resume_at:
         mode.append(f"hard kill and resume at {','.join(map(str, options.resume_at))}")
     if options.steps:
-        mode.append(f"first {options.steps} steps of each train stage")
+        longest = max((_train_steps(step) for step in plan.steps if step.kind == "train"), default=0)
+        if options.steps >= longest:
+            mode.append(
+                f"--steps {options.steps} covers every update of every train stage ({longest} at most)"
+            )
+        else:
+            mode.append(f"first {options.steps} steps of each train stage")
     _say(
         f"bt verify {plan.hash[:12]} '{plan.name}': re-executing {len(plan.steps)} steps in isolation ({'; '.join(mode)})"
     )
@@ -173,7 +234,7 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
     try:
         for step in plan.steps:
             verdict = _verify_step(store, scratch, plan, step, threads, options, failed)
-            if verdict.status == "diverged" or (verdict.status == "skipped" and not options.steps):
+            if verdict.status != "reproduced" and not (verdict.status == "skipped" and options.steps):
                 failed.add(step.hash)
             verdicts.append(verdict)
             _say(_verdict_line(verdict))
@@ -184,17 +245,27 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
             shutil.rmtree(scratch_root, ignore_errors=True)
 
     diverged = [v for v in verdicts if v.status == "diverged"]
-    checked = [v for v in verdicts if v.status != "skipped"]
+    damaged = [v for v in verdicts if v.status == "damaged"]
+    uncompared = [v for v in verdicts if v.status == "not compared"]
+    checked = [v for v in verdicts if v.status == "reproduced"]
+    if damaged:
+        _say(
+            f"DAMAGED STORE: the recorded output of {', '.join(v.label for v in damaged)} is damaged or not "
+            "its step's; run bt fsck, then bt run to rebuild it"
+        )
     if diverged:
         _say(f"NOT REPRODUCED: {', '.join(v.label for v in diverged)} differ from the recorded build")
-    else:
+    if uncompared:
+        _say(f"NOT VERIFIED: {', '.join(v.label for v in uncompared)} could not be compared (see above)")
+    if not (damaged or diverged or uncompared):
         _say(f"reproduced: {len(checked)} of {len(verdicts)} steps match the recorded build bit for bit")
+    reproduced = not (damaged or diverged or uncompared)
     if options.json:
         print(
             json.dumps(
                 {
                     "plan": plan.hash,
-                    "reproduced": not diverged,
+                    "reproduced": reproduced,
                     "threads": threads,
                     "world_size": launch.world_size,
                     "resume_at": list(options.resume_at),
@@ -204,7 +275,9 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
                 indent=2,
             )
         )
-    return ExitCode.NOT_REPRODUCED if diverged else ExitCode.OK
+    if damaged:
+        return ExitCode.CORRUPT
+    return ExitCode.OK if reproduced else ExitCode.NOT_REPRODUCED
 
 
 def _verify_step(
@@ -218,9 +291,12 @@ def _verify_step(
 ) -> StepVerdict:
     recorded_output = store.output(step.hash)
     problems = objects.verify(recorded_output)
+    if not problems and step.kind == "train":
+        foreign = _foreign(step, recorded_output)
+        problems = [f"it is not this step's output: {foreign}"] if foreign else []
     if problems:
         return StepVerdict(
-            step.label, step.kind, "diverged", detail=f"the recorded output is damaged: {problems[0]}"
+            step.label, step.kind, "damaged", detail=f"the recorded output is damaged: {problems[0]}"
         )
     recorded = objects.sealed_digests(recorded_output)
     if set(step.upstream.values()) & failed:
@@ -234,34 +310,60 @@ def _verify_step(
             if not scratch.has_output(upstream):
                 _link_output(store.output(upstream), scratch.output(upstream))
 
+    extra = ""
     if step.kind == "train":
-        report = scratch.root / f"watch-{step.hash[:16]}.json"
-        divergence, resumed = _run_train(scratch, plan, step, threads, recorded_output, options, report)
-        extra = f"(killed and resumed at {','.join(map(str, resumed))})" if resumed else ""
-        if divergence and divergence.get("diverged"):
+        total = _train_steps(step)
+        # A spot check as long as the stage is the full check of the stage (and says so).
+        limit = options.steps if options.steps and options.steps < total else None
+        if options.steps and limit is None:
+            extra = f"(--steps {options.steps} clamped to the stage's {total})"
+        report_path = scratch.root / f"watch-{step.hash[:16]}.json"
+        report, resumed = _run_train(
+            scratch, plan, step, threads, recorded_output, options, report_path, limit
+        )
+        if resumed:
+            extra = f"{extra} (killed and resumed at {','.join(map(str, resumed))})".strip()
+        if report is not None and report.get("diverged"):
             return StepVerdict(
-                step.label,
-                step.kind,
-                "diverged",
-                recorded,
-                detail=_describe(divergence),
-                divergence=divergence,
+                step.label, step.kind, "diverged", recorded, detail=_describe(report), divergence=report
             )
-        if options.steps:
-            compared = divergence["steps_compared"] if divergence else options.steps
+        wanted = list(range(1, (limit or total) + 1))
+        compared = report.get("compared") if report is not None else None
+        if compared != wanted:
+            missing = sorted(set(wanted) - set(compared or []))
+            why = (
+                "no comparison report" if report is None else f"updates {_ranges(missing)} were not compared"
+            )
+            return StepVerdict(
+                step.label, step.kind, "not compared", recorded, detail=f"{why}; nothing is claimed for them"
+            )
+        if limit is not None:
             return StepVerdict(
                 step.label,
                 step.kind,
                 "reproduced",
                 recorded,
                 {},
-                detail=f"first {compared} steps match the recorded trace {extra}".strip(),
+                detail=f"first {limit} steps match the recorded trace {extra}".strip(),
             )
+        extra = f"all {total} steps match the recorded trace {extra}".strip()
     else:
         raise_for_status(step, _spawn_in(scratch, plan, step, threads, StepJob()), plan)
-        extra = ""
 
+    if not scratch.has_output(step.hash):
+        return StepVerdict(
+            step.label, step.kind, "not compared", recorded, detail="the re-execution published no output"
+        )
     reexecuted = objects.sealed_digests(scratch.output(step.hash))
+    if not recorded or not reexecuted:
+        return StepVerdict(
+            step.label,
+            step.kind,
+            "not compared",
+            recorded,
+            reexecuted,
+            detail="an output declares no digests to compare",
+        )
     differing = _compare(step, recorded, reexecuted)
     if differing:
         return StepVerdict(
@@ -273,3 +375,14 @@ def _verify_step(
             detail=f"digests differ: {', '.join(differing[:5])}",
         )
     return StepVerdict(step.label, step.kind, "reproduced", recorded, reexecuted, detail=extra)
+
+
+def _ranges(numbers: list[int]) -> str:
+    """`1-3,7` for [1, 2, 3, 7]."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and runs[-1][1] == number - 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"

@@ -1,15 +1,22 @@
 """Inside a re-executed train step: compare every update with the recorded trace as it happens.
 
 The first update whose loss bits, gradient-norm bits, learning rate, data cursor, weights digest
-or (at checkpoint steps) full-state digest differs from the record is the divergence point; the per-tensor digests at that update name the
-tensors that differ. Training then continues only to the first checkpoint the record kept (at or
-after the divergence), where both states are on disk, to measure how far each tensor moved; then it
-stops, instead of training to the end.
+or (at checkpoint steps) full-state digest differs from the record is the divergence point; the
+per-tensor digests at that update name the tensors that differ. A field present on one side only is
+a difference too, and an update the record lacks is one: nothing is passed without a comparison.
+Training then continues only to the first checkpoint the record kept (at or after the divergence,
+and within a spot check's steps), where both states are on disk, to measure how far each tensor
+moved; then it stops, instead of training to the end.
+
+The report is rewritten after every update, listing each update compared so far (a step killed and
+resumed on purpose carries the list on), so that `bt verify` can tell "every update matched" from
+"the comparison never happened": a missing report or a missing update is never a pass.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,13 @@ class Watcher:
         self.log = log
         self.divergence: dict[str, Any] | None = None
         self.compare_at: int | None = None
+        self.compared: list[int] = []
+        try:  # a re-execution killed and resumed on purpose goes on with the updates compared before
+            earlier = json.loads(report.read_bytes())
+        except (OSError, ValueError):
+            earlier = None
+        if isinstance(earlier, dict) and not earlier.get("diverged"):
+            self.compared = [int(s) for s in earlier.get("compared", [])]
 
     @classmethod
     def from_job(cls, job: dict[str, Any], log: Any) -> Watcher:
@@ -48,20 +62,26 @@ class Watcher:
     def __call__(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         """Called after each update; True ends training here."""
         step = entry["step"]
+        spot_check_over = self.stop_after is not None and step >= self.stop_after
         if self.divergence is None:
-            reference = self.reference.get(step, {})
-            fields = [f for f in COMPARED if f in entry and f in reference and entry[f] != reference[f]]
-            if fields or not reference:
-                self._diverged(step, entry, reference, fields or ["missing from the record"])
+            reference = self.reference.get(step)
+            if reference is None:
+                self._diverged(step, entry, {}, ["missing from the record"])
+            else:
+                fields = [
+                    f for f in COMPARED if (f in entry or f in reference) and entry.get(f) != reference.get(f)
+                ]
+                if fields:
+                    self._diverged(step, entry, reference, fields)
+                else:
+                    self.compared = sorted({*self.compared, step})
         if self.divergence is not None:
-            if self.compare_at is None or step >= self.compare_at:
+            if self.compare_at is None or step >= self.compare_at or spot_check_over:
                 self._measure(step, tensors)
                 return True
             return False
-        if self.stop_after is not None and step >= self.stop_after:
-            self._write({"diverged": False, "steps_compared": step})
-            return True
-        return False
+        self._write({"diverged": False, "steps_compared": len(self.compared), "compared": self.compared})
+        return spot_check_over
 
     def _diverged(
         self, step: int, entry: dict[str, Any], reference: dict[str, Any], fields: list[str]
@@ -74,9 +94,12 @@ class Watcher:
             "tensors": names,
             "recorded": {f: reference.get(f) for f in fields if f in reference},
             "reexecuted": {f: entry.get(f) for f in fields if f in entry},
+            "compared": self.compared,
         }
         later = [s for s in self.retained if s >= step]
         self.compare_at = later[0] if later else None
+        # Reported at once: should the process end before the measurement, the divergence stands.
+        self._write({"diverged": True, **self.divergence, "compared_at": None, "differences": []})
         self.log.warning(
             "divergence",
             step=step,
@@ -102,7 +125,13 @@ class Watcher:
                 if delta > 0 or not torch.equal(tensor.detach().cpu(), other):
                     differences.append({"tensor": name, "max_abs_diff": delta})
             differences.sort(key=lambda d: -d["max_abs_diff"])
-        self._write({"diverged": True, **self.divergence, "compared_at": step, "differences": differences})
+        compared_at = step if differences or self.compare_at == step else None
+        self._write(
+            {"diverged": True, **self.divergence, "compared_at": compared_at, "differences": differences}
+        )
 
     def _write(self, report: dict[str, Any]) -> None:
-        self.report_path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        """Atomically: a reader (or a resumed watcher) sees the previous report or this one."""
+        temporary = self.report_path.with_name(f".{self.report_path.name}.tmp")
+        temporary.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        os.replace(temporary, self.report_path)

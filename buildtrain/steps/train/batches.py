@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from buildtrain.errors import StepFailed
 from buildtrain.steps.seeds import derive_seed
 
 M64 = (1 << 64) - 1
@@ -113,8 +114,9 @@ class Batches:
         self.seq_len = seq_len
         self.windows = (len(stream) - 1) // seq_len
         if self.windows < 1:
-            raise ValueError(
-                f"the train split has {len(stream)} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+            raise StepFailed(
+                f"the train split has {len(stream)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; "
+                "lower train.seq_len or give the stage more data"
             )
         self.order = WindowOrder(self.windows, seed)
 
