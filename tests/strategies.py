@@ -336,6 +336,7 @@ def numerics(draw: st.DrawFn, devices: tuple[str, ...] = ("cpu",)) -> dict[str, 
         "profile": draw(_choices(NumericsConfig, "profile")),
         "device": draw(st.sampled_from(devices)),
         "dtype": draw(_choices(NumericsConfig, "dtype")),
+        "compile": draw(st.booleans()),
         "threads": draw(st.integers(0, 64)),
     }
 
@@ -466,7 +467,8 @@ def micro_specs(draw: st.DrawFn) -> PresetSpec:
         "name": draw(NAMES),
         "model": model,
         "eval": evaluation,
-        "numerics": {**draw(numerics()), "profile": "portable", "threads": 1},
+        # Eager: a first torch.compile on the CPU takes most of a minute.
+        "numerics": {**draw(numerics()), "profile": "portable", "threads": 1, "compile": False},
         "export": draw(exports()),
         "stages": stages,
     }
