@@ -295,3 +295,21 @@ def test_portable_train_steps_share_cores_as_ranks_when_large(
     assert launch.nproc == expected
     evaluation = next(s for s in plan.steps if s.kind == "eval")
     assert step_launch(plan_numerics(plan), evaluation, threads, SINGLE_PROCESS) == SINGLE_PROCESS
+
+
+def test_portable_ranks_stay_within_the_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from buildtrain.config import preflight
+    from buildtrain.executor.launch import SINGLE_PROCESS
+    from buildtrain.executor.run import plan_numerics, step_launch
+    from buildtrain.store.store import Store
+
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(WIDE), "--set", "train.steps=5000", store=store))
+    plan = Store(store).load_plan(planned)
+    train = next(s for s in plan.steps if s.kind == "train")
+    per_rank = 1 << 30
+    monkeypatch.setattr(preflight, "memory_estimate", lambda *_: per_rank)
+    monkeypatch.setattr(preflight, "machine_memory", lambda: 3 * per_rank)  # 80%: room for 2 ranks
+    assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 2
+    monkeypatch.setattr(preflight, "machine_memory", lambda: per_rank)
+    assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 1

@@ -201,6 +201,9 @@ class Outcome:
     world_size: int = 1
 
 
+MEMORY_FOR_RANKS = 0.8  # the share of the machine's memory the ranks of one step may count on
+
+
 def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Launch) -> Launch:
     """The processes a step runs on: `launch` as given, except that a portable train step on one
     process shares its `threads` cores out as single-threaded ranks (see `numerics`)."""
@@ -211,11 +214,14 @@ def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Laun
     train = converter.structure(step.config["train"], TrainConfig)
     if train.reduction != "invariant":
         return launch  # the world size of an allreduce plan is fixed by its hash
-    from buildtrain.config.preflight import parameter_count  # only once a train step computes
+    # Only once a train step computes: the preset loader is not on the path of a null build.
+    from buildtrain.config.preflight import machine_memory, memory_estimate, parameter_count
 
-    flop = 6 * parameter_count(converter.structure(step.config["model"], ModelConfig))
-    flop *= train.batch_size * train.seq_len * train.steps
-    nproc = numerics.portable_ranks(threads, train.batch_size // train.micro_batch_size, flop)
+    model = converter.structure(step.config["model"], ModelConfig)
+    flop = 6 * parameter_count(model) * train.batch_size * train.seq_len * train.steps
+    # Every rank holds the whole model and optimizer: no more ranks than the memory holds.
+    fitting = max(1, int(machine_memory() * MEMORY_FOR_RANKS) // memory_estimate(model, train))
+    nproc = numerics.portable_ranks(min(threads, fitting), train.batch_size // train.micro_batch_size, flop)
     return attrs.evolve(launch, nproc=nproc)
 
 
