@@ -364,6 +364,8 @@ def main() -> int:
                     portable >= GOAL_PORTABLE,
                     fmt_ratio(portable),
                 ),
+                "  info    portable computes on one thread per process here; its design against the "
+                "alternatives (intra-op threads, single-threaded ranks): benchmarks/thread_invariance.py",
             ]
         )
     return 0
