@@ -252,7 +252,8 @@ def _add_world_size(sub: argparse.ArgumentParser, *, rendezvous: bool) -> None:
         type=_processes,
         default=1,
         metavar="N",
-        help="training processes on this machine (default 1)",
+        help="training processes on this machine (default 1; a large train step of a portable plan "
+        "uses its --threads cores as that many single-threaded processes, unless --threads 1)",
     )
     group.add_argument(
         "--nnodes", type=_processes, default=1, metavar="K", help="machines taking part (default 1)"

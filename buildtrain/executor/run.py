@@ -205,9 +205,10 @@ MEMORY_FOR_RANKS = 0.8  # the share of the machine's memory the ranks of one ste
 
 
 def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Launch) -> Launch:
-    """The processes a step runs on: `launch` as given, except that a portable train step on one
-    process shares its `threads` cores out as single-threaded ranks (see `numerics`)."""
-    if step.kind != "train" or launch != SINGLE_PROCESS:
+    """The processes a step runs on: `launch` as given, except that a portable train step given
+    one process shares its `threads` cores out as single-threaded ranks (see `numerics`);
+    `--threads 1` keeps it on one."""
+    if step.kind != "train" or launch.world_size > 1:
         return launch
     if not numerics.portable_cpu(settings.profile, settings.device) or threads == 1:
         return launch
