@@ -2,9 +2,10 @@
 
 The executor itself never imports torch, so a fully cached plan (a null build) returns at once.
 A step that must compute runs in `buildtrain.executor.worker`, started with the numerics
-environment, holding the step's lock (inherited), and reporting JSON events through a pipe that
-the executor writes to the run record and the terminal. A train step on several processes runs
-the same worker on every rank under torchrun (see `launch.py`), the events arriving on its stdout.
+environment, holding the step's lock, and reporting JSON events through a pipe that the executor
+writes to the run record and the terminal. Consecutive steps of one numerics environment share a
+worker (see `processes.py`); a train step on several processes runs the same worker on every rank
+under torchrun (see `launch.py`), the events arriving on its stdout.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from buildtrain.errors import (
 )
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_with_parent, root_cause
+from buildtrain.executor.processes import JOB_EXIT, StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
 from buildtrain.plan.plan import Plan, SourceFile, Step
@@ -235,8 +237,10 @@ def spawn(
     on_event: Any,
     job_extra: StepJob,
     launch: Launch = SINGLE_PROCESS,
+    processes: StepProcesses | None = None,
 ) -> Outcome:
-    """Run one step in a worker process, or a train step on `launch.world_size` ranks."""
+    """Run one step in a worker process (one of `processes`, shared with other steps, when given),
+    or a train step on `launch.world_size` ranks."""
     settings = plan_numerics(plan)
     launch = step_launch(settings, step, threads, launch)
     job = {
@@ -266,14 +270,20 @@ def spawn(
     worker = [sys.executable, "-m", "buildtrain.executor.worker", "--job", str(job_path)]
     distributed = step.kind == "train" and launch.world_size > 1
     launcher_log = store.tmp / f"torchrun-{name}.log"
+    shared = None
     if distributed:
         process, events_fd = _start_torchrun(launch, worker, env, lock_fd, launcher_log)
+        events = os.fdopen(events_fd, encoding="utf-8", errors="replace")
+    elif processes is not None:
+        shared = processes.submit(env, job_path, lock_fd)
+        process, events = shared.process, shared.events
     else:
         events_fd, write_fd = os.pipe()
         process = subprocess.Popen(
             [*worker, "--events-fd", str(write_fd)], env=env, pass_fds=(write_fd, lock_fd)
         )
         os.close(write_fd)
+        events = os.fdopen(events_fd, encoding="utf-8", errors="replace")
     interrupted: list[int] = []
 
     def forward(number: int, _: object) -> None:
@@ -285,16 +295,26 @@ def spawn(
     errors: list[dict[str, Any]] = []
     failure: RankFailure | None = None
     try:
-        with os.fdopen(events_fd, encoding="utf-8", errors="replace") as events:
-            for raw in events:
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    continue
-                if line.get("level") in ("error", "critical"):
-                    errors.append(line)
+        status = None
+        for raw in events:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if line.get("event") == JOB_EXIT:  # a shared worker finished this step
+                status = int(line["status"])
                 on_event(line)
-        status = process.wait()
+                break
+            if line.get("level") in ("error", "critical"):
+                errors.append(line)
+            on_event(line)
+        if shared is None:
+            events.close()
+            status = process.wait()
+        elif status != ExitCode.OK:  # failed, or died (no job_exit): not used again
+            assert processes is not None
+            processes.discard(shared)
+            status = process.returncode if status is None else status
         if distributed and status != 0:
             failure = _torchrun_failure(launcher_log, status, on_event, errors, launch)
             status = failure.status if failure is not None else status
@@ -416,6 +436,7 @@ def build_step(
     record: RunRecord,
     reporter: Reporter,
     options: RunOptions,
+    processes: StepProcesses | None = None,
 ) -> dict[str, Any]:
     """A cache hit when the step's output verifies; else, under the step's lock, set aside
     whatever occupies its place (damaged, foreign, half-made) and build it. Inputs that a step
@@ -476,7 +497,9 @@ def build_step(
                 reporter.event(line)
 
             try:
-                outcome = spawn(store, plan, step, threads, lock_fd, on_event, StepJob(), options.launch)
+                outcome = spawn(
+                    store, plan, step, threads, lock_fd, on_event, StepJob(), options.launch, processes
+                )
             finally:
                 reporter.train_finished()
             try:
@@ -490,7 +513,7 @@ def build_step(
         for upstream in damaged:
             reporter.step(step.label, f"input {upstream.label} is damaged; rebuilding it")
             record.event("input_damaged", step=step.label, input=upstream.label, hash=upstream.hash)
-            build_step(store, plan, upstream, threads, record, reporter, options)
+            build_step(store, plan, upstream, threads, record, reporter, options, processes)
     raise AssertionError("unreachable: the second attempt returns or raises")
 
 
@@ -599,13 +622,16 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
             f"which slows training; {fix}"
         )
     outcome, code = "failed", int(ExitCode.FAILED)
+    processes = StepProcesses()  # steps of one numerics environment share a process
     try:
         with signals_interrupt(plan):
             for step in steps:
                 if launch.follower and step.kind == "train":
                     record.step_result(**join_step(store, plan, step, threads, record, reporter, launch))
                     continue
-                record.step_result(**build_step(store, plan, step, threads, record, reporter, options))
+                record.step_result(
+                    **build_step(store, plan, step, threads, record, reporter, options, processes)
+                )
         outcome, code = "done", int(ExitCode.OK)
     except KeyboardInterrupt:  # SIGINT where no handler of ours was installed (another thread)
         outcome, code = "interrupted", int(ExitCode.INTERRUPTED)
@@ -617,6 +643,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
         record.event("run_" + outcome, message=str(exc))
         raise
     finally:
+        processes.close()
         duration = time.perf_counter() - started
         record.close(outcome, code, duration)
         if outcome == "done":

@@ -5,6 +5,9 @@ after checking that, logs structured JSON events to a pipe the executor reads, b
 output in a temporary folder and publishes it atomically. Exit status: 0 done, 1 failed,
 3 interrupted (a checkpoint was written).
 
+With `--serve FD` it runs one job after another, as the executor sends them (see
+`processes.py`), so consecutive steps of one numerics environment import torch once.
+
 Under torchrun the same module runs on every rank of a train step; rank 0 does all of the above,
 the other ranks only train (see `steps/train/ranks.py`).
 """
@@ -16,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -26,10 +30,13 @@ import structlog
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import die_with_parent
+from buildtrain.executor.processes import JOB_EXIT
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 TORCH_STEPS = ("train", "eval")
+# The numerics this process applied when it imported torch (a serving worker runs several steps).
+APPLIED: dict[str, tuple[str, str, int]] = {}
 
 
 def configure_logging(stream: Any) -> Any:
@@ -60,13 +67,14 @@ def execute(job: dict[str, Any], log: Any) -> int:
 
     if step.kind in TORCH_STEPS or (step.kind == "export" and step.config["export"]["dtype"] != "float32"):
         settings = job["numerics"]
-        numerics.check_before_import(settings["profile"], settings["device"], settings["threads"])
-        import torch  # only now: the numerics environment is in place
+        wanted = (settings["profile"], settings["device"], settings["threads"])
+        if APPLIED.get("settings") != wanted:  # the first computing step of this process
+            numerics.check_before_import(*wanted)
+            import torch  # only now: the numerics environment is in place
 
-        applied = numerics.apply_after_import(
-            torch, settings["profile"], settings["device"], settings["threads"]
-        )
-        log.info("numerics_applied", profile=settings["profile"], **applied)
+            applied = numerics.apply_after_import(torch, *wanted)
+            APPLIED["settings"] = wanted
+            log.info("numerics_applied", profile=settings["profile"], **applied)
 
     extra: dict[str, Any] = {}
     lead = True
@@ -154,25 +162,8 @@ def _kept(job: dict[str, Any]) -> str:
     return "nothing partial was published; free space, then bt run again"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
-    parser.add_argument("--job", required=True, help="JSON job description written by the executor")
-    parser.add_argument(
-        "--events-fd", type=int, required=True, help="pipe for JSON event lines (1 under torchrun)"
-    )
-    args = parser.parse_args(argv)
-    die_with_parent()
-    events_fd = args.events_fd
-    if events_fd == 1:
-        # Under torchrun the events share stdout with every rank; keep anything else a library
-        # prints out of that stream by sending fd 1 to stderr from here on.
-        events_fd = os.dup(1)
-        os.dup2(2, 1)
-    stream = os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
-    log = configure_logging(stream)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: every event says whose it is
-        log = log.bind(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    job = json.loads(Path(args.job).read_text(encoding="utf-8"))
+def run_job(job: dict[str, Any], log: Any) -> int:
+    """Execute one job; every failure becomes an event and an exit status, never a traceback."""
     try:
         return execute(job, log)
     except Interrupted as exc:
@@ -201,6 +192,55 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.FAILED
         log.error("step_crashed", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         return ExitCode.FAILED
+
+
+def serve(control_fd: int, log: Any) -> int:
+    """Run the jobs the executor sends, one after another (see `processes.py`), until it closes the
+    socket; stop at the first job that does not succeed, so no failed step's state lives on."""
+    control = socket.socket(fileno=control_fd)
+    while True:
+        signal.signal(signal.SIGTERM, _interrupt_now)  # between steps: stop at once
+        signal.signal(signal.SIGINT, _interrupt_now)
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 65536, 1)
+        except Interrupted:
+            return ExitCode.INTERRUPTED
+        if not message:
+            return ExitCode.OK
+        try:
+            code = run_job(json.loads(Path(os.fsdecode(message)).read_text(encoding="utf-8")), log)
+        finally:
+            for fd in fds:
+                os.close(fd)  # the step's lock: held while its step ran
+        log.info(JOB_EXIT, status=int(code))
+        if code != ExitCode.OK:
+            return int(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
+    job_or_serve = parser.add_mutually_exclusive_group(required=True)
+    job_or_serve.add_argument("--job", help="JSON job description written by the executor")
+    job_or_serve.add_argument("--serve", type=int, metavar="FD", help="socket to receive jobs on")
+    parser.add_argument(
+        "--events-fd", type=int, required=True, help="pipe for JSON event lines (1 under torchrun)"
+    )
+    args = parser.parse_args(argv)
+    die_with_parent()
+    events_fd = args.events_fd
+    if events_fd == 1:
+        # Under torchrun the events share stdout with every rank; keep anything else a library
+        # prints out of that stream by sending fd 1 to stderr from here on.
+        events_fd = os.dup(1)
+        os.dup2(2, 1)
+    stream = os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
+    log = configure_logging(stream)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: every event says whose it is
+        log = log.bind(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        if args.serve is not None:
+            return serve(args.serve, log)
+        return run_job(json.loads(Path(args.job).read_text(encoding="utf-8")), log)
     finally:
         stream.flush()
 
