@@ -33,6 +33,15 @@ def test_changing_one_element_changes_the_checksum(size: int, seed: int, where: 
     assert checksums({"w": changed})["w"] != checksums({"w": tensor})["w"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_every_bit_of_a_wide_element_counts(dtype: torch.dtype) -> None:
+    tensor = values(1000, 7).to(dtype)
+    for bit in (0, 40, 62):
+        changed = tensor.clone()
+        changed.view(torch.int64)[500] ^= 1 << bit
+        assert checksums({"w": changed})["w"] != checksums({"w": tensor})["w"], bit
+
+
 @settings(max_examples=20, deadline=None)
 @given(size=st.integers(2, 50_000), seed=st.integers(0, 2**16), data=st.data())
 def test_two_elements_trading_places_change_the_checksum(size: int, seed: int, data) -> None:

@@ -65,14 +65,15 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 # Two prime moduli below 2**31 and odd position multipliers: every term stays below 2**31, so a sum
 # over fewer than 2**32 elements cannot overflow int64, and integer sums are exact in any order.
 CHECKSUM_PRIMES = (2_147_483_629, 2_147_483_587)
-INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+NARROW_VIEWS = {1: torch.uint8, 2: torch.int16}  # wider elements are read as 32-bit words
 
 
 def _checksum_terms(tensor: torch.Tensor) -> torch.Tensor:
     """Two exact, position-dependent integer sums of a tensor's bit patterns, on its device."""
     flat = tensor.detach().contiguous().reshape(-1)
-    bits = flat.view(INTEGER_VIEWS[flat.element_size()]).to(torch.int64) & 0xFFFFFFFF
-    position = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+    words = flat.view(NARROW_VIEWS.get(flat.element_size(), torch.int32))
+    bits = words.to(torch.int64) & 0xFFFFFFFF
+    position = torch.arange(words.numel(), device=flat.device, dtype=torch.int64)
     terms = []
     for index, prime in enumerate(CHECKSUM_PRIMES):
         multiplier = (position * (2 * index + 3) + 1) % prime  # below 2**31: products below 2**63
