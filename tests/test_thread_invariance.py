@@ -26,13 +26,18 @@ from conftest import REPO, plan_hash, run_bt, step_digests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from buildtrain.config import preflight
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
 from buildtrain.executor import numerics
+from buildtrain.executor.launch import SINGLE_PROCESS
+from buildtrain.executor.run import plan_numerics, step_launch
+from buildtrain.plan.plan import Plan, Step
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.reduce import flatten, tree_sum
 from buildtrain.steps.train.state import digests
+from buildtrain.store.store import Store
 
 WIDE = REPO / "tests" / "presets" / "wide.toml"
 THREADS = [2, 3, 4, 7, 8, 16]
@@ -98,7 +103,8 @@ def loss_only(batch: int, length: int, seed: int) -> torch.Tensor:
     targets = tokens(batch, length - 1, seed + 1)
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / 4
     loss.backward()
-    return torch.stack([loss.detach(), logits.grad.sum()]) if logits.grad is not None else loss
+    assert logits.grad is not None
+    return torch.cat([loss.detach().reshape(1), logits.grad.flatten()])
 
 
 def gradient_tree(micro_batches: int, size: int, seed: int) -> torch.Tensor:
@@ -282,34 +288,29 @@ def test_native_weights_depend_on_the_thread_count_and_so_does_its_hash(tmp_path
 def test_portable_train_steps_share_cores_as_ranks_when_large(
     tmp_path: Path, overrides: list[str], threads: int, expected: int
 ) -> None:
-    from buildtrain.executor.launch import SINGLE_PROCESS
-    from buildtrain.executor.run import plan_numerics, step_launch
-    from buildtrain.store.store import Store
-
-    store = tmp_path / ".bt"
-    sets = [arg for override in overrides for arg in ("--set", override)]
-    planned = plan_hash(run_bt("plan", str(WIDE), *sets, store=store))
-    plan = Store(store).load_plan(planned)
-    train = next(s for s in plan.steps if s.kind == "train")
-    launch = step_launch(plan_numerics(plan), train, threads, SINGLE_PROCESS)
-    assert launch.nproc == expected
-    evaluation = next(s for s in plan.steps if s.kind == "eval")
-    assert step_launch(plan_numerics(plan), evaluation, threads, SINGLE_PROCESS) == SINGLE_PROCESS
+    plan = stored_plan(tmp_path, *overrides)
+    settings = plan_numerics(plan)
+    assert step_launch(settings, step_of(plan, "train"), threads, SINGLE_PROCESS).nproc == expected
+    assert step_launch(settings, step_of(plan, "eval"), threads, SINGLE_PROCESS) == SINGLE_PROCESS
 
 
 def test_portable_ranks_stay_within_the_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from buildtrain.config import preflight
-    from buildtrain.executor.launch import SINGLE_PROCESS
-    from buildtrain.executor.run import plan_numerics, step_launch
-    from buildtrain.store.store import Store
-
-    store = tmp_path / ".bt"
-    planned = plan_hash(run_bt("plan", str(WIDE), "--set", "train.steps=5000", store=store))
-    plan = Store(store).load_plan(planned)
-    train = next(s for s in plan.steps if s.kind == "train")
+    plan = stored_plan(tmp_path, "train.steps=5000")
+    train = step_of(plan, "train")
     per_rank = 1 << 30
     monkeypatch.setattr(preflight, "memory_estimate", lambda *_: per_rank)
     monkeypatch.setattr(preflight, "machine_memory", lambda: 3 * per_rank)  # 80%: room for 2 ranks
     assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 2
     monkeypatch.setattr(preflight, "machine_memory", lambda: per_rank)
     assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 1
+
+
+def stored_plan(tmp_path: Path, *overrides: str) -> Plan:
+    """The wide preset with `overrides`, planned by `bt` and read back from its store."""
+    store = tmp_path / ".bt"
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    return Store(store).load_plan(plan_hash(run_bt("plan", str(WIDE), *sets, store=store)))
+
+
+def step_of(plan: Plan, kind: str) -> Step:
+    return next(step for step in plan.steps if step.kind == kind)

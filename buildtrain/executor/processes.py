@@ -13,7 +13,6 @@ success is not used again.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -33,13 +32,17 @@ class Worker:
     control: socket.socket
     events: TextIO
 
-    def stop(self) -> None:
-        """Closing the control socket ends the worker's loop; one that hangs is killed."""
+    def stop(self, *, now: bool = False) -> None:
+        """Closing the control socket ends the worker's loop; one that hangs, or any when `now`,
+        is killed."""
         self.control.close()
         try:
+            if now:
+                raise subprocess.TimeoutExpired(self.process.args, 0)
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            if self.process.poll() is None:
+                self.process.kill()
             self.process.wait()
         self.events.close()
 
@@ -70,12 +73,7 @@ class StepProcesses:
     def discard(self, worker: Worker) -> None:
         """Stop using a worker (its step failed, or it died), and make sure it is gone."""
         self.workers = {k: w for k, w in self.workers.items() if w is not worker}
-        if worker.process.poll() is None:
-            worker.process.kill()
-        worker.process.wait()
-        with contextlib.suppress(OSError):
-            worker.control.close()
-            worker.events.close()
+        worker.stop(now=True)
 
     def close(self) -> None:
         for worker in list(self.workers.values()):

@@ -131,7 +131,7 @@ def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
         for line in differences(dict(step.toolchain), current):
             if line not in lines:
                 lines.append(line)
-    portable_cpu = settings.device == "cpu" and settings.profile == "portable"
+    portable_cpu = numerics.portable_cpu(settings.profile, settings.device)
     if portable_cpu and portable_target().endswith("avx2") and cpu_facts()["isa"] == "baseline":
         lines.append("cpu: the portable profile computes with AVX2, which this CPU lacks")
     if lines:
@@ -600,14 +600,14 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     settings = plan_numerics(plan)
     per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
     if launch.world_size > 1:
-        processes = f"{launch.world_size} processes x {per_process} threads"
+        layout = f"{launch.world_size} processes x {per_process} threads"
     elif per_process != threads:
-        processes = f"{threads} cores, one thread per process"
+        layout = f"{threads} cores, one thread per process"
     else:
-        processes = f"{threads} threads"
+        layout = f"{threads} threads"
     node = f", node {launch.node_rank} of {launch.nnodes}" if launch.nnodes > 1 else ""
     reporter.say(
-        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {processes}{node}) -> {record.folder}"
+        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {layout}{node}) -> {record.folder}"
     )
     record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid(), **attrs.asdict(launch))
     cores = os.cpu_count() or 1
