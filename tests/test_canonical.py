@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import emit_float, emit_int, shuffled
 
-from buildtrain.plan.canonical import EncodingError, canonical_bytes, digest
+from buildtrain.canonical import EncodingError, canonical_bytes, digest
 
 PINNED_VALUE = {
     "name": "pinned",

@@ -27,8 +27,8 @@ from pathlib import Path
 import attrs
 from conftest import MICRO, run_bt, step_digests
 
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, ExitCode
-from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.steps.eval import cache_key, lookup
 from buildtrain.steps.train.identity import checkpoint_problems
 from buildtrain.store import objects

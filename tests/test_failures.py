@@ -24,9 +24,9 @@ import pytest
 from conftest import MICRO, run_bt, summaries
 
 from buildtrain import cli
+from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import ExitCode
 from buildtrain.executor.launch import Launch
-from buildtrain.plan.canonical import canonical_bytes
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
 

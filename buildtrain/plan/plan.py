@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
+from buildtrain.canonical import digest, plain
 from buildtrain.config.checks import name_problem
-from buildtrain.plan.canonical import digest, plain
 
 PLAN_FORMAT = 1
 STEP_KINDS = ("data", "train", "eval", "export")

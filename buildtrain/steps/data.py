@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.schema import END_OF_DOCUMENT
 from buildtrain.errors import StepFailed
-from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.steps.seeds import derive_seed, derive_unit
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from buildtrain.plan.canonical import canonical_bytes, digest
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Step
 from buildtrain.steps.context import StepContext, final_weights, read_json
 from buildtrain.store.objects import read_manifest

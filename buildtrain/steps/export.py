@@ -17,9 +17,9 @@ import stat
 import tempfile
 from pathlib import Path
 
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.checks import name_problem
 from buildtrain.errors import CorruptObject, UsageError
-from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import blake3
 
-from buildtrain.plan.canonical import canonical_bytes
+from buildtrain.canonical import canonical_bytes
 
 MASK_63 = (1 << 63) - 1
 

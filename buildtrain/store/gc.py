@@ -21,8 +21,8 @@ from pathlib import Path
 
 import attrs
 
+from buildtrain.canonical import digest
 from buildtrain.errors import BuildtrainError
-from buildtrain.plan.canonical import digest
 from buildtrain.steps.eval import EVAL_RESULT
 from buildtrain.store import objects
 from buildtrain.store.store import Store

@@ -19,7 +19,7 @@ from typing import Any
 
 import blake3
 
-from buildtrain.plan.canonical import canonical_bytes, digest
+from buildtrain.canonical import canonical_bytes, digest
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 2  # 2: the manifest records the name it is sealed for

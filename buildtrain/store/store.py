@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, Locked, UsageError
-from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.plan.plan import Plan
 from buildtrain.store import objects
 from buildtrain.store.sources import StatCache

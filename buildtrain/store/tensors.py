@@ -16,7 +16,7 @@ from typing import Any
 
 import blake3
 
-from buildtrain.plan.canonical import canonical_bytes, digest
+from buildtrain.canonical import canonical_bytes, digest
 
 MAX_HEADER = 100 << 20
 # Canonical dtype names are safetensors' codes in lower case; torch names map onto them.

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import torch
 
-from buildtrain.plan.canonical import canonical_bytes
+from buildtrain.canonical import canonical_bytes
 from buildtrain.steps.train.identity import CHECKPOINT, STATE_FORMAT, checkpoint_name, checkpoint_problems
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (

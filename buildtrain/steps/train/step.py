@@ -14,10 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
 from buildtrain.errors import StepFailed
-from buildtrain.plan.canonical import canonical_bytes, digest
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.steps.data import DATA_INDEX
 from buildtrain.steps.train import checkpoint
