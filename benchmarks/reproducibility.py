@@ -44,10 +44,11 @@ def train_digest(
     extra = ["--threads", str(threads)] if profile == "portable" else []
     space.run_bt("run", planned, "--target", "train:main", "--progress", "off", *extra, store=store)
     space.import_buildtrain()
+    from buildtrain.plan.stored import load_plan
     from buildtrain.store import objects
     from buildtrain.store.store import Store
 
-    output = Store(store).output(Store(store).load_plan(planned).by_label("train:main").hash)
+    output = Store(store).output(load_plan(Store(store), planned).by_label("train:main").hash)
     return planned, objects.sealed_digests(output)["weights"]
 
 

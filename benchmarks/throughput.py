@@ -111,10 +111,11 @@ def window_rates(times: list[tuple[float, float]], warmup: int, tokens_per_step:
 
 
 def load_plan(spec: dict[str, Any]) -> tuple[Any, Any]:
+    from buildtrain.plan.stored import load_plan
     from buildtrain.store.store import Store
 
     store = Store(Path(spec["store"]))
-    plan = store.load_plan(spec["plan"])
+    plan = load_plan(store, spec["plan"])
     return store, plan
 
 
@@ -223,10 +224,11 @@ class NullLog:
 
 def build_data(space: Workspace, plan_hash: str) -> Path:
     """The data step's output of the plan, built with buildtrain's data step (no torch needed)."""
+    from buildtrain.plan.stored import load_plan
     from buildtrain.steps import data
     from buildtrain.store.store import Store
 
-    plan = Store(space.store).load_plan(plan_hash)
+    plan = load_plan(Store(space.store), plan_hash)
     out = space.path("data-output")
     out.mkdir()
     data.build(plan.by_label("data:main").to_body(), [], out, NullLog())

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, UsageError
 from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from buildtrain.report import show_json, show_text
 
     store = _store(args)
-    plan = store.load_plan(args.plan)
+    plan = load_plan(store, args.plan)
     print(show_json(store, plan) if args.json else show_text(store, plan))
     return ExitCode.OK
 
@@ -81,7 +82,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from buildtrain.report import diff_json, diff_text
 
     store = _store(args)
-    a, b = store.load_plan(args.plan_a), store.load_plan(args.plan_b)
+    a, b = load_plan(store, args.plan_a), load_plan(store, args.plan_b)
     changes, steps = diff_plans(a, b)
     print(diff_json(a, b, changes, steps) if args.json else diff_text(a, b, changes, steps))
     return ExitCode.OK
@@ -116,7 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         if args.set:
             raise UsageError("--set applies to a preset; give a preset path, or plan first with bt plan")
-        plan = store.load_plan(args.plan)
+        plan = load_plan(store, args.plan)
     options = RunOptions(
         threads=threads,
         experiments=_experiments(args),
@@ -133,7 +134,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from buildtrain.verify.verify import VerifyOptions, verify_plan
 
     store = _store(args)
-    plan = store.load_plan(args.plan)
+    plan = load_plan(store, args.plan)
     options = VerifyOptions(
         resume_at=_parse_steps(args.resume_at),
         threads=args.threads,
@@ -191,7 +192,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from buildtrain.store.gc import collect
+    from buildtrain.verify.gc import collect
 
     store = _store(args)
     report = collect(store, drop=args.drop, dry_run=args.dry_run)
@@ -216,7 +217,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from buildtrain.steps.export import export_to
 
     store = _store(args)
-    plan = store.load_plan(args.plan)
+    plan = load_plan(store, args.plan)
     destination = export_to(store, plan, Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK

@@ -10,6 +10,7 @@ from typing import Any
 
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
@@ -138,7 +139,7 @@ def ls_rows(store: Store) -> list[dict[str, Any]]:
         meta = store.plan_meta(plan_hash)
         created = meta.get("created") if isinstance(meta.get("created"), str) else "?"  # a hint only
         try:
-            plan = store.load_plan(plan_hash)
+            plan = load_plan(store, plan_hash)
         except Exception:  # a damaged plan is listed, not fatal; fsck says more
             rows.append(
                 {

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from buildtrain.plan.stored import load_plan
+
 REPO = Path(__file__).resolve().parent.parent
 MICRO = REPO / "tests" / "presets" / "micro.toml"
 TINY = REPO / "presets" / "tiny.toml"
@@ -68,7 +70,7 @@ def step_digests(store: Path, plan: str) -> dict[str, dict[str, str]]:
     from buildtrain.store import objects
     from buildtrain.store.store import Store
 
-    loaded = Store(store).load_plan(plan)
+    loaded = load_plan(Store(store), plan)
     return {
         step.label: objects.sealed_digests(Store(store).output(step.hash))
         for step in loaded.steps

@@ -15,6 +15,7 @@ from conftest import MICRO, PRETRAIN_FINETUNE, BtRunner
 from buildtrain.cli import main
 from buildtrain.errors import ExitCode
 from buildtrain.plan.planner import plan_preset
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 HASH_LINE = re.compile(r"^[0-9a-f]{64}\n$")
@@ -92,7 +93,7 @@ def test_bt_show_json(bt: BtRunner, store: Path, two_plans: tuple[str, str]) -> 
     assert body["name"] == "micro"
     assert body["meta"]["overrides"] == ["train.lr=1e-3"]
     assert body["config"]["stages"][0]["train"]["lr"] == 1e-3
-    loaded = Store(store).load_plan(planned)
+    loaded = load_plan(Store(store), planned)
     assert [s["hash"] for s in body["steps"]] == [s.hash for s in loaded.steps]
     assert {s["status"]["action"] for s in body["steps"]} == {"will run"}
 

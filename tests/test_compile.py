@@ -8,12 +8,13 @@ from pathlib import Path
 
 from conftest import MICRO, plan_hash, run_bt
 
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 
 def steps_by_label(store: Path, *overrides: str) -> dict[str, object]:
     planned = plan_hash(run_bt("plan", str(MICRO), *overrides, store=store))
-    return {step.label: step for step in Store(store).load_plan(planned).steps}
+    return {step.label: step for step in load_plan(Store(store), planned).steps}
 
 
 def test_compile_changes_the_train_step_and_what_depends_on_it_only(tmp_path: Path) -> None:

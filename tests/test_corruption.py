@@ -29,6 +29,7 @@ from conftest import MICRO, run_bt, step_digests
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, ExitCode
+from buildtrain.plan.stored import load_plan
 from buildtrain.steps.eval import cache_key, lookup
 from buildtrain.steps.train.identity import checkpoint_problems
 from buildtrain.store import objects
@@ -88,7 +89,7 @@ class World:
 
     def foreign(self, kind: str) -> Path:
         """The same kind of object, made for another plan (or, for a stamp, another step)."""
-        other = Store(self.other).load_plan(self.other_plan)
+        other = load_plan(Store(self.other), self.other_plan)
         finetune = other.by_label("train:finetune").hash
         return {
             "data output": self.other / "steps" / other.by_label("data:finetune").hash,
@@ -109,7 +110,7 @@ class World:
 
 def world_at(root: Path, micro_built, stages_built) -> World:
     store = Store(root)
-    plan = store.load_plan(micro_built[1])
+    plan = load_plan(store, micro_built[1])
     hashes = {step.label: step.hash for step in plan.steps}
     key, _ = cache_key(
         plan.by_label("eval"), store.output(hashes["train:main"]), store.output(hashes["data:main"])
@@ -194,7 +195,7 @@ def rejected_by_readers(world: World, kind: str) -> bool:
         return lookup(store, world.eval_key) is None
     if kind == "plan":
         try:
-            store.load_plan(world.plan)
+            load_plan(store, world.plan)
         except BuildtrainError:
             return True
         return False

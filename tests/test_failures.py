@@ -28,6 +28,7 @@ from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import ExitCode
 from buildtrain.executor.launch import Launch
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 
@@ -140,7 +141,7 @@ def _limited_run(store: Path, planned: str, limit: int) -> subprocess.CompletedP
 def test_a_full_disk_fails_the_step_in_one_line_and_leaves_the_store_intact(micro_built, tmp_path, where):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    plan = Store(store).load_plan(micro_built[1])
+    plan = load_plan(Store(store), micro_built[1])
     if where == "data":  # the data step writes a 27 kB shard first
         shutil.rmtree(store / "steps")
         limit = 16 << 10
@@ -201,7 +202,7 @@ def _wait_for(records: Path, text: str, process: subprocess.Popen, seconds: floa
 def test_a_signal_while_waiting_for_a_step_lock_is_a_recorded_interruption(micro_built, tmp_path, number):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    export = Store(store).load_plan(micro_built[1]).by_label("export")
+    export = load_plan(Store(store), micro_built[1]).by_label("export")
     shutil.rmtree(store / "steps" / export.hash)
     (store / "locks").mkdir(exist_ok=True)
     lock = os.open(store / "locks" / f"{export.hash}.lock", os.O_RDWR | os.O_CREAT)
@@ -233,7 +234,7 @@ def test_a_signal_while_waiting_for_a_step_lock_is_a_recorded_interruption(micro
 
 def _edited_plan(store: Path, planned: str, *, name: str | None = None, label: str | None = None) -> str:
     """A stored plan edited by hand, but self-consistent: every hash recomputed and stored under it."""
-    plan = Store(store).load_plan(planned)
+    plan = load_plan(Store(store), planned)
     steps = tuple(
         Step.create(label if label and s.kind == "eval" else s.label, s.kind, s.config, s.inputs, s.toolchain)
         for s in plan.steps

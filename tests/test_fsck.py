@@ -9,6 +9,7 @@ import pytest
 from conftest import run_bt, step_digests
 
 from buildtrain.errors import ExitCode
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 from buildtrain.verify.fsck import check
 
@@ -58,7 +59,7 @@ def test_fsck_cli_exit_codes_and_message(micro_built, tmp_path):
     shutil.copytree(micro_built[0], store)
     clean = run_bt("fsck", store=store)
     assert clean.returncode == ExitCode.OK and "all intact" in clean.stderr
-    plan = Store(store).load_plan(micro_built[1])
+    plan = load_plan(Store(store), micro_built[1])
     train = plan.by_label("train:main")
     flip(next((store / "steps" / train.hash / "checkpoints").rglob("model.safetensors")), 100)
     damaged = run_bt("fsck", store=store)
@@ -70,7 +71,7 @@ def test_fsck_cli_exit_codes_and_message(micro_built, tmp_path):
 def test_run_rebuilds_a_damaged_output_instead_of_loading_it(micro_built, tmp_path):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    plan = Store(store).load_plan(micro_built[1])
+    plan = load_plan(Store(store), micro_built[1])
     train = plan.by_label("train:main")
     flip(store / "steps" / train.hash / "trace.jsonl", 10)
     result = run_bt("run", micro_built[1], store=store)
@@ -96,7 +97,7 @@ def test_fsck_repair_quarantines_every_damaged_object_and_run_makes_the_store_wh
     crashing; --repair moves them aside (exit 0); bt run then finds a whole store."""
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    plan = Store(store).load_plan(micro_built[1])
+    plan = load_plan(Store(store), micro_built[1])
     train = plan.by_label("train:main").hash
     entry = next((store / "evals").glob("*.json"))
     entry.write_text("null")
@@ -161,6 +162,6 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
     monkeypatch.setattr(sources, "write_bytes_durably", refuse)
     assert plan_preset(MICRO, [], store).plan.hash == micro_built[1]
     code = run_plan(
-        store, store.load_plan(micro_built[1]), RunOptions(experiments=tmp_path / "exp", progress=False)
+        store, load_plan(store, micro_built[1]), RunOptions(experiments=tmp_path / "exp", progress=False)
     )
     assert code == ExitCode.OK

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from conftest import run_bt, step_digests
 
+from buildtrain.plan.stored import load_plan
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 from buildtrain.verify.fsck import check
@@ -33,7 +34,7 @@ def test_gc_removes_only_unreferenced_and_leftover_data(micro_built, tmp_path):
     root = tmp_path / ".bt"
     shutil.copytree(micro_built[0], root)
     store = Store(root)
-    plan = store.load_plan(micro_built[1])
+    plan = load_plan(store, micro_built[1])
     doomed = litter(store, plan.by_label("train:main").hash)
 
     dry = run_bt("gc", "--dry-run", store=root)
@@ -97,7 +98,7 @@ def test_gc_keeps_what_a_damaged_plan_may_use_and_never_follows_links(micro_buil
 
 
 def test_what_gc_could_not_remove_is_reported_as_left_never_as_removed(micro_built, tmp_path, monkeypatch):
-    from buildtrain.store import gc
+    from buildtrain.verify import gc
 
     root = tmp_path / ".bt"
     shutil.copytree(micro_built[0], root)

@@ -15,6 +15,7 @@ from pathlib import Path
 from conftest import MICRO, MICRO_STAGES, plan_hash, run_bt, step_digests
 
 from buildtrain.errors import ExitCode
+from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 
@@ -59,7 +60,7 @@ def wait_for_step(process: subprocess.Popen, experiments: Path, step: int, timeo
 
 
 def train_hash(store: Path, planned: str, label: str = "train:main") -> str:
-    return Store(store).load_plan(planned).by_label(label).hash
+    return load_plan(Store(store), planned).by_label(label).hash
 
 
 def resume(

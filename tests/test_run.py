@@ -14,6 +14,7 @@ import time
 from conftest import MICRO, MICRO_STAGES, actions, plan_hash, run_bt, step_digests, summaries
 
 from buildtrain.errors import ExitCode
+from buildtrain.plan.stored import load_plan, save_plan
 from buildtrain.store.store import Store
 
 REFORMATTED_MICRO = """
@@ -129,7 +130,7 @@ def test_two_concurrent_runs_build_once(tmp_path):
     train = [actions(s)["train:main"] for s in summaries(experiments)]
     assert sorted(train) == ["cached", "executed"]
     assert any("waiting: pid" in e for e in errors), errors
-    assert Store(store).verify_output(Store(store).load_plan(planned).by_label("train:main").hash) == []
+    assert Store(store).verify_output(load_plan(Store(store), planned).by_label("train:main").hash) == []
 
 
 def test_no_wait_exits_with_the_locked_code(tmp_path):
@@ -149,7 +150,7 @@ def test_no_wait_exits_with_the_locked_code(tmp_path):
         cwd=tmp_path,
     )
     try:
-        train = Store(store).load_plan(planned).by_label("train:main").hash
+        train = load_plan(Store(store), planned).by_label("train:main").hash
         lock = store / "locks" / f"{train}.lock"
         deadline = time.monotonic() + 120
         while not (lock.exists() and lock.read_text()) and time.monotonic() < deadline:
@@ -179,7 +180,7 @@ def test_non_finite_loss_fails_cleanly_naming_the_step(tmp_path):
     assert "Traceback" not in result.stderr
     assert "at step" in result.stderr and "loss is" in result.stderr
     # no output was published, and every checkpoint that exists is intact
-    plan = Store(store).load_plan(Store(store).plan_hashes()[0])
+    plan = load_plan(Store(store), Store(store).plan_hashes()[0])
     train = plan.by_label("train:main")
     assert not Store(store).has_output(train.hash)
     from buildtrain.store import objects
@@ -201,7 +202,7 @@ def test_plan_for_another_toolchain_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(compiler, "fingerprint", elsewhere)
     foreign = compiler.compile_plan(load_preset(MICRO).config, {})
     store = Store(tmp_path / ".bt")
-    store.save_plan(foreign)
+    save_plan(store, foreign)
     result = run_bt("run", foreign.hash, store=store.root)
     assert result.returncode == ExitCode.TOOLCHAIN_MISMATCH, result.stderr
     assert "torch: plan has '0.0.1+elsewhere'" in result.stderr
@@ -272,7 +273,7 @@ def test_data_files_are_found_by_content_after_a_move(tmp_path):
     assert result.returncode == 0, result.stderr
 
     (moved / "renamed.txt").unlink()
-    Store(store).quarantine(Store(store).load_plan(planned).by_label("data:main").hash)
+    Store(store).quarantine(load_plan(Store(store), planned).by_label("data:main").hash)
     result = run_bt("run", planned, "--target", "data:main", store=store)
     assert result.returncode == ExitCode.FAILED
     assert "is gone" in result.stderr and "plan again" in result.stderr
@@ -348,7 +349,7 @@ def test_out_of_memory_fails_cleanly_naming_the_step(tmp_path):
     assert limited.returncode == ExitCode.FAILED, limited.stderr
     assert "out of memory at step 1" in limited.stderr and "Traceback" not in limited.stderr
     assert "lower train.micro_batch_size" in limited.stderr
-    train = Store(store).load_plan(planned).by_label("train:main")
+    train = load_plan(Store(store), planned).by_label("train:main")
     assert not Store(store).has_output(train.hash)
     result = run_bt("run", planned, "--target", "train:main", store=store)
     assert result.returncode == 0, result.stderr

@@ -11,8 +11,7 @@ import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.plan.plan import SourceFile
-from buildtrain.store.sources import RACY_SECONDS, StatCache, locate
+from buildtrain.store.sources import RACY_SECONDS, SourceFile, StatCache, locate
 
 OLD = time.time() - 3600  # an mtime well outside the racy window
 

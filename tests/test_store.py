@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from buildtrain.errors import CorruptObject, Locked, UsageError
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.plan.stored import load_plan, save_plan
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -171,15 +172,15 @@ def make_plan(name: str = "p", value: int = 1) -> Plan:
 def test_save_plan_then_load_plan_round_trips(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     plan = make_plan()
-    store.save_plan(plan, preset="presets/x.toml")
-    loaded = store.load_plan(plan.hash)
+    save_plan(store, plan, preset="presets/x.toml")
+    loaded = load_plan(store, plan.hash)
     assert loaded == plan
     assert loaded.hash == plan.hash
     assert store.plan_hashes() == [plan.hash]
     meta = store.plan_meta(plan.hash)
     assert meta["preset"] == "presets/x.toml" and "created" in meta and "planned" in meta
-    store.save_plan(plan, preset="other.toml")  # saving again keeps the plan and the creation time
-    assert store.load_plan(plan.hash) == plan
+    save_plan(store, plan, preset="other.toml")  # saving again keeps the plan and the creation time
+    assert load_plan(store, plan.hash) == plan
     assert store.plan_meta(plan.hash)["created"] == meta["created"]
     assert store.plan_meta(plan.hash)["preset"] == "other.toml"
 
@@ -230,21 +231,21 @@ def test_resolve_unknown_is_a_usage_error(tmp_path: Path) -> None:
 def test_load_plan_of_garbage_raises_corrupt_object(tmp_path: Path) -> None:
     store = Store(tmp_path)
     plan = make_plan()
-    store.save_plan(plan)
+    save_plan(store, plan)
     (store.plans / f"{plan.hash}.json").write_bytes(b"\x00garbage")
     with pytest.raises(CorruptObject, match="damaged"):
-        store.load_plan(plan.hash)
+        load_plan(store, plan.hash)
 
 
 def test_load_plan_under_another_hash_raises_corrupt_object(tmp_path: Path) -> None:
     """A valid plan stored under the wrong name does not match its hash."""
     store = Store(tmp_path)
     plan, other = make_plan(value=1), make_plan(value=2)
-    store.save_plan(plan)
-    store.save_plan(other)
+    save_plan(store, plan)
+    save_plan(store, other)
     (store.plans / f"{plan.hash}.json").write_bytes((store.plans / f"{other.hash}.json").read_bytes())
     with pytest.raises(CorruptObject, match="does not match its hash"):
-        store.load_plan(plan.hash)
+        load_plan(store, plan.hash)
 
 
 @settings(max_examples=40, deadline=None)
@@ -253,10 +254,10 @@ def test_any_flipped_byte_in_a_stored_plan_raises_corrupt_object(index: int, mas
     with tempfile.TemporaryDirectory() as scratch, no_fsync():
         store = Store(Path(scratch))
         plan = make_plan()
-        store.save_plan(plan)
+        save_plan(store, plan)
         flip_byte(store.plans / f"{plan.hash}.json", index, mask)
         with pytest.raises(CorruptObject):
-            store.load_plan(plan.hash)
+            load_plan(store, plan.hash)
 
 
 # -- store: locks ---------------------------------------------------------------------------------
@@ -365,7 +366,7 @@ def test_damaged_plan_metadata_reads_as_empty_and_bt_plan_replaces_it(
 ) -> None:
     store = Store(tmp_path)
     plan = make_plan()
-    store.save_plan(plan, preset="p.toml")
+    save_plan(store, plan, preset="p.toml")
     assert store.plan_meta(plan.hash)["preset"] == "p.toml"
     meta = tmp_path / "plans" / f"{plan.hash}.meta.json"
     meta.unlink()
@@ -374,10 +375,10 @@ def test_damaged_plan_metadata_reads_as_empty_and_bt_plan_replaces_it(
     else:
         meta.write_bytes(content)
     assert store.plan_meta(plan.hash) == {}
-    store.save_plan(plan, preset="p.toml")
+    save_plan(store, plan, preset="p.toml")
     assert store.plan_meta(plan.hash)["preset"] == "p.toml"
     other = make_plan(value=2)
-    store.save_plan(other, preset="q.toml")
+    save_plan(store, other, preset="q.toml")
     meta.write_bytes((tmp_path / "plans" / f"{other.hash}.meta.json").read_bytes())  # another plan's
     assert store.plan_meta(plan.hash) == {}
 

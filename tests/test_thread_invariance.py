@@ -32,6 +32,7 @@ from buildtrain.executor import numerics
 from buildtrain.executor.launch import SINGLE_PROCESS
 from buildtrain.executor.run import plan_numerics, step_launch
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.plan.stored import load_plan
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
@@ -309,7 +310,7 @@ def stored_plan(tmp_path: Path, *overrides: str) -> Plan:
     """The wide preset with `overrides`, planned by `bt` and read back from its store."""
     store = tmp_path / ".bt"
     sets = [arg for override in overrides for arg in ("--set", override)]
-    return Store(store).load_plan(plan_hash(run_bt("plan", str(WIDE), *sets, store=store)))
+    return load_plan(Store(store), plan_hash(run_bt("plan", str(WIDE), *sets, store=store)))
 
 
 def step_of(plan: Plan, kind: str) -> Step:

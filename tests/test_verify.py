@@ -10,6 +10,7 @@ import pytest
 from conftest import MICRO, plan_hash, run_bt
 
 from buildtrain.errors import ExitCode
+from buildtrain.plan.stored import load_plan
 from buildtrain.steps.train.state import TRAIN_STATE
 from buildtrain.store.store import Store
 from buildtrain.verify import verify as verify_module
@@ -163,8 +164,8 @@ def test_a_damaged_or_foreign_recorded_output_fails_as_a_damaged_store(
 ):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    train = Store(store).load_plan(micro_built[1]).by_label("train:main")
-    other = Store(stages_built[0]).load_plan(stages_built[1]).by_label("train:pretrain")
+    train = load_plan(Store(store), micro_built[1]).by_label("train:main")
+    other = load_plan(Store(stages_built[0]), stages_built[1]).by_label("train:pretrain")
     damage(store, train.hash, stages_built[0] / "steps" / other.hash)
     for options in ((), ("--steps", "3")):
         result, report = verify(store, micro_built[1], *options)

@@ -40,10 +40,10 @@ from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
-from buildtrain.plan.plan import Plan, SourceFile, Step
+from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import cpu_facts, differences, fingerprint, hashed_world_size, portable_target
 from buildtrain.store import objects
-from buildtrain.store.sources import locate
+from buildtrain.store.sources import SourceFile, locate
 from buildtrain.store.store import Store
 
 

@@ -31,6 +31,7 @@ from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import die_with_parent
 from buildtrain.executor.processes import JOB_EXIT
+from buildtrain.plan.stored import load_plan
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -61,7 +62,7 @@ def execute(job: dict[str, Any], log: Any) -> int:
     from buildtrain.steps.context import StepContext, verified_inputs
 
     store = Store(Path(job["store"]))
-    plan = store.load_plan(job["plan"])
+    plan = load_plan(store, job["plan"])
     step = plan.step(job["step"])
     log = log.bind(label=step.label)
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, Config, DataConfig
-from buildtrain.plan.plan import Plan, SourceFile, Step
+from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import fingerprint, hashed_world_size
+from buildtrain.store.sources import SourceFile
 
 # Bump when an evaluation suite changes what it computes; results are cached by this version.
 EVAL_SUITE_VERSIONS = {"heldout": 1}

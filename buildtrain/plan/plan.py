@@ -21,14 +21,6 @@ PLAN_FORMAT = 1
 STEP_KINDS = ("data", "train", "eval", "export")
 
 
-@attrs.frozen
-class SourceFile:
-    """A data file as a plan sees it: its content, never its name or place."""
-
-    blake3: str
-    size: int
-
-
 @attrs.frozen(kw_only=True)
 class Step:
     """One unit of work with declared inputs; `hash` names its output in the store."""

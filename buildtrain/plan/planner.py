@@ -14,7 +14,9 @@ from buildtrain.config.loader import LoadedPreset, load_preset
 from buildtrain.config.preflight import preflight
 from buildtrain.errors import ConfigError
 from buildtrain.plan.compile import compile_plan
-from buildtrain.plan.plan import Plan, SourceFile
+from buildtrain.plan.plan import Plan
+from buildtrain.plan.stored import save_plan
+from buildtrain.store.sources import SourceFile
 from buildtrain.store.store import Store
 
 
@@ -50,7 +52,7 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_
     cache.save()
 
     plan = compile_plan(loaded.config, sources, world_size)
-    store.save_plan(plan, preset=str(loaded.path), overrides=overrides, sources=locations)
+    save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     return Planned(
         plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
     )

@@ -18,13 +18,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import blake3
 
-from buildtrain.plan.plan import SourceFile
 from buildtrain.store.objects import hash_file, write_bytes_durably
 
 CACHE_FORMAT = 3  # 3: ctime in the key
 RACY_SECONDS = 2.0
+
+
+@attrs.frozen
+class SourceFile:
+    """A data file as a plan sees it: its content, never its name or place."""
+
+    blake3: str
+    size: int
 
 
 def _stat_key(stat: os.stat_result) -> list[int]:

@@ -31,7 +31,6 @@ from typing import Any
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, Locked, UsageError
-from buildtrain.plan.plan import Plan
 from buildtrain.store import objects
 from buildtrain.store.sources import StatCache
 
@@ -64,23 +63,25 @@ class Store:
 
     # -- plans ------------------------------------------------------------------------------------
 
-    def save_plan(self, plan: Plan, **meta: Any) -> None:
-        """Store the plan's canonical bytes (replacing a damaged copy) and its sealed metadata.
+    def save_plan(self, plan_hash: str, raw: bytes, **meta: Any) -> None:
+        """Store a plan's canonical bytes under its hash (replacing a damaged copy) and its sealed
+        metadata. The caller computed the hash from `raw` (`plan.stored.save_plan`); the store
+        keeps bytes and never interprets them.
 
         Planning an already-stored plan in a read-only store still works: the metadata is only a
         record of when and from where, so failing to refresh it is not an error.
         """
-        raw = canonical_bytes(plan.to_body())
-        path = self.plans / f"{plan.hash}.json"
+        path = self.plans / f"{plan_hash}.json"
         if not self._holds(path, raw):
             self.plans.mkdir(parents=True, exist_ok=True)
             if os.path.lexists(path):
                 self.set_aside(path)
             objects.write_bytes_durably(path, raw)
-        previous = self.plan_meta(plan.hash)
-        record = {"created": previous.get("created", utc_now()), **previous, **meta, "planned": utc_now()}
+        previous = self.plan_meta(plan_hash)
+        now = utc_now()
+        record = {"created": previous.get("created", now), **previous, **meta, "planned": now}
         try:
-            self.replace_file(self.plans / f"{plan.hash}.meta.json", seal_meta(plan.hash, record))
+            self.replace_file(self.plans / f"{plan_hash}.meta.json", seal_meta(plan_hash, record))
         except OSError:
             if not self._holds(path, raw):
                 raise
@@ -111,22 +112,20 @@ class Store:
             raise UsageError(f"plan prefix {ref} is ambiguous ({listed}); give more digits")
         return matches[0]
 
-    def load_plan(self, ref: str) -> Plan:
+    def plan_bytes(self, ref: str) -> tuple[str, bytes]:
+        """(full hash, stored bytes) of the plan `ref` names; unchecked: `plan.stored.load_plan`
+        trusts them only once they decode to a plan with that hash."""
         plan_hash = self.resolve(ref)
         path = self.plans / f"{plan_hash}.json"
         try:
             if path.is_symlink():
                 raise ValueError("a symbolic link, not a stored plan")
-            raw = path.read_bytes()
-            plan = Plan.from_body(json.loads(raw))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return plan_hash, path.read_bytes()
+        except (OSError, ValueError) as exc:
             raise CorruptObject(
                 f"plan {plan_hash[:12]} in {self.root} is damaged ({exc}); run bt fsck, "
                 "then plan it again from its preset (bt plan PRESET)"
             ) from None
-        if plan.hash != plan_hash or canonical_bytes(plan.to_body()) != raw:
-            raise CorruptObject(f"plan {plan_hash[:12]} does not match its hash; run bt fsck")
-        return plan
 
     def plan_meta(self, plan_hash: str) -> dict[str, Any]:
         """When and from where the plan was made; {} when absent or damaged (it only holds hints:

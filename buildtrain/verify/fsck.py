@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import BuildtrainError, Locked
+from buildtrain.plan.stored import load_plan
 from buildtrain.steps.eval import entry_problem
 from buildtrain.steps.train.identity import CHECKPOINT, checkpoint_problems
 from buildtrain.store.store import Store, read_meta
@@ -73,7 +74,7 @@ def _referrers(store: Store) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for plan_hash in store.plan_hashes():
         try:
-            plan = store.load_plan(plan_hash)
+            plan = load_plan(store, plan_hash)
         except BuildtrainError:  # reported as a damaged plan
             continue
         for step in plan.steps:
@@ -120,7 +121,7 @@ def scan(store: Store) -> Report:
                 damaged.append(Damage(object=relative, kind="plan metadata", problems=[problem]))
         elif path.name.endswith(".json") and HASH_NAME.match(path.name[:-5]):
             try:
-                store.load_plan(path.name[:-5])
+                load_plan(store, path.name[:-5])
             except BuildtrainError as exc:
                 damaged.append(Damage(object=relative, kind="plan", problems=[str(exc)]))
         else:

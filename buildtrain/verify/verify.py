@@ -40,6 +40,7 @@ from buildtrain.executor.run import (
     spawn,
 )
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.plan.stored import save_plan
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -211,7 +212,7 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
 
     scratch_root = Path(tempfile.mkdtemp(prefix="bt-verify-"))
     scratch = Store(scratch_root / "store")
-    scratch.save_plan(plan, **store.plan_meta(plan.hash))
+    save_plan(scratch, plan, **store.plan_meta(plan.hash))
     mode = [f"threads {threads}"]
     if launch.world_size > 1:
         mode.insert(0, f"train steps on {launch.world_size} processes")

@@ -23,6 +23,7 @@ import attrs
 
 from buildtrain.canonical import digest
 from buildtrain.errors import BuildtrainError
+from buildtrain.plan.stored import load_plan
 from buildtrain.steps.eval import EVAL_RESULT
 from buildtrain.store import objects
 from buildtrain.store.store import Store
@@ -109,7 +110,7 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
         if dry_run and plan_hash in report.dropped:
             continue
         try:
-            referenced.update(step.hash for step in store.load_plan(plan_hash).steps)
+            referenced.update(step.hash for step in load_plan(store, plan_hash).steps)
         except BuildtrainError:
             damaged_plans.append(plan_hash)
     if damaged_plans:

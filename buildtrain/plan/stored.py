@@ -1,0 +1,32 @@
+"""Plans in the store: the store keeps a plan's canonical bytes under its hash; this module turns
+a plan into those bytes and back, and trusts bytes read back only once they decode to a plan whose
+hash is the name they were found under."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from buildtrain.canonical import canonical_bytes
+from buildtrain.errors import CorruptObject
+from buildtrain.plan.plan import Plan
+from buildtrain.store.store import Store
+
+
+def save_plan(store: Store, plan: Plan, **meta: Any) -> None:
+    store.save_plan(plan.hash, canonical_bytes(plan.to_body()), **meta)
+
+
+def load_plan(store: Store, ref: str) -> Plan:
+    """The stored plan that `ref` (a hash or unique prefix) names, checked against its name."""
+    plan_hash, raw = store.plan_bytes(ref)
+    try:
+        plan = Plan.from_body(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptObject(
+            f"plan {plan_hash[:12]} in {store.root} is damaged ({exc}); run bt fsck, "
+            "then plan it again from its preset (bt plan PRESET)"
+        ) from None
+    if plan.hash != plan_hash or canonical_bytes(plan.to_body()) != raw:
+        raise CorruptObject(f"plan {plan_hash[:12]} does not match its hash; run bt fsck")
+    return plan
