@@ -30,7 +30,7 @@ from buildtrain.config import preflight
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import SINGLE_PROCESS
-from buildtrain.executor.run import plan_numerics, step_launch
+from buildtrain.executor.policy import plan_numerics, step_launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.heldout import evaluate

@@ -27,18 +27,10 @@ import attrs
 
 from buildtrain.errors import ExitCode, UsageError
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch
-from buildtrain.executor.run import (
-    Outcome,
-    RunOptions,
-    StepJob,
-    check_toolchain,
-    check_world_size,
-    pinned_threads,
-    raise_for_status,
-    resolve_threads,
-    run_plan,
-    spawn,
-)
+from buildtrain.executor.outcome import raise_for_status
+from buildtrain.executor.policy import pinned_threads, prepare
+from buildtrain.executor.run import RunOptions, run_plan
+from buildtrain.executor.spawn import StepJob, run_isolated
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import save_plan
 from buildtrain.store import objects
@@ -91,18 +83,10 @@ def _link_output(source: Path, target: Path) -> None:
     shutil.copytree(source, target, copy_function=_link_or_copy)
 
 
-def _compare(step: Step, recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
+def _compare(recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
     return sorted(
         name for name in set(recorded) | set(reexecuted) if recorded.get(name) != reexecuted.get(name)
     )
-
-
-def _spawn_in(
-    scratch: Store, plan: Plan, step: Step, threads: int, job: StepJob, launch: Launch = SINGLE_PROCESS
-) -> Outcome:
-    """Run one step process (or a train step's ranks) in the scratch store, holding its lock there."""
-    with scratch.lock(step.hash) as lock_fd:
-        return spawn(scratch, plan, step, threads, lock_fd, lambda _: None, job, launch)
 
 
 def _read_report(report: Path) -> dict[str, Any] | None:
@@ -131,7 +115,7 @@ def _run_train(
     resumed: list[int] = []
     while True:
         job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
-        outcome = _spawn_in(scratch, plan, step, threads, job, options.launch)
+        outcome = run_isolated(scratch, plan, step, threads, job, options.launch)
         diverged = (_read_report(report) or {}).get("diverged")
         if outcome.status == RESUMED_KILL_STATUS and pending:  # killed on purpose after a checkpoint
             if diverged:
@@ -197,9 +181,7 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
             "promises nothing at another thread count. Use the portable profile to check thread invariance."
         )
     launch = options.launch
-    threads = resolve_threads(plan, options.threads, launch.nproc)
-    check_toolchain(plan, threads, launch.world_size)
-    check_world_size(list(plan.steps), launch.world_size)
+    threads = prepare(plan, options.threads, launch, list(plan.steps))
     if not all(store.has_output(step.hash) for step in plan.steps):
         _say(
             f"bt verify: plan {plan.hash[:12]} is not built; building it once, then checking it against a second execution"
@@ -349,7 +331,7 @@ def _verify_step(
             )
         extra = f"all {total} steps match the recorded trace {extra}".strip()
     else:
-        raise_for_status(step, _spawn_in(scratch, plan, step, threads, StepJob()), plan)
+        raise_for_status(step, run_isolated(scratch, plan, step, threads, StepJob()), plan)
 
     if not scratch.has_output(step.hash):
         return StepVerdict(
@@ -365,7 +347,7 @@ def _verify_step(
             reexecuted,
             detail="an output declares no digests to compare",
         )
-    differing = _compare(step, recorded, reexecuted)
+    differing = _compare(recorded, reexecuted)
     if differing:
         return StepVerdict(
             step.label,

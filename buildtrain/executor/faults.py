@@ -1,0 +1,44 @@
+"""Test-only fault injection for step processes, read from the environment of `bt run`/`bt verify`.
+
+Never set in normal use; the variables exist so that the test suite can prove that resume, verify
+and the checkpoint protocol detect what they claim to detect. The step process receives them as
+the job's `hooks`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _perturbation(text: str) -> list[Any]:
+    """`STEP:TENSOR:DELTA`, e.g. `7:blocks.0.attention.wq.weight:1e-3`."""
+    step, tensor, delta = text.split(":")
+    return [int(step), tensor, float(delta)]
+
+
+def _rank_and_step(text: str) -> list[int]:
+    """`RANK:STEP`, e.g. `1:7`."""
+    rank, step = text.split(":")
+    return [int(rank), int(step)]
+
+
+# Test-only fault injection, read from the environment of `bt run`/`bt verify` and passed to the
+# step process. Never set in normal use; they exist so that the test suite can prove that resume,
+# verify and the checkpoint protocol detect what they claim to detect.
+TEST_HOOKS = {
+    "BT_TEST_STEP_DELAY": ("step_delay", float),
+    "BT_TEST_KILL_IN_CHECKPOINT": ("kill_in_checkpoint", int),
+    "BT_TEST_SKIP_CURSOR_RESTORE": ("skip_cursor_restore", bool),
+    "BT_TEST_PERTURB": ("perturb", _perturbation),
+    "BT_TEST_KILL_RANK": ("kill_rank", _rank_and_step),
+}
+
+
+def test_hooks_from_environment() -> dict[str, Any]:
+    hooks: dict[str, Any] = {}
+    for variable, (name, kind) in TEST_HOOKS.items():
+        value = os.environ.get(variable)
+        if value:
+            hooks[name] = value not in ("0", "false") if kind is bool else kind(value)  # type: ignore[operator]
+    return hooks

@@ -1,0 +1,210 @@
+"""Starting a step's process: one worker, a shared worker (see `processes.py`), or torchrun and its
+ranks; forwarding their JSON events and the run's signals; collecting how they ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from buildtrain.errors import ExitCode, StepFailed
+from buildtrain.executor import numerics
+from buildtrain.executor.faults import test_hooks_from_environment
+from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_with_parent, root_cause
+from buildtrain.executor.outcome import Outcome
+from buildtrain.executor.policy import plan_numerics, step_launch
+from buildtrain.executor.processes import JOB_EXIT, StepProcesses
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store.sources import SourceFile, locate
+from buildtrain.store.store import Store
+
+# Lines of torchrun's own log kept in the run record when a distributed step fails.
+LAUNCHER_LOG_LINES = 40
+
+
+@attrs.frozen(kw_only=True)
+class StepJob:
+    """Extra settings for one step process (used by `bt verify`)."""
+
+    hooks: dict[str, Any] = attrs.Factory(dict)
+    watch: dict[str, Any] | None = None
+    commit: bool = True
+
+
+def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
+    """Find each source file of a data step by content (it may have moved since planning)."""
+    sources = step.inputs.get("sources", [])
+    if not sources:
+        return []
+    hints = store.plan_meta(plan.hash).get("sources", {})
+    if not isinstance(hints, dict):  # only hints: damaged ones are ignored, the digests decide
+        hints = {}
+    cache = store.stat_cache()
+    found = []
+    for source in sources:
+        path = locate(cache, SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], []))
+        if path is None:
+            where = ", ".join(hints.get(source["blake3"], [])) or "unknown"
+            raise StepFailed(
+                f"{step.label}: a data file with blake3 {source['blake3'][:16]}… ({source['size']} bytes) is gone "
+                f"(it was at {where}); restore it, or plan again from the preset"
+            )
+        found.append(str(path))
+    cache.save()
+    return found
+
+
+def spawn(
+    store: Store,
+    plan: Plan,
+    step: Step,
+    threads: int,
+    lock_fd: int,
+    on_event: Any,
+    job_extra: StepJob,
+    launch: Launch = SINGLE_PROCESS,
+    processes: StepProcesses | None = None,
+) -> Outcome:
+    """Run one step in a worker process (one of `processes`, shared with other steps, when given),
+    or a train step on `launch.world_size` ranks."""
+    settings = plan_numerics(plan)
+    launch = step_launch(settings, step, threads, launch)
+    job = {
+        "store": str(store.root),
+        "plan": plan.hash,
+        "step": step.hash,
+        "kind": step.kind,
+        "numerics": {
+            "profile": settings.profile,
+            "device": settings.device,
+            "dtype": settings.dtype,
+            "threads": threads,
+        },
+        "sources": source_paths(store, plan, step) if step.kind == "data" else [],
+        "hooks": {**test_hooks_from_environment(), **job_extra.hooks},
+        "watch": job_extra.watch,
+        "commit": job_extra.commit,
+    }
+    store.tmp.mkdir(parents=True, exist_ok=True)
+    name = f"{step.hash[:16]}-{os.getpid()}"
+    job_path = store.tmp / f"job-{name}.json"
+    job_path.write_text(json.dumps(job), encoding="utf-8")
+    env = {
+        **os.environ,
+        **numerics.environment(settings.profile, settings.device, threads),
+    }
+    worker = [sys.executable, "-m", "buildtrain.executor.worker", "--job", str(job_path)]
+    distributed = step.kind == "train" and launch.world_size > 1
+    launcher_log = store.tmp / f"torchrun-{name}.log"
+    shared = None
+    if distributed:
+        process, events_fd = _start_torchrun(launch, worker, env, lock_fd, launcher_log)
+        events = os.fdopen(events_fd, encoding="utf-8", errors="replace")
+    elif processes is not None:
+        shared = processes.submit(env, job_path, lock_fd)
+        process, events = shared.process, shared.events
+    else:
+        events_fd, write_fd = os.pipe()
+        process = subprocess.Popen(
+            [*worker, "--events-fd", str(write_fd)], env=env, pass_fds=(write_fd, lock_fd)
+        )
+        os.close(write_fd)
+        events = os.fdopen(events_fd, encoding="utf-8", errors="replace")
+    interrupted: list[int] = []
+
+    def forward(number: int, _: object) -> None:
+        interrupted.append(number)
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # the step finishes its update and checkpoints
+
+    previous = {n: signal.signal(n, forward) for n in (signal.SIGINT, signal.SIGTERM)}
+    errors: list[dict[str, Any]] = []
+    failure: RankFailure | None = None
+    try:
+        status = None
+        for raw in events:
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if line.get("event") == JOB_EXIT:  # a shared worker finished this step
+                status = int(line["status"])
+                on_event(line)
+                break
+            if line.get("level") in ("error", "critical"):
+                errors.append(line)
+            on_event(line)
+        if shared is None:
+            events.close()
+            status = process.wait()
+        elif status != ExitCode.OK:  # failed, or died (no job_exit): not used again
+            assert processes is not None
+            processes.discard(shared)
+            status = process.returncode if status is None else status
+        if distributed and status != 0:
+            failure = _torchrun_failure(launcher_log, status, on_event, errors, launch)
+            status = failure.status if failure is not None else status
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        job_path.unlink(missing_ok=True)
+        launcher_log.unlink(missing_ok=True)
+    world_size = launch.world_size if distributed else 1
+    return Outcome(status, errors, bool(interrupted), failure, world_size)
+
+
+def _start_torchrun(
+    launch: Launch, worker: list[str], env: dict[str, str], lock_fd: int, log: Path
+) -> tuple[subprocess.Popen[bytes], int]:
+    """torchrun starting `worker` on each rank; returns it and the read end of the ranks' events."""
+    if launch.nnodes == 1:
+        # One machine: the ranks talk over loopback, whatever the host name resolves to.
+        env = {"GLOO_SOCKET_IFNAME": "lo", **env}
+    with open(log, "wb") as stderr:
+        process = subprocess.Popen(
+            [*launch.command(), *worker[1:], "--events-fd", "1"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            pass_fds=(lock_fd,),  # torchrun holds the step lock for its ranks
+            preexec_fn=die_with_parent,
+        )
+    assert process.stdout is not None
+    events_fd = os.dup(process.stdout.fileno())
+    process.stdout.close()
+    return process, events_fd
+
+
+def _torchrun_failure(
+    log: Path, status: int, on_event: Any, errors: list[dict[str, Any]], launch: Launch
+) -> RankFailure | None:
+    """Which rank brought torchrun down, from its log; the log's tail goes to the run record."""
+    text = log.read_text(encoding="utf-8", errors="replace")
+    tail = text.splitlines()[-LAUNCHER_LOG_LINES:]
+    on_event({"event": "torchrun_failed", "level": "warning", "status": status, "log_tail": "\n".join(tail)})
+    failure = root_cause(text)
+    if failure is None:  # torchrun itself failed: a rendezvous that timed out, a bad endpoint
+        hint = ""
+        if launch.nnodes > 1:
+            hint = (
+                f"; the nodes did not all meet at {launch.rdzv_endpoint} within {launch.rdzv_timeout} s: "
+                "check --rdzv-endpoint (node 0's address) and that every node runs the same command"
+            )
+        last = tail[-1] if tail else "no output"
+        errors.append({"message": f"torchrun failed (exit {status}): {last}{hint}"})
+    return failure
+
+
+def run_isolated(
+    store: Store, plan: Plan, step: Step, threads: int, job: StepJob, launch: Launch = SINGLE_PROCESS
+) -> Outcome:
+    """One step in a fresh process (or a train step's ranks), holding its lock in `store`, its
+    events discarded: how `bt verify` re-executes a step in its scratch store."""
+    with store.lock(step.hash) as lock_fd:
+        return spawn(store, plan, step, threads, lock_fd, lambda _: None, job, launch)
