@@ -131,6 +131,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.report import verdict_line, verification_summary
     from buildtrain.verify.verify import VerifyOptions, verify_plan
 
     store = _store(args)
@@ -139,12 +142,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
         resume_at=_parse_steps(args.resume_at),
         threads=args.threads,
         steps=args.steps,
-        json=args.json,
         keep=args.keep_scratch,
         experiments=_experiments(args),
         launch=_launch(args),
     )
-    return verify_plan(store, plan, options)
+    verification = verify_plan(
+        store, plan, options, notify=_err, on_verdict=lambda verdict: _err(verdict_line(verdict))
+    )
+    for line in verification_summary(verification):
+        _err(line)
+    if args.json:
+        print(json.dumps(verification.as_json(), indent=2))
+    return verification.exit_code
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:

@@ -6,13 +6,16 @@ Plain text on purpose: these commands must stay instant, and they must read well
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:  # `bt show` and `bt ls` do not load the verifier
+    from buildtrain.verify.verify import StepVerdict, Verification
 
 SHORT = 12
 
@@ -180,3 +183,37 @@ def ls_text(rows: list[dict[str, Any]]) -> str:
             f"{row['hash'][:SHORT]:<{SHORT}}  {row['name'][:16]:<16}  {row['created']:<20}  {row['steps']:>5}  {row['status']}"
         )
     return "\n".join(lines)
+
+
+def verdict_line(verdict: StepVerdict) -> str:
+    mark = {"reproduced": "✓", "diverged": "✗", "damaged": "✗", "not compared": "✗"}.get(verdict.status, "-")
+    shown = ""
+    for name in ("weights", "data", "eval", "package"):
+        if verdict.status == "reproduced" and len(verdict.reexecuted.get(name, "")) == 64:
+            shown = f"{name} {verdict.reexecuted[name][:12]}"
+            break
+    return f"  {mark} {verdict.label:<16} {verdict.status:<10} {shown}  {verdict.detail}".rstrip()
+
+
+def verification_summary(verification: Verification) -> list[str]:
+    """The closing lines of `bt verify`: what did not reproduce and why, or that all did."""
+
+    def labels(status: str) -> str:
+        return ", ".join(v.label for v in verification.with_status(status))
+
+    lines = []
+    if verification.with_status("damaged"):
+        lines.append(
+            f"DAMAGED STORE: the recorded output of {labels('damaged')} is damaged or not "
+            "its step's; run bt fsck, then bt run to rebuild it"
+        )
+    if verification.with_status("diverged"):
+        lines.append(f"NOT REPRODUCED: {labels('diverged')} differ from the recorded build")
+    if verification.with_status("not compared"):
+        lines.append(f"NOT VERIFIED: {labels('not compared')} could not be compared (see above)")
+    if verification.reproduced:
+        checked = len(verification.with_status("reproduced"))
+        lines.append(
+            f"reproduced: {checked} of {len(verification.verdicts)} steps match the recorded build bit for bit"
+        )
+    return lines

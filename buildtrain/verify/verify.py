@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ class VerifyOptions:
     resume_at: tuple[int, ...] = ()
     threads: int | None = None
     steps: int | None = None
-    json: bool = False
     keep: bool = False
     experiments: Path = Path("experiments")
     launch: Launch = SINGLE_PROCESS  # re-execute the train steps at this world size
@@ -64,10 +63,6 @@ class StepVerdict:
 
     def as_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
-
-
-def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -148,16 +143,6 @@ def _foreign(step: Step, recorded_output: Path) -> str | None:
     return None
 
 
-def _verdict_line(verdict: StepVerdict) -> str:
-    mark = {"reproduced": "✓", "diverged": "✗", "damaged": "✗", "not compared": "✗"}.get(verdict.status, "-")
-    shown = ""
-    for name in ("weights", "data", "eval", "package"):
-        if verdict.status == "reproduced" and len(verdict.reexecuted.get(name, "")) == 64:
-            shown = f"{name} {verdict.reexecuted[name][:12]}"
-            break
-    return f"  {mark} {verdict.label:<16} {verdict.status:<10} {shown}  {verdict.detail}".rstrip()
-
-
 def _describe(divergence: dict[str, Any]) -> str:
     lines = [f"diverged at step {divergence['step']} ({', '.join(divergence['fields'])})"]
     if divergence.get("tensors"):
@@ -174,7 +159,56 @@ def _describe(divergence: dict[str, Any]) -> str:
     return "\n                    ".join(lines)
 
 
-def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
+@attrs.frozen
+class Verification:
+    """What `bt verify` found: a verdict per step, and the settings it re-executed under."""
+
+    plan: Plan
+    verdicts: list[StepVerdict]
+    threads: int
+    world_size: int
+    options: VerifyOptions
+
+    def with_status(self, status: str) -> list[StepVerdict]:
+        return [v for v in self.verdicts if v.status == status]
+
+    @property
+    def reproduced(self) -> bool:
+        return not (
+            self.with_status("damaged") or self.with_status("diverged") or self.with_status("not compared")
+        )
+
+    @property
+    def exit_code(self) -> int:
+        if self.with_status("damaged"):
+            return ExitCode.CORRUPT
+        return ExitCode.OK if self.reproduced else ExitCode.NOT_REPRODUCED
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.hash,
+            "reproduced": self.reproduced,
+            "threads": self.threads,
+            "world_size": self.world_size,
+            "resume_at": list(self.options.resume_at),
+            "steps_limit": self.options.steps,
+            "steps": [v.as_json() for v in self.verdicts],
+        }
+
+
+def _ignore(_: object) -> None:
+    pass
+
+
+def verify_plan(
+    store: Store,
+    plan: Plan,
+    options: VerifyOptions,
+    notify: Callable[[str], None] = _ignore,
+    on_verdict: Callable[[StepVerdict], None] = _ignore,
+) -> Verification:
+    """Re-execute `plan` in a scratch store and compare; `notify` hears what is being done,
+    `on_verdict` each step's verdict as soon as it is known."""
     if options.threads and pinned_threads(plan) not in (None, options.threads):
         raise UsageError(
             f"plan {plan.hash[:12]} uses the native profile: its hash pins {pinned_threads(plan)} threads, so it "
@@ -183,7 +217,7 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
     launch = options.launch
     threads = prepare(plan, options.threads, launch, list(plan.steps))
     if not all(store.has_output(step.hash) for step in plan.steps):
-        _say(
+        notify(
             f"bt verify: plan {plan.hash[:12]} is not built; building it once, then checking it against a second execution"
         )
         run_plan(
@@ -208,7 +242,7 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
             )
         else:
             mode.append(f"first {options.steps} steps of each train stage")
-    _say(
+    notify(
         f"bt verify {plan.hash[:12]} '{plan.name}': re-executing {len(plan.steps)} steps in isolation ({'; '.join(mode)})"
     )
 
@@ -220,47 +254,14 @@ def verify_plan(store: Store, plan: Plan, options: VerifyOptions) -> int:
             if verdict.status != "reproduced" and not (verdict.status == "skipped" and options.steps):
                 failed.add(step.hash)
             verdicts.append(verdict)
-            _say(_verdict_line(verdict))
+            on_verdict(verdict)
     finally:
         if options.keep:
-            _say(f"scratch store kept at {scratch.root}")
+            notify(f"scratch store kept at {scratch.root}")
         else:
             shutil.rmtree(scratch_root, ignore_errors=True)
 
-    diverged = [v for v in verdicts if v.status == "diverged"]
-    damaged = [v for v in verdicts if v.status == "damaged"]
-    uncompared = [v for v in verdicts if v.status == "not compared"]
-    checked = [v for v in verdicts if v.status == "reproduced"]
-    if damaged:
-        _say(
-            f"DAMAGED STORE: the recorded output of {', '.join(v.label for v in damaged)} is damaged or not "
-            "its step's; run bt fsck, then bt run to rebuild it"
-        )
-    if diverged:
-        _say(f"NOT REPRODUCED: {', '.join(v.label for v in diverged)} differ from the recorded build")
-    if uncompared:
-        _say(f"NOT VERIFIED: {', '.join(v.label for v in uncompared)} could not be compared (see above)")
-    if not (damaged or diverged or uncompared):
-        _say(f"reproduced: {len(checked)} of {len(verdicts)} steps match the recorded build bit for bit")
-    reproduced = not (damaged or diverged or uncompared)
-    if options.json:
-        print(
-            json.dumps(
-                {
-                    "plan": plan.hash,
-                    "reproduced": reproduced,
-                    "threads": threads,
-                    "world_size": launch.world_size,
-                    "resume_at": list(options.resume_at),
-                    "steps_limit": options.steps,
-                    "steps": [v.as_json() for v in verdicts],
-                },
-                indent=2,
-            )
-        )
-    if damaged:
-        return ExitCode.CORRUPT
-    return ExitCode.OK if reproduced else ExitCode.NOT_REPRODUCED
+    return Verification(plan, verdicts, threads, launch.world_size, options)
 
 
 def _verify_step(
