@@ -1,9 +1,10 @@
 """The toolchain fingerprint: everything outside the config that changes the numbers.
 
-Computed without importing torch (the version comes from package metadata) so that `bt plan`
-stays instant. What enters depends on the numerics profile: `portable` promises the same bits at
-any thread count on any x86-64 CPU with AVX2, so it records that target, not this CPU; `native`
-promises nothing beyond this machine, so it records the thread count and the CPU itself.
+Computed without importing torch (its version is read from `torch/version.py` as text) so that
+`bt plan` stays instant; buildtrain's own code enters per step kind (see `sources_digest.py`).
+What else enters depends on the numerics profile: `portable` promises the same bits at any thread
+count on any x86-64 CPU with AVX2, so it records that target, not this CPU; `native` promises
+nothing beyond this machine, so it records the thread count and the CPU itself.
 """
 
 from __future__ import annotations
@@ -18,29 +19,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import blake3
-
 from buildtrain.config.schema import NumericsConfig
-
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+from buildtrain.plan.sources_digest import source_digest
 
 # Step kinds that never compute with torch only depend on buildtrain's own code.
 TORCH_FREE_KINDS = frozenset({"data", "export"})
 
 
-@functools.cache
-def source_digest() -> str:
-    """blake3 over buildtrain's own Python source: relative path and bytes of every module."""
-    hasher = blake3.blake3()
-    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
-        relative = path.relative_to(PACKAGE_ROOT).as_posix().encode()
-        content = path.read_bytes()
-        hasher.update(len(relative).to_bytes(8, "little") + relative)
-        hasher.update(len(content).to_bytes(8, "little") + content)
-    return hasher.hexdigest()
-
-
-@functools.cache
 def torch_build() -> str:
     """The installed torch release, build tag and commit (`2.13.0+cpu@cf30153c4c13`).
 
@@ -120,7 +105,7 @@ def fingerprint(
     the count the plan will run at). `world_size` is given for a train step whose reduction
     depends on it (`allreduce`); the `invariant` reduction gives the same bits at any world size.
     """
-    facts: dict[str, Any] = {"buildtrain": source_digest()}
+    facts: dict[str, Any] = {"buildtrain": source_digest(kind)}
     if kind in TORCH_FREE_KINDS:
         return facts
     if world_size is not None:
