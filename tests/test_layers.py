@@ -1,0 +1,102 @@
+"""Imports run one way: a module imports only from its own layer or the layers below it.
+
+The order follows the data's path, with what everything needs at the bottom: the canonical
+encoding and errors; the store (bytes, digests, manifests); the typed config; the plan compiled
+from it; the steps that compute; the executor that runs them; verification, which drives the
+executor and checks the store; and the presentation (CLI, reports) on top. Every import counts,
+function-local and type-only ones included, read from the source without importing anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "buildtrain"
+
+# Lowest first. A module's layer is the first entry whose prefix its dotted name starts with.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("buildtrain.errors", "buildtrain.canonical", "buildtrain.__init__")),
+    ("store", ("buildtrain.store",)),
+    ("config", ("buildtrain.config",)),
+    ("plan", ("buildtrain.plan",)),
+    ("steps", ("buildtrain.steps",)),
+    ("executor", ("buildtrain.executor",)),
+    ("verify", ("buildtrain.verify",)),
+    ("presentation", ("buildtrain.cli", "buildtrain.report", "buildtrain.views", "buildtrain.__main__")),
+]
+
+
+def layer_of(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in out if name.startswith("buildtrain.")]
+
+
+def known_module(name: str, known: dict[str, Path]) -> str | None:
+    """The module an imported name refers to (`from buildtrain.store import objects` -> the module
+    `buildtrain.store.objects`; `from buildtrain.store.store import Store` -> `buildtrain.store.store`)."""
+    if name in known:
+        return name
+    if f"{name}.__init__" in known:
+        return f"{name}.__init__"
+    return None
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in modules():
+        layer_of(module)
+
+
+def violations(known: dict[str, Path]) -> list[str]:
+    wrong = []
+    for module, path in known.items():
+        own = layer_of(module)
+        for line, name in imports(path):
+            target = known_module(name, known)
+            if target is None or target.endswith(".__init__"):
+                continue  # a name inside a module (seen as the module itself) or a package marker
+            if layer_of(target) > own:
+                wrong.append(
+                    f"{path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE) else path.name}:{line} "
+                    f"({LAYERS[own][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    return wrong
+
+
+def test_imports_run_one_way() -> None:
+    wrong = violations(modules())
+    assert not wrong, "imports that run back up:\n" + "\n".join(wrong)
+
+
+def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
+    """A store module that imports the executor inside a function is caught; one that imports
+    the canonical encoding is not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from buildtrain.canonical import digest\n\ndef f():\n    from buildtrain.executor.run import run_plan\n"
+    )
+    known = {**modules(), "buildtrain.store.probe": probe}
+    assert [line for line in violations(known) if "probe" in line] == [
+        "probe.py:4 (store) imports buildtrain.executor.run (executor)"
+    ]
