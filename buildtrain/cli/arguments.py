@@ -1,0 +1,89 @@
+"""Argument types and option groups shared by several `bt` commands: each bad value fails at parse
+time with a message that names the option, not later inside a run."""
+
+from __future__ import annotations
+
+import argparse
+
+from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+
+# More processes per machine or machines than this is a typo, not a cluster.
+MAX_PROCESSES = 1024
+
+
+def add_world_size(sub: argparse.ArgumentParser, *, rendezvous: bool) -> None:
+    """--nproc and friends: how many processes train (through torchrun when more than one)."""
+    group = sub.add_argument_group(
+        "distributed training",
+        "Train steps run on NPROC x NNODES processes started by torchrun (gloo on CPU, NCCL on GPU); "
+        "data, eval and export stay single-process. With train.reduction = 'invariant' (the default) "
+        "the weights are the same at any world size that divides the micro-batches, and the world "
+        "size is not part of the plan hash; with 'allreduce' it is. On several machines, run the same "
+        "command on each with its own --node-rank.",
+    )
+    group.add_argument(
+        "--nproc",
+        type=process_count,
+        default=1,
+        metavar="N",
+        help="training processes on this machine (default 1; a large train step of a portable plan "
+        "uses its --threads cores as that many single-threaded processes, unless --threads 1)",
+    )
+    group.add_argument(
+        "--nnodes", type=process_count, default=1, metavar="K", help="machines taking part (default 1)"
+    )
+    if rendezvous:
+        group.add_argument(
+            "--node-rank",
+            type=int,
+            default=0,
+            metavar="R",
+            help="this machine's index, 0..K-1 (node 0 writes outputs)",
+        )
+        group.add_argument(
+            "--rdzv-endpoint",
+            type=endpoint,
+            metavar="HOST:PORT",
+            help="where node 0 hosts torchrun's rendezvous (needed with --nnodes > 1)",
+        )
+        group.add_argument(
+            "--rdzv-timeout",
+            type=positive,
+            default=DEFAULT_RDZV_TIMEOUT,
+            metavar="S",
+            help=f"give up when the nodes have not all met after S seconds (default {DEFAULT_RDZV_TIMEOUT})",
+        )
+
+
+def positive(text: str, limit: int = 1 << 31) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"must be <= {limit}, got {value}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    from buildtrain.config.schema import MAX_THREADS
+
+    return positive(text, MAX_THREADS)
+
+
+def process_count(text: str) -> int:
+    return positive(text, MAX_PROCESSES)
+
+
+def endpoint(text: str) -> str:
+    """HOST:PORT (or [IPv6]:PORT), checked here so that a typo fails at once, not after a timeout."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
+    if any(c.isspace() or c in "/@?#" for c in host):
+        raise argparse.ArgumentTypeError(f"{host!r} is not a host name or address")
+    return text

@@ -1,0 +1,247 @@
+"""One function per `bt` command: parse nothing, call the library, print its result, return an exit
+code. Heavy modules (the executor, torch) are imported only by the commands that need them, so
+`bt plan` and a null `bt run` stay instant."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from buildtrain.errors import ExitCode, UsageError
+from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+from buildtrain.plan.stored import load_plan
+from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.executor.launch import Launch
+
+
+def _store(args: argparse.Namespace) -> Store:
+    return Store.at(args.store)
+
+
+def err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _is_preset(ref: str) -> bool:
+    return ref.endswith(".toml") or os.path.sep in ref or Path(ref).is_file()
+
+
+def _experiments(args: argparse.Namespace) -> Path:
+    return Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments")
+
+
+def _launch(args: argparse.Namespace) -> Launch:
+    from buildtrain.executor.launch import Launch
+
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    if endpoint and args.nnodes > 1:
+        _check_resolves(endpoint)
+    return Launch(
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=getattr(args, "node_rank", 0),
+        rdzv_endpoint=getattr(args, "rdzv_endpoint", None),
+        rdzv_timeout=getattr(args, "rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
+    )
+
+
+def _check_resolves(endpoint: str) -> None:
+    """A host name that does not resolve would only surface as torchrun's timeout, minutes later."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(
+            f"--rdzv-endpoint {endpoint}: cannot resolve {host!r} ({exc}); give node 0's address"
+        ) from None
+
+
+def _parse_steps(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        steps = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise UsageError(f"--resume-at expects step numbers like 50,120 (got {text!r})") from None
+    if any(step < 1 for step in steps):
+        raise UsageError("--resume-at steps must be >= 1")
+    return steps
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from buildtrain.plan.planner import plan_preset
+    from buildtrain.report import plan_summary
+
+    store = _store(args)
+    planned = plan_preset(args.preset, args.set, store, args.nproc * args.nnodes)
+    print(planned.plan.hash, flush=True)
+    if not args.quiet:
+        err(plan_summary(store, planned.plan))
+    return ExitCode.OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from buildtrain.report import show_json, show_text
+
+    store = _store(args)
+    plan = load_plan(store, args.plan)
+    print(show_json(store, plan) if args.json else show_text(store, plan))
+    return ExitCode.OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from buildtrain.plan.diff import diff_plans
+    from buildtrain.report import diff_json, diff_text
+
+    store = _store(args)
+    a, b = load_plan(store, args.plan_a), load_plan(store, args.plan_b)
+    changes, steps = diff_plans(a, b)
+    print(diff_json(a, b, changes, steps) if args.json else diff_text(a, b, changes, steps))
+    return ExitCode.OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.report import ls_rows, ls_text
+
+    rows = ls_rows(_store(args))
+    print(json.dumps(rows, indent=2) if args.json else ls_text(rows))
+    return ExitCode.OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from buildtrain.executor.run import RunOptions, run_plan
+
+    store = _store(args)
+    threads = args.threads
+    launch = _launch(args)
+    if _is_preset(args.plan):
+        from buildtrain.plan.planner import plan_preset
+
+        planned = plan_preset(args.plan, args.set, store, launch.world_size)
+        plan = planned.plan
+        threads = threads or planned.threads or None
+    else:
+        if args.set:
+            raise UsageError("--set applies to a preset; give a preset path, or plan first with bt plan")
+        plan = load_plan(store, args.plan)
+    options = RunOptions(
+        threads=threads,
+        experiments=_experiments(args),
+        wait=not args.no_wait,
+        progress=None if args.progress == "auto" else args.progress == "on",
+        log_every=args.log_every,
+        target=args.target,
+        launch=launch,
+    )
+    return run_plan(store, plan, options)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.report import verdict_line, verification_summary
+    from buildtrain.verify.verify import VerifyOptions, verify_plan
+
+    store = _store(args)
+    plan = load_plan(store, args.plan)
+    options = VerifyOptions(
+        resume_at=_parse_steps(args.resume_at),
+        threads=args.threads,
+        steps=args.steps,
+        keep=args.keep_scratch,
+        experiments=_experiments(args),
+        launch=_launch(args),
+    )
+    verification = verify_plan(
+        store, plan, options, notify=err, on_verdict=lambda verdict: err(verdict_line(verdict))
+    )
+    for line in verification_summary(verification):
+        err(line)
+    if args.json:
+        print(json.dumps(verification.as_json(), indent=2))
+    return verification.exit_code
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.verify.fsck import fsck
+
+    store = _store(args)
+    report = fsck(store, fix=args.repair)
+    if report is None:
+        err(f"bt fsck: no store at {store.root}")
+        return ExitCode.OK
+    if args.json:
+        body = {
+            "store": report.store,
+            "checked": report.checked,
+            "damaged": [item.to_json() for item in report.damaged],
+            "repaired": report.repaired,
+            "not_repaired": report.not_repaired,
+        }
+        print(json.dumps(body, indent=2))
+    for item in report.damaged:
+        err(f"damaged {item.kind}: {item.object}")
+        for problem in item.problems[:5]:
+            err(f"    {problem}")
+        for referrer in item.referenced_by:
+            err(f"    used by {referrer}")
+        if item.note:
+            err(f"    {item.note}")
+    for line in report.repaired:
+        err(f"repaired {line}")
+    for line in report.not_repaired:
+        err(f"not repaired {line}")
+    verdict = f"{len(report.damaged)} damaged" if report.damaged else "all intact"
+    err(f"bt fsck: {report.checked} objects checked in {store.root}: {verdict}")
+    if report.damaged and not args.repair:
+        err(
+            "bt fsck --repair moves every damaged object to quarantine/; then bt run rebuilds what "
+            "a plan needs (a damaged plan: bt plan PRESET again)"
+        )
+    elif report.damaged and not report.not_repaired:
+        err("repaired: bt run rebuilds what a plan needs; bt gc removes the quarantine")
+        return ExitCode.OK
+    return ExitCode.CORRUPT if report.damaged else ExitCode.OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from buildtrain.verify.gc import collect
+
+    store = _store(args)
+    report = collect(store, drop=args.drop, dry_run=args.dry_run)
+    for line in report.warnings:
+        err(f"warning: {line}")
+    for plan_hash in report.dropped:
+        err(f"{'would drop' if args.dry_run else 'dropped'} plan {plan_hash[:12]}")
+    for path in report.removed:
+        err(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    for line in report.left:
+        err(f"could not remove {line}")
+    if report.busy:
+        err("note: a bt run holds a step lock; work and temporary folders were left alone")
+    err(
+        f"bt gc: {'would free' if args.dry_run else 'freed'} {report.freed / 1e6:.1f} MB "
+        f"in {len(report.removed)} item(s)"
+    )
+    return ExitCode.FAILED if report.left else ExitCode.OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from buildtrain.steps.export import export_to
+
+    store = _store(args)
+    plan = load_plan(store, args.plan)
+    destination = export_to(store, plan, Path(args.dest) if args.dest else None)
+    print(destination)
+    return ExitCode.OK

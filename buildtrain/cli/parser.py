@@ -1,0 +1,224 @@
+"""The `bt` argument parser: every command, its options and the help that teaches them."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+
+from buildtrain.cli import commands
+from buildtrain.cli.arguments import add_world_size, positive, thread_count
+from buildtrain.errors import ExitCode
+
+EPILOG = """\
+exit codes:
+  0  success                      4  not reproduced (bt verify found a difference)
+  1  a step failed (NaN, OOM)     5  corrupt object in the store (bt fsck)
+  2  usage or preset error        6  plan compiled for another toolchain or machine
+  3  interrupted, resumable       7  step locked by another bt (with --no-wait)
+
+examples:
+  bt run $(bt plan presets/tiny.toml)
+  bt plan presets/tiny.toml --set train.lr=3e-4 --set model.n_layers=6
+  bt diff 3fa9c1 8e02d4
+  bt verify 3fa9c1 --resume-at 50,120
+  bt run 3fa9c1 --nproc 2                   (train on 2 processes through torchrun)
+  bt verify 3fa9c1 --nproc 2                (re-execute at another world size and compare)
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line like every other error of bt (no usage block)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="bt",
+        description="buildtrain: compile training presets into content-hashed plans and run them "
+        "reproducibly. Identical plan hashes reproduce identical weights, bit for bit.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--store", metavar="DIR", help="store directory (default: $BT_STORE or ./.bt)")
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        sub = subcommands.add_parser(
+            name,
+            help=help_text,
+            description=description,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.add_argument(
+            "--store",
+            metavar="DIR",
+            default=argparse.SUPPRESS,
+            help="store directory (default: $BT_STORE or ./.bt)",
+        )
+        return sub
+
+    sub = command(
+        "plan",
+        "compile a preset into a stored plan; print its hash",
+        "Compile PRESET (and any --set overrides) into a content-hashed plan and store it. stdout is "
+        "the 64-hex plan hash and nothing else, so `bt run $(bt plan PRESET)` composes; a summary of "
+        "the steps (cached or to run) goes to stderr. Problems in the preset are all listed, one per "
+        "line, as FILE: KEY: MESSAGE, with exit code 2.",
+    )
+    sub.add_argument("preset", help="a preset TOML file")
+    sub.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key with a TOML value, e.g. train.lr=3e-4 or stages.finetune.train.steps=50 (repeatable)",
+    )
+    sub.add_argument("-q", "--quiet", action="store_true", help="print only the hash")
+    add_world_size(sub, rendezvous=False)
+    sub.set_defaults(func=commands.cmd_plan)
+
+    sub = command(
+        "run",
+        "execute a plan (or plan and execute a preset)",
+        "Execute the steps of PLAN (a hash, a unique prefix, or a preset path) in order: data, train "
+        "stage(s), eval, export. Steps already in the store are cache hits. An interrupted step "
+        "resumes from its newest valid checkpoint, bit for bit. Ctrl-C finishes the current optimizer "
+        "step, checkpoints and exits with code 3. Every run writes a record to experiments/.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix, or a preset path")
+    sub.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="overrides, when PLAN is a preset"
+    )
+    sub.add_argument(
+        "--threads",
+        type=thread_count,
+        help="cores to compute with (default: the preset's numerics.threads, or all, shared among "
+        "--nproc processes); a portable plan computes with one thread per process and runs a large "
+        "train step on several, a native plan runs the thread count its hash pins",
+    )
+    sub.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where run records go (default: $BT_EXPERIMENTS or ./experiments)",
+    )
+    sub.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit with code 7 instead of waiting when another bt builds a step",
+    )
+    sub.add_argument(
+        "--target", metavar="LABEL", help="build only this step and what it needs, e.g. train:main"
+    )
+    sub.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="progress bar (default: on a terminal)",
+    )
+    sub.add_argument(
+        "--log-every",
+        type=positive,
+        default=10,
+        metavar="N",
+        help="log a training line every N steps (default 10)",
+    )
+    add_world_size(sub, rendezvous=True)
+    sub.set_defaults(func=commands.cmd_run)
+
+    sub = command(
+        "verify",
+        "re-execute a plan from scratch and compare bit for bit",
+        "Re-execute every step of PLAN in a scratch store, each in a fresh process, and compare each "
+        "output with the recorded one by canonical tensor digests. On a difference, name the first "
+        "training step that diverged and the tensors that differ. An unbuilt plan is built, then "
+        "checked against a second independent execution. Exit 0: reproduced; 4: not reproduced, or "
+        "a comparison could not be made (verify fails closed); 5: a recorded output is damaged or "
+        "belongs to another step.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument(
+        "--resume-at", metavar="N[,M]", help="hard-kill the re-execution after these steps and resume"
+    )
+    sub.add_argument(
+        "--threads",
+        type=thread_count,
+        help="re-execute with this many cores (portable plans; see bt run --help)",
+    )
+    sub.add_argument(
+        "--steps", type=positive, metavar="N", help="spot check: only the first N steps of each train stage"
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable result on stdout")
+    sub.add_argument("--keep-scratch", action="store_true", help="keep the scratch store for inspection")
+    sub.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where the record of a first build goes (default: $BT_EXPERIMENTS or ./experiments)",
+    )
+    add_world_size(sub, rendezvous=False)
+    sub.set_defaults(func=commands.cmd_verify)
+
+    sub = command(
+        "fsck",
+        "re-hash every object in the store",
+        "Re-hash every plan, step output, checkpoint and evaluation result in the store (and "
+        "check its stamps, locks and stat cache) and report each damaged one with the plans and "
+        "steps that reference it (exit 5). --repair moves them to quarantine/ (exit 0 when every "
+        "one was moved); bt run then rebuilds what a plan needs.",
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    sub.add_argument(
+        "--repair", action="store_true", help="move every damaged object to quarantine/ (caches are removed)"
+    )
+    sub.set_defaults(func=commands.cmd_fsck)
+
+    sub = command(
+        "show",
+        "show a plan: config, steps, hashes, inputs",
+        "Show the resolved config of PLAN and its steps with their hashes, inputs and status.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=commands.cmd_show)
+
+    sub = command(
+        "diff",
+        "which keys differ between two plans and which steps that invalidates",
+        "Compare two plans: the config keys that differ, and for each step whether it is reused "
+        "from the store or invalidated, and why.",
+    )
+    sub.add_argument("plan_a", help="plan hash or prefix")
+    sub.add_argument("plan_b", help="plan hash or prefix")
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=commands.cmd_diff)
+
+    sub = command(
+        "ls", "list stored plans", "List stored plans with name, creation time, steps and build status."
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=commands.cmd_ls)
+
+    sub = command(
+        "gc",
+        "remove what no plan needs",
+        "Remove step outputs no stored plan references, leftover temporary and work folders of "
+        "completed steps, quarantined outputs and unreferenced evaluation results.",
+    )
+    sub.add_argument(
+        "--drop", action="append", default=[], metavar="PLAN", help="forget this plan first (repeatable)"
+    )
+    sub.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    sub.set_defaults(func=commands.cmd_gc)
+
+    sub = command(
+        "export",
+        "copy a built plan's export package out of the store",
+        "Copy the export package of a built PLAN (weights, config, tokenizer description, "
+        "checksums) to DEST (default ./export/NAME-HASH), read-only.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
+    sub.set_defaults(func=commands.cmd_export)
+    return parser
