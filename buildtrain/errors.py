@@ -56,10 +56,6 @@ class Interrupted(BuildtrainError):
     exit_code = ExitCode.INTERRUPTED
 
 
-class NotReproduced(BuildtrainError):
-    exit_code = ExitCode.NOT_REPRODUCED
-
-
 class CorruptObject(BuildtrainError):
     exit_code = ExitCode.CORRUPT
 

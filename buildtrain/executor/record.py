@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+from buildtrain import clock
+from buildtrain.executor import logs
 from buildtrain.plan.plan import Plan
 from buildtrain.store.objects import write_bytes_durably
 
 METRIC_EVENTS = ("train_step", "eval")
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1e6) % 1_000_000:06d}Z"
 
 
 class RunRecord:
@@ -32,12 +29,12 @@ class RunRecord:
         self.steps: list[dict[str, Any]] = []
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._events = logs.writing_to(self._write_line)
 
     @classmethod
     def create(cls, root: Path, plan: Plan, meta: dict[str, Any]) -> RunRecord:
         root.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        base = f"{stamp}-{plan.hash[:12]}"
+        base = f"{clock.compact()}-{plan.hash[:12]}"
         for attempt in range(1000):
             folder = root / (base if attempt == 0 else f"{base}.{attempt}")
             try:
@@ -64,8 +61,12 @@ class RunRecord:
         return self.folder.name
 
     def event(self, event: str, **fields: Any) -> None:
-        """An executor event, in the same shape as the step processes' structlog lines."""
-        self.forward({"event": event, "level": "info", "timestamp": _now(), **fields})
+        """An executor event, rendered like the step processes' lines (`logs.py`)."""
+        self._events.info(event, **fields)
+
+    def _write_line(self, line: str) -> None:
+        self._log.write(line + "\n")
+        self._log.flush()
 
     def forward(self, line: dict[str, Any]) -> None:
         self._log.write(json.dumps(line, sort_keys=True) + "\n")

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from buildtrain import clock
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, Locked, UsageError
 from buildtrain.store import objects
@@ -39,10 +40,6 @@ HEX = re.compile(r"^[0-9a-f]+$")
 MIN_PREFIX = 4
 STAMP_FORMAT = 2  # sealed, names its output, stats include ctime
 META_FORMAT = 2  # sealed, names its plan
-
-
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class Store:
@@ -78,7 +75,7 @@ class Store:
                 self.set_aside(path)
             objects.write_bytes_durably(path, raw)
         previous = self.plan_meta(plan_hash)
-        now = utc_now()
+        now = clock.iso_seconds()
         record = {"created": previous.get("created", now), **previous, **meta, "planned": now}
         try:
             self.replace_file(self.plans / f"{plan_hash}.meta.json", seal_meta(plan_hash, record))

@@ -16,7 +16,6 @@ fails as a damaged store (exit 5).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -63,19 +62,6 @@ class StepVerdict:
 
     def as_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
-
-
-def _link_or_copy(source: str, target: str) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # the scratch store is on another file system than the store
-        shutil.copy2(source, target)
-
-
-def _link_output(source: Path, target: Path) -> None:
-    """Bring a recorded output into the scratch store (hard links where possible: instant, and
-    only read)."""
-    shutil.copytree(source, target, copy_function=_link_or_copy)
 
 
 def _compare(recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
@@ -292,7 +278,7 @@ def _verify_step(
             )
         for upstream in step.upstream.values():  # spot checks start from the recorded inputs
             if not scratch.has_output(upstream):
-                _link_output(store.output(upstream), scratch.output(upstream))
+                objects.link_tree(store.output(upstream), scratch.output(upstream))
 
     extra = ""
     if step.kind == "train":
