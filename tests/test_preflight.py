@@ -12,8 +12,9 @@ import pytest
 from conftest import BtRunner
 
 from buildtrain.config import preflight as preflight_module
-from buildtrain.config.loader import display, load_preset
+from buildtrain.config.loader import load_preset
 from buildtrain.config.preflight import cuda_available, expand_sources, machine_memory, preflight
+from buildtrain.config.problems import display
 from buildtrain.config.schema import TrainConfig
 from buildtrain.config.shape import memory_estimate
 from buildtrain.errors import ConfigError, ExitCode

@@ -12,7 +12,8 @@ import shutil
 import stat
 from pathlib import Path
 
-from buildtrain.config.loader import LoadedPreset, Problem, key_text
+from buildtrain.config.loader import LoadedPreset
+from buildtrain.config.problems import KeyPath, Problem
 from buildtrain.config.schema import world_size_problem
 from buildtrain.config.shape import memory_estimate
 
@@ -54,7 +55,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
     problems: list[Problem] = []
     sources: dict[str, list[Path]] = {}
 
-    def stage_key(index: int, *key: str) -> tuple[str | int, ...]:
+    def stage_key(index: int, *key: str) -> KeyPath:
         """The key as the preset spelled it: in the stage's own table, or inherited from the top."""
         own = ("stages", index, *key)
         return own if own in loaded.provenance else key
@@ -63,7 +64,8 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         unfit = world_size_problem(stage.train, world_size)
         if unfit is not None:
             key = stage_key(index, "train", "micro_batch_size")
-            problems.append(Problem(loaded.source_of(key), key_text(key), unfit))
+            source = loaded.blame(key, stage_key(index, "train", "batch_size"))
+            problems.append(Problem(source, key, unfit))
         if stage.data.source != "files":
             sources[stage.name] = []
             continue
@@ -71,7 +73,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         sources[stage.name] = files
         key = stage_key(index, "data", "files")
         for pattern in empty:
-            problems.append(Problem(loaded.source_of(key), key_text(key), f"'{pattern}' matches no file"))
+            problems.append(Problem(loaded.source_of(key), key, f"'{pattern}' matches no file"))
 
     available = machine_memory()
     for stage in config.stages:
@@ -80,7 +82,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
             problems.append(
                 Problem(
                     loaded.source_of(("model",)),
-                    "model",
+                    ("model",),
                     f"training stage '{stage.name}' needs about {needed / GIB:.1f} GiB "
                     f"(weights, gradients, AdamW state, activations) but this machine has {available / GIB:.1f} GiB; "
                     "reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len",
@@ -92,12 +94,8 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         problems.append(
             Problem(
                 loaded.source_of(("numerics", "device")),
-                "numerics.device",
+                ("numerics", "device"),
                 "is 'cuda' but no CUDA device is visible on this machine; use device = \"cpu\"",
             )
         )
-    lines: list[str] = []
-    for problem in problems:
-        if str(problem) not in lines:
-            lines.append(str(problem))
-    return sources, lines
+    return sources, [str(problem) for problem in dict.fromkeys(problems)]
