@@ -34,14 +34,9 @@ def name_problem(value: str) -> str | None:
     return f"{value!r} is not a safe name: {SAFE_NAME_RULE}"
 
 
-def setting(default: Any, doc: str, *validators: Validator, **kwargs: Any) -> Any:
-    """An attrs field that carries its one-line documentation for `--help` and the README."""
-    return attrs.field(
-        default=default,
-        validator=list(validators) or None,
-        metadata={DOC: doc},
-        **kwargs,
-    )
+def setting(default: Any, doc: str, *validators: Validator) -> Any:
+    """An attrs field that carries its one-line documentation for the preset reference (README)."""
+    return attrs.field(default=default, validator=list(validators) or None, metadata={DOC: doc})
 
 
 @attrs.frozen

@@ -49,11 +49,16 @@ def merge_layer(provenance: Provenance, table: Mapping[str, Any], label: str, pr
 def merge_base(
     provenance: Provenance, base: Mapping[str, Any], base_provenance: Mapping[KeyPath, str]
 ) -> None:
-    """Record a preset this one extends, merged over the presets it extends before it."""
-    for key in base_provenance:
-        if not isinstance(_lookup(base, key), Mapping):
-            forget_below(provenance, key)  # this base replaced the value or array there
-    provenance.update(base_provenance)
+    """Record a preset this one extends, merged over the presets it extends before it, by the
+    rules of `merge_layer`."""
+    tables = {key for key in base_provenance if isinstance(_lookup(base, key), Mapping)}
+    for key in base_provenance.keys() - tables:
+        forget_below(provenance, key)  # this base replaced the value or array there
+    for key, label in base_provenance.items():
+        if key in tables:
+            provenance.setdefault(key, label)
+        else:
+            provenance[key] = label
 
 
 def _lookup(tree: Any, key: KeyPath) -> Any:
