@@ -29,7 +29,7 @@ class LoadedPreset:
     config: Config
     path: Path
     provenance: Mapping[KeyPath, str]
-    layers: tuple[str, ...] = ()  # the files and `--set`s it was built from, in the order applied
+    layers: tuple[str, ...]  # the files and `--set`s it was built from, in the order applied
 
     def source_of(self, key: KeyPath) -> str:
         """The file (or `--set`) that set `key` or its nearest set ancestor."""
