@@ -67,8 +67,8 @@ MB = 1_000_000
 
 def model_config(target_bytes: int) -> Any:
     """A model whose weights and two AdamW moments (12 bytes per parameter) come near the target."""
-    from buildtrain.config.preflight import parameter_count
     from buildtrain.config.schema import ModelConfig
+    from buildtrain.config.shape import parameter_count
 
     small = target_bytes < 50 * MB
     shape = (

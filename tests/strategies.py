@@ -762,3 +762,68 @@ TOMLISH = st.lists(
     ),
     max_size=12,
 ).map("\n".join)
+
+
+# -- layered presets with mistakes ----------------------------------------------------------------
+
+# Keys whose values the cross-field rules read or guard, and a few others; values that are right,
+# out of range, of the wrong type or in conflict with each other.
+RULE_KEYS: dict[str, list[Any]] = {
+    "model.dim": [-1, 0, 30, 32, 64],
+    "model.n_heads": [0, 2, 3, 4, 8, "x"],
+    "model.n_kv_heads": [0, 1, 2, 3, 1.5],
+    "model.mlp": ["swiglu", "relu"],
+    "train.steps": [-1, 0, 5, 10, 200, "many"],
+    "train.warmup_steps": [-1, 0, 8, 20, 300],
+    "train.batch_size": [0, 4, 6, 16, "x"],
+    "train.micro_batch_size": [0, 2, 4, 16],
+    "train.lr": [-1.0, 1e-3, "fast"],
+    "train.lrr": [1e-3],  # an unknown key
+    "data.source": ["synthetic", "files", "bogus"],
+    "data.files": [[], ["a.txt"], "a.txt"],
+    "data.synthetic.seed": [-1, 3],
+    "eval.every": [-1, 5],
+}
+STAGE_SECTIONS = ("train.", "data.")
+
+
+@attrs.frozen
+class LayeredPreset:
+    """A base preset, the preset that extends it, and `--set` overrides, each setting some keys."""
+
+    base: dict[str, Any]
+    preset: dict[str, Any]
+    overrides: tuple[tuple[str, Any], ...]  # (key as --set spells it, value)
+
+
+@st.composite
+def layered_presets(draw: st.DrawFn) -> LayeredPreset:
+    def assignments(stages: int) -> list[tuple[str, Any]]:
+        keys = st.sampled_from(sorted(RULE_KEYS))
+        out = []
+        for key in draw(st.lists(keys, max_size=4)):
+            if stages and key.startswith(STAGE_SECTIONS) and draw(st.booleans()):
+                key = f"stages[{draw(st.integers(0, stages - 1))}].{key}"
+            out.append((key, draw(st.sampled_from(RULE_KEYS[key.rpartition("].")[2]]))))
+        return out
+
+    def document(pairs: list[tuple[str, Any]], stages: int) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        if stages:
+            doc["stages"] = [{"name": name} for name in "ab"[:stages]]
+        for key, value in pairs:
+            path: list[str | int] = []
+            for part in key.split("."):
+                if part.startswith("stages["):
+                    path += ["stages", int(part[7:-1])]
+                else:
+                    path.append(part)
+            put_leaf(doc, tuple(path), value)
+        return doc
+
+    stages = draw(st.sampled_from([0, 2]))
+    return LayeredPreset(
+        base=document(assignments(0), 0),
+        preset=document(assignments(stages), stages),
+        overrides=tuple(assignments(stages)),
+    )

@@ -3,13 +3,23 @@
 
 from __future__ import annotations
 
+import random
 import re
+import tempfile
+import typing
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 from conftest import BtRunner
+from hypothesis import HealthCheck, given, settings
+from strategies import LayeredPreset, emit, emit_value, layered_presets
 
-from buildtrain.config.loader import display, load_preset
+from buildtrain.config.checks import reads_of, validators_of
+from buildtrain.config.loader import load_preset
+from buildtrain.config.problems import KeyPath, PresetError, display
+from buildtrain.config.schema import SECTIONS, STAGE_KEYS, Stage, SyntheticConfig
 from buildtrain.errors import ConfigError, ExitCode
 
 # (id, files (the preset is p.toml), key path, what the message says)
@@ -385,3 +395,197 @@ def test_bt_plan_lists_every_problem(tmp_path: Path, bt: BtRunner) -> None:
         "p.toml: train.lr: must be > 0.0 (got -1.0)",
         "bt plan: 4 problems in the preset; nothing was run",
     ]
+
+
+# -- each problem once, at the key and in the file that set it ------------------------------------
+
+# (id, preset text, the one problem): a bad value is reported at its own key and never again
+# through a rule that reads it.
+ONE_BAD_VALUE = [
+    ("steps-negative", "[train]\nsteps = -1\n", "train.steps: must be >= 1 (got -1)"),
+    (
+        "steps-wrong-type",
+        '[train]\nsteps = "many"\n',
+        "train.steps: expected an integer, got 'many' (string)",
+    ),
+    ("batch-zero", "[train]\nbatch_size = 0\n", "train.batch_size: must be >= 1 (got 0)"),
+    ("dim-zero", "[model]\ndim = 0\n", "model.dim: must be >= 1 (got 0)"),
+    ("heads-zero", "[model]\nn_heads = 0\n", "model.n_heads: must be >= 1 (got 0)"),
+    ("heads-wrong-type", '[model]\nn_heads = "x"\n', "model.n_heads: expected an integer, got 'x' (string)"),
+    (
+        "source-unknown",
+        '[data]\nsource = "bogus"\n',
+        "data.source: must be one of 'synthetic', 'files' (got 'bogus')",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"), [c[1:] for c in ONE_BAD_VALUE], ids=[c[0] for c in ONE_BAD_VALUE]
+)
+def test_one_bad_value_is_one_problem(tmp_path: Path, text: str, problem: str) -> None:
+    assert _problems(tmp_path, {"p.toml": text}) == [f"{display(tmp_path / 'p.toml')}: {problem}"]
+
+
+def test_a_rule_broken_by_a_parent_preset_names_the_parent(tmp_path: Path) -> None:
+    files = {
+        "p.toml": 'extends = "base/b.toml"\n[model]\ndim = 32\n',
+        "base/b.toml": "[train]\nsteps = 10\nwarmup_steps = 20\n",
+    }
+    assert _problems(tmp_path, files) == [
+        f"{display(tmp_path / 'base' / 'b.toml')}: train.warmup_steps: 20 exceeds train.steps 10"
+    ]
+
+
+def test_a_rule_broken_by_a_later_layer_names_that_layer(tmp_path: Path) -> None:
+    """The keys a rule reads came from two files: the one applied last made the conflict."""
+    files = {"p.toml": 'extends = "b.toml"\n[train]\nsteps = 10\n', "b.toml": "[train]\nwarmup_steps = 12\n"}
+    assert _problems(tmp_path, files) == [
+        f"{display(tmp_path / 'p.toml')}: train.warmup_steps: 12 exceeds train.steps 10"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("assignment", "problem"),
+    [
+        ("train.steps=10", "train.warmup_steps: 20 exceeds train.steps 10"),
+        ("train.batch_size=6", "train.micro_batch_size: 16 does not divide train.batch_size 6"),
+        ("model.dim=12", "model.n_heads: gives an odd head size 3"),
+        ("stages[0].train.steps=10", "stages[0].train.warmup_steps: 20 exceeds train.steps 10"),
+    ],
+)
+def test_a_rule_broken_by_set_names_the_set(tmp_path: Path, assignment: str, problem: str) -> None:
+    """The preset sets other keys of the same tables, and so wrote the tables the rules guard."""
+    problems = _problems(tmp_path, {"p.toml": "[train]\nlr = 1e-3\n[model]\nn_layers = 1\n"}, (assignment,))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"--set {assignment}: {problem}")
+
+
+def test_a_rule_of_a_stage_is_reported_at_the_stage_that_broke_it(tmp_path: Path) -> None:
+    """A rule over inherited keys only is the top level's (once); one over a key the stage set
+    is that stage's."""
+    text = (
+        '[train]\nwarmup_steps = 8\n[[stages]]\nname = "a"\ntrain = { steps = 5 }\n[[stages]]\nname = "b"\n'
+    )
+    assert _problems(tmp_path, {"p.toml": text}) == [
+        f"{display(tmp_path / 'p.toml')}: stages[0].train.warmup_steps: 8 exceeds train.steps 5"
+    ]
+    text = '[train]\nsteps = 5\n[[stages]]\nname = "a"\n[[stages]]\nname = "b"\ntrain = { lr = 1e-3 }\n'
+    assert _problems(tmp_path, {"p.toml": text}) == [
+        f"{display(tmp_path / 'p.toml')}: train.warmup_steps: 20 exceeds train.steps 5"
+    ]
+
+
+def test_a_stage_without_a_name_is_no_name_to_clash_with(tmp_path: Path) -> None:
+    text = '[[stages]]\nname = 3\n[[stages]]\nname = "stage0"\n'
+    assert _problems(tmp_path, {"p.toml": text}) == [
+        f'{display(tmp_path / "p.toml")}: stages[0].name: each stage needs a name, for example name = "pretrain"'
+    ]
+
+
+def _schema_key(key: KeyPath, stages: int) -> bool:
+    """Whether a key path names a key of the preset language (a stage by an index it has)."""
+    if key[:1] == ("stages",) and len(key) > 2:
+        if not (isinstance(key[1], int) and key[1] < stages and key[2] in STAGE_KEYS):
+            return False
+        cls: type | None = Stage
+        rest = key[2:]
+    elif len(key) == 1:
+        return key[0] in ("name", "stages", *SECTIONS)
+    else:
+        cls, rest = SECTIONS.get(str(key[0])), key[1:]
+    for index, part in enumerate(rest):
+        if cls is None:  # past a value: only an array may go on, by index, and only at the end
+            return isinstance(part, int) and index == len(rest) - 1
+        if part not in attrs.fields_dict(cls):
+            return False
+        nested = typing.get_type_hints(cls)[part]
+        cls = nested if attrs.has(nested) else None
+    return True
+
+
+def _written(doc: Any, prefix: KeyPath = ()) -> set[KeyPath]:
+    """Every key path a preset document writes, tables included."""
+    found = {prefix} if prefix else set()
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            found |= _written(value, (*prefix, key))
+    elif isinstance(doc, list) and all(isinstance(item, dict) for item in doc):
+        for index, value in enumerate(doc):
+            found |= _written(value, (*prefix, index))
+    return found
+
+
+def _set_path(key: str) -> KeyPath:
+    path: list[str | int] = []
+    for part in key.split("."):
+        path += ["stages", int(part[7:-1])] if part.startswith("stages[") else [part]
+    return tuple(path)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=layered_presets())
+def test_each_problem_once_at_a_real_key_blamed_on_a_layer_that_wrote_its_table(spec: LayeredPreset) -> None:
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        (root / "base.toml").write_text(emit(spec.base, rng), encoding="utf-8")
+        (root / "p.toml").write_text('extends = "base.toml"\n' + emit(spec.preset, rng), encoding="utf-8")
+        overrides = [f"{key}={emit_value(value, rng)}" for key, value in spec.overrides]
+        try:
+            load_preset(root / "p.toml", overrides)
+        except PresetError as exc:
+            found = exc.found
+        else:
+            return
+        # What each layer wrote, by label.
+        wrote = {
+            display(root / "base.toml"): _written(spec.base),
+            display(root / "p.toml"): _written(spec.preset),
+        }
+        for assignment, (key, _) in zip(overrides, spec.overrides, strict=True):
+            wrote.setdefault(f"--set {assignment}", set()).add(_set_path(key))
+
+    assert found
+    stages = len(spec.preset.get("stages", [])) or 1
+    keys = [problem.key for problem in found]
+    assert len(keys) == len(set(keys)), [str(p) for p in found]  # no key twice, so no problem twice
+    every = set().union(*wrote.values())
+    alone = [p.key for p in found if len(p.involves) == 1]  # a value wrong on its own
+    for problem in found:
+        # A rule is not reported over a value that is wrong on its own: that is one problem.
+        for key in problem.involves[1:]:
+            assert not any(k[: len(key)] == key or key[: len(k)] == k for k in alone), [str(p) for p in found]
+        assert _schema_key(problem.key, stages) or problem.key in every, str(problem)
+        # Blamed on a layer that wrote the problem's table: the stage's own, or the top level's.
+        table = problem.key[:-1]
+        tables = {table, table[2:]} if table[:1] == ("stages",) else {table}
+        touched = {
+            label
+            for label, keys_ in wrote.items()
+            if any(k[: len(t)] == t for k in keys_ for t in tables if t)
+        }
+        assert problem.source in (touched or set(wrote)), str(problem)
+
+
+@pytest.mark.parametrize("cls", [*SECTIONS.values(), SyntheticConfig], ids=lambda cls: cls.__name__)
+def test_rules_read_only_the_fields_they_declare_and_those_come_first(cls: type) -> None:
+    """A validator without `@reads` reads nothing but its value; a rule reads only the fields it
+    declares, each declared before its own field (so attrs validates them first)."""
+
+    class Recorder:
+        def __init__(self, instance: Any) -> None:
+            self.instance, self.read = instance, set()
+
+        def __getattr__(self, name: str) -> Any:
+            self.read.add(name)
+            return getattr(self.instance, name)
+
+    names = [field.name for field in attrs.fields(cls)]
+    for field in attrs.fields(cls):
+        for check in validators_of(field):
+            declared = reads_of(check) or ()
+            recorder = Recorder(cls())
+            check(recorder, field, getattr(recorder.instance, field.name))
+            assert recorder.read <= set(declared), (field.name, recorder.read)
+            assert all(names.index(name) < names.index(field.name) for name in declared), field.name

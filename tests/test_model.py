@@ -1,4 +1,4 @@
-"""The transformer: parameter count agrees with preflight, shapes, causality, seeded init, dropout;
+"""The transformer: parameter count agrees with `config.shape`, shapes, causality, seeded init, dropout;
 and the held-out evaluation that runs it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.config.preflight import parameter_count
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
+from buildtrain.config.shape import parameter_count
 from buildtrain.errors import StepFailed
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.batches import TokenStream

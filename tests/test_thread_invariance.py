@@ -26,7 +26,7 @@ from conftest import REPO, plan_hash, run_bt, step_digests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buildtrain.config import preflight
+from buildtrain.config import preflight, shape
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import SINGLE_PROCESS
@@ -299,7 +299,7 @@ def test_portable_ranks_stay_within_the_memory(tmp_path: Path, monkeypatch: pyte
     plan = stored_plan(tmp_path, "train.steps=5000")
     train = step_of(plan, "train")
     per_rank = 1 << 30
-    monkeypatch.setattr(preflight, "memory_estimate", lambda *_: per_rank)
+    monkeypatch.setattr(shape, "memory_estimate", lambda *_: per_rank)
     monkeypatch.setattr(preflight, "machine_memory", lambda: 3 * per_rank)  # 80%: room for 2 ranks
     assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 2
     monkeypatch.setattr(preflight, "machine_memory", lambda: per_rank)

@@ -1,21 +1,25 @@
-"""Field helpers for the config classes: a documented field and small validators.
+"""Field helpers for the config classes: a documented field, small validators, cross-field rules.
 
 Validators raise `ValueError` with a message that reads after the key path
-("must be > 0 (got -1.0)"); the loader prefixes file and key. They are run by the loader's
-collecting pass, so one bad value never hides another.
+("must be > 0 (got -1.0)"); the loader prefixes file and key. A validator method that also reads
+other fields is a cross-field rule and says which ones with `@reads(...)`: the loader runs it only
+once its own field and every field it reads are valid, so one bad value is reported once, at its
+own key, and never again through a rule that reads it (see `validate`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
 DOC = "buildtrain.doc"
+READS = "_buildtrain_reads"
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+V = TypeVar("V", bound=Validator)
 
 # Names become parts of paths (export folders, step labels, temporary folders), so they are held
 # to characters that can neither climb out of a folder nor hide in it.
@@ -30,14 +34,9 @@ def name_problem(value: str) -> str | None:
     return f"{value!r} is not a safe name: {SAFE_NAME_RULE}"
 
 
-def setting(default: Any, doc: str, *validators: Validator, **kwargs: Any) -> Any:
-    """An attrs field that carries its one-line documentation for `--help` and the README."""
-    return attrs.field(
-        default=default,
-        validator=list(validators) or None,
-        metadata={DOC: doc},
-        **kwargs,
-    )
+def setting(default: Any, doc: str, *validators: Validator) -> Any:
+    """An attrs field that carries its one-line documentation for the preset reference (README)."""
+    return attrs.field(default=default, validator=list(validators) or None, metadata={DOC: doc})
 
 
 @attrs.frozen
@@ -95,11 +94,32 @@ def one_of(*choices: str) -> OneOf:
     return OneOf(choices)
 
 
+def reads(*fields: str) -> Callable[[V], V]:
+    """Mark a validator method as a cross-field rule that also reads these fields of its class."""
+
+    def mark(method: V) -> V:
+        setattr(method, READS, fields)
+        return method
+
+    return mark
+
+
+def validators_of(attribute: attrs.Attribute[Any]) -> tuple[Validator, ...]:
+    """A field's validators, each on its own (attrs joins several into one)."""
+    validator = attribute.validator
+    if validator is None:
+        return ()
+    return tuple(getattr(validator, "_validators", (validator,)))
+
+
+def reads_of(validator: Validator) -> tuple[str, ...] | None:
+    """The other fields a cross-field rule reads; None for a validator of the field alone."""
+    return getattr(validator, READS, None)
+
+
 def choices_of(attribute: attrs.Attribute[Any]) -> tuple[str, ...] | None:
     """The allowed values of a field validated by `one_of`, if any."""
-    validator = attribute.validator
-    found = getattr(validator, "_validators", (validator,))
-    for item in found:
+    for item in validators_of(attribute):
         if isinstance(item, OneOf):
             return item.choices
     return None
@@ -107,6 +127,4 @@ def choices_of(attribute: attrs.Attribute[Any]) -> tuple[str, ...] | None:
 
 def bounds_of(attribute: attrs.Attribute[Any]) -> tuple[Bound, ...]:
     """The range validators of a field, for the reference docs."""
-    validator = attribute.validator
-    found = getattr(validator, "_validators", (validator,))
-    return tuple(item for item in found if isinstance(item, Bound))
+    return tuple(item for item in validators_of(attribute) if isinstance(item, Bound))

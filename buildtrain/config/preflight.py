@@ -1,7 +1,7 @@
 """Pre-flight checks that need the machine, not just the preset: data presence, memory, device.
 
 They run at `bt plan` time so that a doomed run fails in a fraction of a second instead of an hour
-in. The memory estimate mirrors the model in `steps/train/model.py`; a test keeps the two equal.
+in. The memory estimate is `shape.memory_estimate`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import shutil
 import stat
 from pathlib import Path
 
-from buildtrain.config.loader import LoadedPreset, Problem, key_text
-from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig, world_size_problem
+from buildtrain.config.loader import LoadedPreset
+from buildtrain.config.problems import KeyPath, Problem
+from buildtrain.config.schema import world_size_problem
+from buildtrain.config.shape import memory_estimate
 
 GIB = 1 << 30
 
@@ -37,39 +39,6 @@ def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str]]:
     return list(found.values()), empty
 
 
-def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
-    head_dim = model.dim // model.n_heads
-    kv_dim = model.n_kv_heads * head_dim
-    norm = model.dim * (2 if model.norm == "layernorm" else 1)
-    attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2
-    mlp = model.dim * model.ffn_hidden * (3 if model.mlp == "swiglu" else 2)
-    block = attention + mlp + 2 * norm
-    embeddings = vocab_size * model.dim * (1 if model.tie_embeddings else 2)
-    return embeddings + model.n_layers * block + norm
-
-
-def gradient_vectors(train: TrainConfig) -> int:
-    """Gradient-sized float32 buffers an update holds at its peak: the gradient itself, plus for
-    the invariant reduction one partial sum per level of its tree and the newest micro-batch's."""
-    micro_batches = train.batch_size // train.micro_batch_size
-    if train.reduction == "allreduce":
-        return 1
-    return 2 + max(0, micro_batches - 1).bit_length()
-
-
-def memory_estimate(model: ModelConfig, train: TrainConfig) -> int:
-    """Bytes for float32 weights, gradients (and the reduction's partial sums), two AdamW moments
-    and one micro-batch of activations."""
-    state = parameter_count(model) * 4 * (3 + gradient_vectors(train))
-    tokens = train.micro_batch_size * train.seq_len
-    per_layer = (
-        tokens * (12 * model.dim + 3 * model.ffn_hidden)
-        + train.micro_batch_size * model.n_heads * train.seq_len**2 * 2
-    )
-    activations = (model.n_layers * per_layer + tokens * BYTE_VOCAB_SIZE * 3) * 4
-    return state + activations
-
-
 def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -86,7 +55,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
     problems: list[Problem] = []
     sources: dict[str, list[Path]] = {}
 
-    def stage_key(index: int, *key: str) -> tuple[str | int, ...]:
+    def stage_key(index: int, *key: str) -> KeyPath:
         """The key as the preset spelled it: in the stage's own table, or inherited from the top."""
         own = ("stages", index, *key)
         return own if own in loaded.provenance else key
@@ -95,7 +64,8 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         unfit = world_size_problem(stage.train, world_size)
         if unfit is not None:
             key = stage_key(index, "train", "micro_batch_size")
-            problems.append(Problem(loaded.source_of(key), key_text(key), unfit))
+            source = loaded.blame(key, stage_key(index, "train", "batch_size"))
+            problems.append(Problem(source, key, unfit))
         if stage.data.source != "files":
             sources[stage.name] = []
             continue
@@ -103,7 +73,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         sources[stage.name] = files
         key = stage_key(index, "data", "files")
         for pattern in empty:
-            problems.append(Problem(loaded.source_of(key), key_text(key), f"'{pattern}' matches no file"))
+            problems.append(Problem(loaded.source_of(key), key, f"'{pattern}' matches no file"))
 
     available = machine_memory()
     for stage in config.stages:
@@ -112,7 +82,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
             problems.append(
                 Problem(
                     loaded.source_of(("model",)),
-                    "model",
+                    ("model",),
                     f"training stage '{stage.name}' needs about {needed / GIB:.1f} GiB "
                     f"(weights, gradients, AdamW state, activations) but this machine has {available / GIB:.1f} GiB; "
                     "reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len",
@@ -124,12 +94,8 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         problems.append(
             Problem(
                 loaded.source_of(("numerics", "device")),
-                "numerics.device",
+                ("numerics", "device"),
                 "is 'cuda' but no CUDA device is visible on this machine; use device = \"cpu\"",
             )
         )
-    lines: list[str] = []
-    for problem in problems:
-        if str(problem) not in lines:
-            lines.append(str(problem))
-    return sources, lines
+    return sources, [str(problem) for problem in dict.fromkeys(problems)]

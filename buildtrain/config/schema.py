@@ -1,8 +1,10 @@
 """The typed preset language: one frozen attrs class per preset section.
 
 Every field has a default, a one-line doc and its validators beside it; cross-field rules live in
-validator methods of the field they guard. Each component later receives only its own section.
-The resolved `Config` is what a plan is compiled from: every default materialized, one fully
+validator methods of the field they guard, marked with the fields they read (`@reads`). Each rule
+reads only fields declared before its own, so attrs, which validates in field order and stops at
+the first failure, never runs a rule on an invalid value either (a test checks both). Each
+component later receives only its own section. The resolved `Config` is what a plan is compiled from: every default materialized, one fully
 merged `Stage` per training stage.
 """
 
@@ -12,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from buildtrain.config.checks import at_least, at_most, below, greater_than, one_of, setting
+from buildtrain.config.checks import at_least, at_most, below, greater_than, one_of, reads, setting
 
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
@@ -51,6 +53,7 @@ class DataConfig:
     shard_tokens: int = setting(1 << 20, "tokens per shard file", at_least(1024))
 
     @files.validator
+    @reads("source")
     def _files_match_source(self, _: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
         if self.source == "files" and not value:
             raise ValueError("source is 'files' but no files are listed; add data.files = [\"corpus/*.txt\"]")
@@ -80,15 +83,17 @@ class ModelConfig:
     init_std: float = setting(0.02, "standard deviation of the initial weights", greater_than(0.0))
 
     @n_heads.validator
+    @reads("dim")
     def _heads_divide_dim(self, _: attrs.Attribute[Any], value: int) -> None:
-        if value >= 1 and self.dim % value:
+        if self.dim % value:
             raise ValueError(f"{value} does not divide model.dim {self.dim}; choose a divisor of {self.dim}")
-        if value >= 1 and self.dim % value == 0 and (self.dim // value) % 2:
+        if (self.dim // value) % 2:
             raise ValueError(f"gives an odd head size {self.dim // value}; RoPE needs an even dim / n_heads")
 
     @n_kv_heads.validator
+    @reads("n_heads")
     def _kv_heads_divide_heads(self, _: attrs.Attribute[Any], value: int) -> None:
-        if value >= 1 and self.n_heads % value:
+        if self.n_heads % value:
             raise ValueError(
                 f"{value} does not divide model.n_heads {self.n_heads}; choose a divisor of {self.n_heads}"
             )
@@ -135,14 +140,16 @@ class TrainConfig:
                 raise ValueError(f"each beta must be in [0, 1) (got {list(value)})")
 
     @micro_batch_size.validator
+    @reads("batch_size")
     def _micro_divides_batch(self, _: attrs.Attribute[Any], value: int) -> None:
-        if value >= 1 and self.batch_size % value:
+        if self.batch_size % value:
             raise ValueError(
                 f"{value} does not divide train.batch_size {self.batch_size}; "
                 f"choose a divisor of {self.batch_size}"
             )
 
     @warmup_steps.validator
+    @reads("steps")
     def _warmup_within_steps(self, _: attrs.Attribute[Any], value: int) -> None:
         if value > self.steps:
             raise ValueError(f"{value} exceeds train.steps {self.steps}")

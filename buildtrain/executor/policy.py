@@ -96,7 +96,8 @@ def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Laun
     if train.reduction != "invariant":
         return launch  # the world size of an allreduce plan is fixed by its hash
     # Only once a train step computes: the preset loader is not on the path of a null build.
-    from buildtrain.config.preflight import machine_memory, memory_estimate, parameter_count
+    from buildtrain.config.preflight import machine_memory
+    from buildtrain.config.shape import memory_estimate, parameter_count
 
     model = converter.structure(step.config["model"], ModelConfig)
     flop = 6 * parameter_count(model) * train.batch_size * train.seq_len * train.steps

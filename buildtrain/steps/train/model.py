@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from buildtrain.config.schema import ModelConfig
+from buildtrain.config.shape import head_dim
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +60,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
-        self.head_dim = config.dim // config.n_heads
+        self.head_dim = head_dim(config)
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
@@ -123,7 +124,7 @@ class Transformer(nn.Module):
 
     def rope_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if (length, device) not in self.rope:
-            cos, sin = rope_tables(self.config.dim // self.config.n_heads, length, self.config.rope_theta)
+            cos, sin = rope_tables(head_dim(self.config), length, self.config.rope_theta)
             self.rope[(length, device)] = (cos.to(device), sin.to(device))
         return self.rope[(length, device)]
 

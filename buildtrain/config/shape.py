@@ -1,0 +1,49 @@
+"""The model's arithmetic without torch: head sizes, parameter count, memory of a training update.
+
+One home for these numbers, so that pre-flight (which must not import torch), the executor's
+choice of ranks and the model itself agree; a test builds the real model and compares.
+"""
+
+from __future__ import annotations
+
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+
+FLOAT32_BYTES = 4
+
+
+def head_dim(model: ModelConfig) -> int:
+    """Channels per attention head (query, key and value alike)."""
+    return model.dim // model.n_heads
+
+
+def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
+    """Parameters of `steps.train.model.Transformer(model, vocab_size)`: tied weights count once."""
+    kv_dim = model.n_kv_heads * head_dim(model)
+    norm = model.dim * (2 if model.norm == "layernorm" else 1)  # LayerNorm has a bias, RMSNorm not
+    attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2  # wq, wo; wk, wv
+    mlp = model.dim * model.ffn_hidden * (3 if model.mlp == "swiglu" else 2)
+    block = attention + mlp + 2 * norm
+    embeddings = vocab_size * model.dim * (1 if model.tie_embeddings else 2)
+    return embeddings + model.n_layers * block + norm
+
+
+def gradient_vectors(train: TrainConfig) -> int:
+    """Gradient-sized float32 buffers an update holds at its peak: the gradient itself, plus for
+    the invariant reduction one partial sum per level of its tree and the newest micro-batch's."""
+    if train.reduction == "allreduce":
+        return 1
+    micro_batches = train.batch_size // train.micro_batch_size
+    return 2 + max(0, micro_batches - 1).bit_length()
+
+
+def memory_estimate(model: ModelConfig, train: TrainConfig) -> int:
+    """Bytes for float32 weights, gradients (and the reduction's partial sums), two AdamW moments
+    and one micro-batch of activations."""
+    state = parameter_count(model) * FLOAT32_BYTES * (3 + gradient_vectors(train))
+    tokens = train.micro_batch_size * train.seq_len
+    per_layer = (
+        tokens * (12 * model.dim + 3 * model.ffn_hidden)
+        + train.micro_batch_size * model.n_heads * train.seq_len**2 * 2
+    )
+    activations = (model.n_layers * per_layer + tokens * BYTE_VOCAB_SIZE * 3) * FLOAT32_BYTES
+    return state + activations
