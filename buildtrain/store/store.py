@@ -17,29 +17,27 @@ Layout under the store root (default `./.bt`, or `--store` / `BT_STORE`):
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from buildtrain import clock
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.errors import CorruptObject, Locked, UsageError
-from buildtrain.store import objects
+from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.store import locks, objects
+from buildtrain.store.meta import read_meta, seal_meta
 from buildtrain.store.sources import StatCache
 
 DEFAULT_STORE = ".bt"
 HEX = re.compile(r"^[0-9a-f]+$")
 MIN_PREFIX = 4
 STAMP_FORMAT = 2  # sealed, names its output, stats include ctime
-META_FORMAT = 2  # sealed, names its plan
 
 
 class Store:
@@ -264,70 +262,11 @@ class Store:
 
     # -- locks ------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def lock(
         self, step_hash: str, *, wait: bool = True, on_wait: Callable[[str], None] | None = None
-    ) -> Iterator[int]:
-        """Hold the step's lock; yields the file descriptor so a child process can inherit it.
-
-        flock belongs to the open file description, so a child that inherits the descriptor keeps
-        the step locked even if this process is killed first.
-        """
+    ) -> contextlib.AbstractContextManager[int]:
+        """Hold the step's lock (see `locks.hold`); yields the descriptor a child may inherit."""
         self.locks.mkdir(parents=True, exist_ok=True)
-        path = self.locks / f"{step_hash}.lock"
-        fd = self._open_lock(path)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-                if not wait:
-                    raise Locked(f"step {step_hash[:12]} is being built by pid {holder}") from None
-                if on_wait is not None:
-                    on_wait(holder)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-            yield fd
-        finally:
-            os.close(fd)
-
-    def _open_lock(self, path: Path) -> int:
-        """Open (or create) a lock file, never through a link; a folder or link found in its
-        place is set aside (a lock holds no data, so a fresh one loses nothing)."""
-        for _ in range(3):
-            try:
-                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except OSError as exc:
-                if exc.errno not in (errno.EISDIR, errno.ELOOP):
-                    raise
-                with contextlib.suppress(FileNotFoundError):
-                    if not stat.S_ISREG(os.lstat(path).st_mode):
-                        self.set_aside(path)
-        raise CorruptObject(f"lock {path} cannot be opened as a file; run bt fsck --repair")
-
-
-def seal_meta(plan_hash: str, meta: dict[str, Any]) -> bytes:
-    """Plan metadata sealed by a digest over the plan hash and the whole record."""
-    body = {"format": META_FORMAT, "plan": plan_hash, "meta": meta}
-    return json.dumps({**body, "seal": digest("plan-meta", body)}, indent=1, sort_keys=True).encode()
-
-
-def read_meta(path: Path, plan_hash: str) -> dict[str, Any] | None:
-    """The metadata record of `plan_hash`, or None if it is absent, damaged or another plan's."""
-    try:
-        if path.is_symlink() or not path.is_file():
-            return None
-        raw = path.read_bytes()
-        body = json.loads(raw)
-        claimed = body.pop("seal")
-        if (
-            body.get("format") != META_FORMAT
-            or body.get("plan") != plan_hash
-            or claimed != digest("plan-meta", body)
-        ):
-            return None
-        meta = body["meta"]
-        return meta if isinstance(meta, dict) and seal_meta(plan_hash, meta) == raw else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return locks.hold(
+            self.locks / f"{step_hash}.lock", step_hash, self.set_aside, wait=wait, on_wait=on_wait
+        )

@@ -29,7 +29,8 @@ from buildtrain.errors import BuildtrainError, Locked
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.eval import entry_problem
 from buildtrain.steps.train.identity import CHECKPOINT, checkpoint_problems
-from buildtrain.store.store import Store, read_meta
+from buildtrain.store.meta import read_meta
+from buildtrain.store.store import Store
 
 HASH_NAME = re.compile(r"^[0-9a-f]{64}$")
 # The folders of a store; each must be a real folder (a link would take fsck and gc elsewhere).
