@@ -15,7 +15,7 @@ from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:  # `bt show` and `bt ls` do not load the verifier
-    from buildtrain.verify.verify import StepVerdict, Verification
+    from buildtrain.verify.verdicts import StepVerdict, Verification
 
 SHORT = 12
 

@@ -15,17 +15,12 @@ fails as a damaged store (exit 5).
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import attrs
-
-from buildtrain.errors import ExitCode, UsageError
-from buildtrain.executor.launch import SINGLE_PROCESS, Launch
+from buildtrain.errors import UsageError
 from buildtrain.executor.outcome import raise_for_status
 from buildtrain.executor.policy import pinned_threads, prepare
 from buildtrain.executor.run import RunOptions, run_plan
@@ -34,152 +29,14 @@ from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import save_plan
 from buildtrain.store import objects
 from buildtrain.store.store import Store
-
-RESUMED_KILL_STATUS = -9
-# `steps.train.state.TRAIN_STATE`, named here so that the bt process does not import torch for it.
-TRAIN_STATE = "train_state.json"
-
-
-@attrs.frozen(kw_only=True)
-class VerifyOptions:
-    resume_at: tuple[int, ...] = ()
-    threads: int | None = None
-    steps: int | None = None
-    keep: bool = False
-    experiments: Path = Path("experiments")
-    launch: Launch = SINGLE_PROCESS  # re-execute the train steps at this world size
-
-
-@attrs.define
-class StepVerdict:
-    label: str
-    kind: str
-    status: str  # reproduced, diverged, not compared, damaged, skipped
-    recorded: dict[str, str] = attrs.Factory(dict)
-    reexecuted: dict[str, str] = attrs.Factory(dict)
-    detail: str = ""
-    divergence: dict[str, Any] | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+from buildtrain.verify.train_check import describe, foreign, ranges, run_train, train_steps
+from buildtrain.verify.verdicts import StepVerdict, Verification, VerifyOptions
 
 
 def _compare(recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
     return sorted(
         name for name in set(recorded) | set(reexecuted) if recorded.get(name) != reexecuted.get(name)
     )
-
-
-def _read_report(report: Path) -> dict[str, Any] | None:
-    try:
-        body = json.loads(report.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return body if isinstance(body, dict) else None
-
-
-def _run_train(
-    scratch: Store,
-    plan: Plan,
-    step: Step,
-    threads: int,
-    recorded_output: Path,
-    options: VerifyOptions,
-    report: Path,
-    limit: int | None,
-) -> tuple[dict[str, Any] | None, list[int]]:
-    """Re-execute a train step under the watcher, killing and resuming it at the requested steps;
-    `limit` is the spot check's number of updates (None: all of them)."""
-    watch = {"recorded": str(recorded_output), "report": str(report), "stop_after": limit}
-    hooks: dict[str, Any] = {"stop_after": limit} if limit else {}
-    pending = [n for n in options.resume_at if limit is None or n < limit]
-    resumed: list[int] = []
-    while True:
-        job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
-        outcome = run_isolated(scratch, plan, step, threads, job, options.launch)
-        diverged = (_read_report(report) or {}).get("diverged")
-        if outcome.status == RESUMED_KILL_STATUS and pending:  # killed on purpose after a checkpoint
-            if diverged:
-                break  # the divergence before the kill stands; resuming would only blur it
-            resumed.append(pending.pop(0))
-            continue
-        raise_for_status(step, outcome, plan)
-        break
-    return _read_report(report), resumed
-
-
-def _train_steps(step: Step) -> int:
-    return int(step.config["train"]["steps"])
-
-
-def _foreign(step: Step, recorded_output: Path) -> str | None:
-    """Why a recorded train output is not this step's own, if it is not: its checkpoints carry
-    the hash of the step that wrote them, and its result the number of updates."""
-    try:
-        result = json.loads((recorded_output / "result.json").read_bytes())
-        if result.get("steps") != _train_steps(step):
-            return f"it records {result.get('steps')} updates, the step has {_train_steps(step)}"
-        for name in result["checkpoints"]:
-            state = json.loads((recorded_output / "checkpoints" / name / TRAIN_STATE).read_bytes())
-            if state.get("step_hash") != step.hash:
-                found = str(state.get("step_hash"))[:12]
-                return f"checkpoints/{name} was written by step {found}, not {step.hash[:12]}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"its result or checkpoints cannot be read ({exc})"
-    return None
-
-
-def _describe(divergence: dict[str, Any]) -> str:
-    lines = [f"diverged at step {divergence['step']} ({', '.join(divergence['fields'])})"]
-    if divergence.get("tensors"):
-        shown = ", ".join(divergence["tensors"][:5])
-        more = len(divergence["tensors"]) - 5
-        lines.append(
-            f"tensors differing at step {divergence['step']}: {shown}{f' (+{more} more)' if more > 0 else ''}"
-        )
-    if divergence.get("differences"):
-        top = ", ".join(f"{d['tensor']} {d['max_abs_diff']:.3g}" for d in divergence["differences"][:5])
-        lines.append(f"max |difference| at checkpoint step {divergence['compared_at']}: {top}")
-    elif divergence.get("compared_at") is None:
-        lines.append("(no recorded checkpoint within the steps run to measure the differences at)")
-    return "\n                    ".join(lines)
-
-
-@attrs.frozen
-class Verification:
-    """What `bt verify` found: a verdict per step, and the settings it re-executed under."""
-
-    plan: Plan
-    verdicts: list[StepVerdict]
-    threads: int
-    world_size: int
-    options: VerifyOptions
-
-    def with_status(self, status: str) -> list[StepVerdict]:
-        return [v for v in self.verdicts if v.status == status]
-
-    @property
-    def reproduced(self) -> bool:
-        return not (
-            self.with_status("damaged") or self.with_status("diverged") or self.with_status("not compared")
-        )
-
-    @property
-    def exit_code(self) -> int:
-        if self.with_status("damaged"):
-            return ExitCode.CORRUPT
-        return ExitCode.OK if self.reproduced else ExitCode.NOT_REPRODUCED
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "plan": self.plan.hash,
-            "reproduced": self.reproduced,
-            "threads": self.threads,
-            "world_size": self.world_size,
-            "resume_at": list(self.options.resume_at),
-            "steps_limit": self.options.steps,
-            "steps": [v.as_json() for v in self.verdicts],
-        }
 
 
 def _ignore(_: object) -> None:
@@ -221,7 +78,7 @@ def verify_plan(
     if options.resume_at:
         mode.append(f"hard kill and resume at {','.join(map(str, options.resume_at))}")
     if options.steps:
-        longest = max((_train_steps(step) for step in plan.steps if step.kind == "train"), default=0)
+        longest = max((train_steps(step) for step in plan.steps if step.kind == "train"), default=0)
         if options.steps >= longest:
             mode.append(
                 f"--steps {options.steps} covers every update of every train stage ({longest} at most)"
@@ -262,8 +119,8 @@ def _verify_step(
     recorded_output = store.output(step.hash)
     problems = objects.verify(recorded_output)
     if not problems and step.kind == "train":
-        foreign = _foreign(step, recorded_output)
-        problems = [f"it is not this step's output: {foreign}"] if foreign else []
+        not_own = foreign(step, recorded_output)
+        problems = [f"it is not this step's output: {not_own}"] if not_own else []
     if problems:
         return StepVerdict(
             step.label, step.kind, "damaged", detail=f"the recorded output is damaged: {problems[0]}"
@@ -282,28 +139,26 @@ def _verify_step(
 
     extra = ""
     if step.kind == "train":
-        total = _train_steps(step)
+        total = train_steps(step)
         # A spot check as long as the stage is the full check of the stage (and says so).
         limit = options.steps if options.steps and options.steps < total else None
         if options.steps and limit is None:
             extra = f"(--steps {options.steps} clamped to the stage's {total})"
         report_path = scratch.root / f"watch-{step.hash[:16]}.json"
-        report, resumed = _run_train(
+        report, resumed = run_train(
             scratch, plan, step, threads, recorded_output, options, report_path, limit
         )
         if resumed:
             extra = f"{extra} (killed and resumed at {','.join(map(str, resumed))})".strip()
         if report is not None and report.get("diverged"):
             return StepVerdict(
-                step.label, step.kind, "diverged", recorded, detail=_describe(report), divergence=report
+                step.label, step.kind, "diverged", recorded, detail=describe(report), divergence=report
             )
         wanted = list(range(1, (limit or total) + 1))
         compared = report.get("compared") if report is not None else None
         if compared != wanted:
             missing = sorted(set(wanted) - set(compared or []))
-            why = (
-                "no comparison report" if report is None else f"updates {_ranges(missing)} were not compared"
-            )
+            why = "no comparison report" if report is None else f"updates {ranges(missing)} were not compared"
             return StepVerdict(
                 step.label, step.kind, "not compared", recorded, detail=f"{why}; nothing is claimed for them"
             )
@@ -345,14 +200,3 @@ def _verify_step(
             detail=f"digests differ: {', '.join(differing[:5])}",
         )
     return StepVerdict(step.label, step.kind, "reproduced", recorded, reexecuted, detail=extra)
-
-
-def _ranges(numbers: list[int]) -> str:
-    """`1-3,7` for [1, 2, 3, 7]."""
-    runs: list[list[int]] = []
-    for number in numbers:
-        if runs and runs[-1][1] == number - 1:
-            runs[-1][1] = number
-        else:
-            runs.append([number, number])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"

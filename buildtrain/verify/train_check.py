@@ -1,0 +1,107 @@
+"""Re-executing a train step under the watcher (`watch.py`), with deliberate kills and resumes, and
+reading what the watcher found: where a divergence began, and whether a recorded output is this
+step's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from buildtrain.executor.outcome import raise_for_status
+from buildtrain.executor.spawn import StepJob, run_isolated
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store.store import Store
+from buildtrain.verify.verdicts import VerifyOptions
+
+RESUMED_KILL_STATUS = -9
+
+
+# `steps.train.state.TRAIN_STATE`, named here so that the bt process does not import torch for it.
+TRAIN_STATE = "train_state.json"
+
+
+def read_report(report: Path) -> dict[str, Any] | None:
+    try:
+        body = json.loads(report.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def run_train(
+    scratch: Store,
+    plan: Plan,
+    step: Step,
+    threads: int,
+    recorded_output: Path,
+    options: VerifyOptions,
+    report: Path,
+    limit: int | None,
+) -> tuple[dict[str, Any] | None, list[int]]:
+    """Re-execute a train step under the watcher, killing and resuming it at the requested steps;
+    `limit` is the spot check's number of updates (None: all of them)."""
+    watch = {"recorded": str(recorded_output), "report": str(report), "stop_after": limit}
+    hooks: dict[str, Any] = {"stop_after": limit} if limit else {}
+    pending = [n for n in options.resume_at if limit is None or n < limit]
+    resumed: list[int] = []
+    while True:
+        job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
+        outcome = run_isolated(scratch, plan, step, threads, job, options.launch)
+        diverged = (read_report(report) or {}).get("diverged")
+        if outcome.status == RESUMED_KILL_STATUS and pending:  # killed on purpose after a checkpoint
+            if diverged:
+                break  # the divergence before the kill stands; resuming would only blur it
+            resumed.append(pending.pop(0))
+            continue
+        raise_for_status(step, outcome, plan)
+        break
+    return read_report(report), resumed
+
+
+def train_steps(step: Step) -> int:
+    return int(step.config["train"]["steps"])
+
+
+def foreign(step: Step, recorded_output: Path) -> str | None:
+    """Why a recorded train output is not this step's own, if it is not: its checkpoints carry
+    the hash of the step that wrote them, and its result the number of updates."""
+    try:
+        result = json.loads((recorded_output / "result.json").read_bytes())
+        if result.get("steps") != train_steps(step):
+            return f"it records {result.get('steps')} updates, the step has {train_steps(step)}"
+        for name in result["checkpoints"]:
+            state = json.loads((recorded_output / "checkpoints" / name / TRAIN_STATE).read_bytes())
+            if state.get("step_hash") != step.hash:
+                found = str(state.get("step_hash"))[:12]
+                return f"checkpoints/{name} was written by step {found}, not {step.hash[:12]}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its result or checkpoints cannot be read ({exc})"
+    return None
+
+
+def describe(divergence: dict[str, Any]) -> str:
+    lines = [f"diverged at step {divergence['step']} ({', '.join(divergence['fields'])})"]
+    if divergence.get("tensors"):
+        shown = ", ".join(divergence["tensors"][:5])
+        more = len(divergence["tensors"]) - 5
+        lines.append(
+            f"tensors differing at step {divergence['step']}: {shown}{f' (+{more} more)' if more > 0 else ''}"
+        )
+    if divergence.get("differences"):
+        top = ", ".join(f"{d['tensor']} {d['max_abs_diff']:.3g}" for d in divergence["differences"][:5])
+        lines.append(f"max |difference| at checkpoint step {divergence['compared_at']}: {top}")
+    elif divergence.get("compared_at") is None:
+        lines.append("(no recorded checkpoint within the steps run to measure the differences at)")
+    return "\n                    ".join(lines)
+
+
+def ranges(numbers: list[int]) -> str:
+    """`1-3,7` for [1, 2, 3, 7]."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and runs[-1][1] == number - 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"

@@ -1,0 +1,74 @@
+"""What `bt verify` concludes: a verdict per step and the verification as a whole, with the exit
+code and JSON body the CLI reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from buildtrain.errors import ExitCode
+from buildtrain.executor.launch import SINGLE_PROCESS, Launch
+from buildtrain.plan.plan import Plan
+
+
+@attrs.frozen(kw_only=True)
+class VerifyOptions:
+    resume_at: tuple[int, ...] = ()
+    threads: int | None = None
+    steps: int | None = None
+    keep: bool = False
+    experiments: Path = Path("experiments")
+    launch: Launch = SINGLE_PROCESS  # re-execute the train steps at this world size
+
+
+@attrs.define
+class StepVerdict:
+    label: str
+    kind: str
+    status: str  # reproduced, diverged, not compared, damaged, skipped
+    recorded: dict[str, str] = attrs.Factory(dict)
+    reexecuted: dict[str, str] = attrs.Factory(dict)
+    detail: str = ""
+    divergence: dict[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Verification:
+    """What `bt verify` found: a verdict per step, and the settings it re-executed under."""
+
+    plan: Plan
+    verdicts: list[StepVerdict]
+    threads: int
+    world_size: int
+    options: VerifyOptions
+
+    def with_status(self, status: str) -> list[StepVerdict]:
+        return [v for v in self.verdicts if v.status == status]
+
+    @property
+    def reproduced(self) -> bool:
+        return not (
+            self.with_status("damaged") or self.with_status("diverged") or self.with_status("not compared")
+        )
+
+    @property
+    def exit_code(self) -> int:
+        if self.with_status("damaged"):
+            return ExitCode.CORRUPT
+        return ExitCode.OK if self.reproduced else ExitCode.NOT_REPRODUCED
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.hash,
+            "reproduced": self.reproduced,
+            "threads": self.threads,
+            "world_size": self.world_size,
+            "resume_at": list(self.options.resume_at),
+            "steps_limit": self.options.steps,
+            "steps": [v.as_json() for v in self.verdicts],
+        }
