@@ -13,7 +13,7 @@ from buildtrain.errors import ExitCode
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.train.state import TRAIN_STATE
 from buildtrain.store.store import Store
-from buildtrain.verify import verify as verify_module
+from buildtrain.verify import train_check
 from buildtrain.verify.watch import Watcher
 
 
@@ -215,4 +215,4 @@ def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
     assert not resumed(_entry(3), {})
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"diverged": False, "steps_compared": 3, "compared": [1, 2, 3]}
-    assert verify_module.TRAIN_STATE == TRAIN_STATE
+    assert train_check.TRAIN_STATE == TRAIN_STATE
