@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "buildtrain"
 
 # Lowest first. A module's layer is the first entry whose prefix its dotted name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("buildtrain.errors", "buildtrain.canonical", "buildtrain.__init__")),
+    ("base", ("buildtrain.errors", "buildtrain.canonical", "buildtrain.clock", "buildtrain.__init__")),
     ("store", ("buildtrain.store",)),
     ("config", ("buildtrain.config",)),
     ("plan", ("buildtrain.plan",)),
@@ -100,3 +100,22 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     assert [line for line in violations(known) if "probe" in line] == [
         "probe.py:4 (store) imports buildtrain.executor.run (executor)"
     ]
+
+
+def test_the_readme_draws_the_same_order() -> None:
+    """The graph in README's "How it works" lists the layers top-down, first word of each line."""
+    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    start = readme.index("```\n", readme.index("its imports run one way")) + 4
+    drawn = [line.split()[0] for line in readme[start : readme.index("```", start)].splitlines()]
+    drawn = [word for word in drawn if word != "│"]
+    first_module = {
+        "presentation": "cli/",
+        "verify": "verify/",
+        "executor": "executor/",
+        "steps": "steps/",
+        "plan": "plan/",
+        "config": "config/",
+        "store": "store/",
+        "base": "canonical.py",
+    }
+    assert drawn == [first_module[name] for name, _ in reversed(LAYERS)]
