@@ -23,7 +23,8 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from buildtrain.steps.train.checkpoint import checkpoint_name, read_trace
+from buildtrain.steps.train.checkpoint import read_trace
+from buildtrain.steps.train.identity import checkpoint_name, checkpoint_update
 from buildtrain.steps.train.state import MODEL, OPTIMIZER, TRACE
 
 COMPARED = ("loss", "grad_norm", "lr", "cursor", "weights", "state")
@@ -53,10 +54,8 @@ class Watcher:
     @classmethod
     def from_job(cls, job: dict[str, Any], log: Any) -> Watcher:
         recorded = Path(job["recorded"])
-        retained = [
-            int(name.removeprefix("step-"))
-            for name in json.loads((recorded / "result.json").read_bytes())["checkpoints"]
-        ]
+        names = json.loads((recorded / "result.json").read_bytes())["checkpoints"]
+        retained = [at for at in map(checkpoint_update, names) if at is not None]
         return cls(recorded, Path(job["report"]), retained, job.get("stop_after"), log)
 
     def __call__(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:

@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from buildtrain.canonical import canonical_bytes
-from buildtrain.steps.train.identity import CHECKPOINT, STATE_FORMAT, checkpoint_name, checkpoint_problems
+from buildtrain.steps.train.identity import STATE_FORMAT, checkpoint_name, checkpoint_problems, newest_first
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
@@ -100,13 +100,11 @@ def save(
 
 def candidates(folder: Path) -> list[tuple[int, Path]]:
     """Checkpoint folders, newest first (temporary folders are not candidates)."""
-    found = []
-    if folder.is_dir():
-        for path in folder.iterdir():
-            match = CHECKPOINT.match(path.name)
-            if match and path.is_dir() and not path.is_symlink():
-                found.append((int(match.group(1)), path))
-    return sorted(found, reverse=True)
+    if not folder.is_dir():
+        return []
+    return [
+        (at, path) for at, path in newest_first(folder.iterdir()) if path.is_dir() and not path.is_symlink()
+    ]
 
 
 def prune(folder: Path, keep: int) -> None:
@@ -140,7 +138,7 @@ def load_newest(
 ) -> Resumed | None:
     """Restore the newest checkpoint that verifies and belongs to this step; None to start fresh.
     Every newer one that does not is reported through `on_skip` and moved aside."""
-    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+    for _, path in newest_first(folder.iterdir()) if folder.is_dir() else []:
         if path.is_symlink():  # never a checkpoint, whatever it points to
             on_skip(path, "a symbolic link, not a checkpoint folder")
             set_aside(path)
