@@ -35,7 +35,7 @@ from buildtrain.plan.plan import Plan, Step
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
-from buildtrain.steps.train.reduce import flatten, tree_sum
+from buildtrain.steps.train.reduce import gradients_to_vector, tree_sum
 from buildtrain.steps.train.state import digests
 from buildtrain.store.store import Store
 
@@ -116,7 +116,7 @@ def gradient_tree(micro_batches: int, size: int, seed: int) -> torch.Tensor:
     def leaf(micro: int) -> torch.Tensor:
         for index, parameter in enumerate(parameters):
             parameter.grad = torch.randn(parameter.shape, generator=generator(seed + 2 * micro + index))
-        return flatten(parameters, torch.tensor(float(micro)))
+        return gradients_to_vector(parameters, torch.tensor(float(micro)))
 
     return tree_sum((0, micro_batches), leaf)
 
@@ -141,7 +141,7 @@ def adamw(size: int, updates: int, seed: int) -> dict[str, Any]:
     for update in range(updates):
         matrix.grad = torch.randn(matrix.shape, generator=generator(seed + 100 + update))
         gains.grad = torch.randn(gains.shape, generator=generator(seed + 200 + update))
-        optimizer.step()
+        optimizer.update()
     return {"matrix": matrix.detach(), "gains": gains.detach(), "state": list(optimizer.state.values())}
 
 

@@ -31,7 +31,7 @@ from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.ranks import Ranks
-from buildtrain.steps.train.reduce import cover, flatten, tree_sum, unflatten
+from buildtrain.steps.train.reduce import cover, gradients_to_vector, tree_sum, vector_to_gradients
 from buildtrain.steps.train.schedule import learning_rate
 from buildtrain.steps.train.state import checksums, digests, load_model, state_tensors
 from buildtrain.store.tensors import combine
@@ -213,15 +213,15 @@ def batch_gradient(
             loss_sum += backward(micro)  # autograd adds each micro-batch into .grad, in order
         if ranks.world == 1:
             return loss_sum
-        return unflatten(ranks.sum(flatten(parameters, loss_sum)), parameters)
+        return vector_to_gradients(ranks.sum(gradients_to_vector(parameters, loss_sum)), parameters)
 
     def leaf(micro: int) -> torch.Tensor:
         for parameter in parameters:
             parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
-        return flatten(parameters, backward(micro))
+        return gradients_to_vector(parameters, backward(micro))
 
     partials = {node: tree_sum(node, leaf) for node in cover((0, micro_batches), first, end)}
-    return unflatten(ranks.finish_tree(partials, micro_batches), parameters)
+    return vector_to_gradients(ranks.finish_tree(partials, micro_batches), parameters)
 
 
 def train(
@@ -321,7 +321,7 @@ def train(
                     f"(newest checkpoint: {newest(job.work)}). "
                     "Lower train.lr or raise train.warmup_steps."
                 )
-            optimizer.step()
+            optimizer.update()
             optimizer.zero_grad()
         cursor += cfg.batch_size
 
