@@ -201,7 +201,7 @@ def _entry(step: int, **fields: object) -> dict:
 )
 def test_the_watcher_counts_an_uncomparable_update_as_a_divergence(tmp_path, recorded, reexecuted, fields):
     watcher = _watcher(tmp_path, recorded, stop_after=1)
-    assert watcher(reexecuted, {})  # a spot check of 1 stops at once: no checkpoint in reach
+    assert watcher.recorded(reexecuted, {})  # a spot check of 1 stops at once: no checkpoint in reach
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["diverged"] and report["step"] == 1 and report["fields"] == fields
 
@@ -209,9 +209,9 @@ def test_the_watcher_counts_an_uncomparable_update_as_a_divergence(tmp_path, rec
 def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
     recorded = [_entry(1), _entry(2), _entry(3)]
     first = _watcher(tmp_path, recorded)
-    assert not first(_entry(1), {}) and not first(_entry(2), {})
+    assert not first.recorded(_entry(1), {}) and not first.recorded(_entry(2), {})
     resumed = _watcher(tmp_path, recorded)  # a new process after a kill goes on with the list
-    assert not resumed(_entry(3), {})
+    assert not resumed.recorded(_entry(3), {})
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"diverged": False, "steps_compared": 3, "compared": [1, 2, 3]}
     assert verify_module.TRAIN_STATE == TRAIN_STATE

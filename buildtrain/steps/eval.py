@@ -14,13 +14,31 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import EvalConfig, ModelConfig
 from buildtrain.plan.plan import Step
 from buildtrain.steps.context import StepContext, final_weights, read_json
 from buildtrain.store.objects import read_manifest
 from buildtrain.store.store import Store
 
 EVAL_RESULT = "eval.json"
+
+
+@attrs.frozen(kw_only=True)
+class EvalStep:
+    """An eval step's config, typed (the plan leaves out `eval.every`, a training setting)."""
+
+    eval: EvalConfig
+    model: ModelConfig
+    version: int  # of the suite: a result is cached under it
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> EvalStep:
+        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
+        return converter.structure(config, cls)
 
 
 def _declared(output: Path, step_hash: str, name: str) -> str:
@@ -103,8 +121,7 @@ def publish(store: Store, key: str, body: dict[str, Any], out: Path) -> dict[str
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     import torch
 
-    from buildtrain.config.convert import converter
-    from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
+    from buildtrain.config.schema import BYTE_VOCAB_SIZE
     from buildtrain.steps.data import DATA_INDEX
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
@@ -117,16 +134,14 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         ctx.log.info("eval_cache_hit", key=key)
         return publish(ctx.store, key, cached, out)
 
-    numerics = ctx.plan.config["numerics"]
-    device = torch.device(numerics["device"])
-    model = Transformer.build(
-        converter.structure(ctx.step.config["model"], ModelConfig), BYTE_VOCAB_SIZE, torch.Generator()
-    )
+    config = EvalStep.from_config(ctx.step.config)
+    numerics = ctx.numerics
+    device = torch.device(numerics.device)
+    model = Transformer.build(config.model, BYTE_VOCAB_SIZE, torch.Generator())
     load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
-    eval_config = converter.structure({**ctx.step.config["eval"], "every": 0}, EvalConfig)
     heldout = TokenStream(ctx.inputs["data"], read_json(ctx.inputs["data"] / DATA_INDEX)["splits"]["heldout"])
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics["dtype"] == "bfloat16")
-    result = evaluate(model, heldout, eval_config, device, autocast)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
+    result = evaluate(model, heldout, config.eval, device, autocast)
     ctx.log.info("eval", **result)
     return publish(ctx.store, key, {"identity": identity, "result": result}, out)

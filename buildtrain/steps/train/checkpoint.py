@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -72,22 +71,23 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 def save(
     folder: Path,
-    step: int,
+    update: int,
     model: torch.nn.Module,
     optimizer: AdamW,
     state: dict[str, Any],
     trace: Trace,
-    kill_midway: bool = False,
+    midway: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `step` atomically; returns its folder."""
+    """Write a complete checkpoint for `update` atomically; returns its folder. `midway` is called
+    with the update once the weights are written and nothing else is (a fault can strike there)."""
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(step)
-    temporary = folder / f".{checkpoint_name(step)}.tmp"
+    final = folder / checkpoint_name(update)
+    temporary = folder / f".{checkpoint_name(update)}.tmp"
     objects.remove_tree(temporary)
     temporary.mkdir()
     save_tensors(temporary / MODEL, model_tensors(model))
-    if kill_midway:  # test hook: die with a half-written checkpoint on disk
-        os.kill(os.getpid(), signal.SIGKILL)
+    if midway is not None:
+        midway(update)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
     (temporary / TRACE).write_bytes(trace.to_bytes())
@@ -114,12 +114,6 @@ def prune(folder: Path, keep: int) -> None:
         objects.remove_tree(path)
 
 
-def problems(path: Path, step: int, expect: dict[str, Any]) -> list[str]:
-    """Why the checkpoint folder `path` (named for `step`) cannot be resumed from; [] if it can:
-    its manifest must verify and its state must record the same step and identity (`expect`)."""
-    return checkpoint_problems(path, step, expect)
-
-
 def set_aside(path: Path) -> None:
     """Move a checkpoint that must not be resumed out of the candidates (a link is removed)."""
     if path.is_symlink():
@@ -143,7 +137,7 @@ def load_newest(
             on_skip(path, "a symbolic link, not a checkpoint folder")
             set_aside(path)
     for step, path in candidates(folder):
-        found = problems(path, step, expect)
+        found = checkpoint_problems(path, step, expect)
         if found:
             on_skip(path, "; ".join(found))
             set_aside(path)
