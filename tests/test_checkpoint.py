@@ -128,7 +128,7 @@ def test_load_newest_restores_weights_and_adamw_state_exactly(
     skips = Skips()
     resumed = checkpoint.load_newest(folder, model, optimizer, IDENTITY, skips)
     assert resumed is not None and skips.calls == []
-    assert resumed.step == 2 and resumed.path == folder / "step-000002"
+    assert resumed.update == 2 and resumed.path == folder / "step-000002"
     assert resumed.state == {"format": checkpoint.STATE_FORMAT, **state_at(2)}
     assert resumed.trace.entries == trace_to(2)
     assert_same_tensors(snapshot(model, optimizer), states[2])
@@ -160,7 +160,7 @@ def test_a_checkpoint_with_a_flipped_byte_is_skipped_for_the_previous_one(
         skips = Skips()
         resumed = checkpoint.load_newest(folder, model, optimizer, IDENTITY, skips)
         assert [name for name, _ in skips.calls] == ["step-000002"]
-        assert resumed is not None and resumed.step == 1
+        assert resumed is not None and resumed.update == 1
         assert_same_tensors(snapshot(model, optimizer), saved[1][1])
 
 
@@ -169,7 +169,7 @@ def test_an_unsealed_checkpoint_is_skipped(saved: tuple[Path, Any], tmp_path: Pa
     (folder / "step-000002" / objects.MANIFEST).unlink()
     skips = Skips()
     resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
-    assert resumed is not None and resumed.step == 1
+    assert resumed is not None and resumed.update == 1
     assert skips.calls == [("step-000002", "no manifest (incomplete or not sealed)")]
 
 
@@ -182,7 +182,7 @@ def test_temporary_folders_are_never_candidates(saved: tuple[Path, Any], tmp_pat
     assert checkpoint.candidates(folder) == [(2, folder / "step-000002"), (1, folder / "step-000001")]
     skips = Skips()
     resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
-    assert resumed is not None and resumed.step == 2 and skips.calls == []
+    assert resumed is not None and resumed.update == 2 and skips.calls == []
 
 
 def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> None:
@@ -197,7 +197,7 @@ def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> Non
     skips = Skips()
     restored, restored_optimizer = fresh(seed=5)
     resumed = checkpoint.load_newest(folder, restored, restored_optimizer, IDENTITY, skips)
-    assert resumed is not None and resumed.step == 1
+    assert resumed is not None and resumed.update == 1
     assert skips.calls == [("step-000002", "belongs to another configuration (seed)")]
     assert_same_tensors(snapshot(restored, restored_optimizer), at_one)
     # A skipped checkpoint is moved out of the candidates, so it never counts among those kept.
@@ -303,7 +303,7 @@ def test_a_checkpoint_renamed_or_linked_under_another_step_is_never_resumed(
     (folder / "step-000040").symlink_to(folder / "step-000001")
     skips = Skips()
     resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
-    assert resumed is not None and resumed.step == 1
+    assert resumed is not None and resumed.update == 1
     assert [name for name, _ in skips.calls] == ["step-000040", "step-000030"]
     assert checkpoint.candidates(folder) == [(1, folder / "step-000001")]
 

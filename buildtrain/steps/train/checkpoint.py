@@ -41,7 +41,7 @@ from buildtrain.store import objects
 
 @attrs.frozen
 class Resumed:
-    step: int
+    update: int  # the update the checkpoint was taken after
     state: dict[str, Any]
     trace: Trace
     path: Path
@@ -136,8 +136,8 @@ def load_newest(
         if path.is_symlink():  # never a checkpoint, whatever it points to
             on_skip(path, "a symbolic link, not a checkpoint folder")
             set_aside(path)
-    for step, path in candidates(folder):
-        found = checkpoint_problems(path, step, expect)
+    for update, path in candidates(folder):
+        found = checkpoint_problems(path, update, expect)
         if found:
             on_skip(path, "; ".join(found))
             set_aside(path)
@@ -145,5 +145,5 @@ def load_newest(
         state = json.loads((path / TRAIN_STATE).read_bytes())
         load_model(model, path / MODEL)
         load_optimizer(model, optimizer, path / OPTIMIZER)
-        return Resumed(step=step, state=state, trace=Trace(read_trace(path / TRACE)), path=path)
+        return Resumed(update=update, state=state, trace=Trace(read_trace(path / TRACE)), path=path)
     return None

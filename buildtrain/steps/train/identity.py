@@ -40,8 +40,8 @@ def newest_first(paths: Iterable[Path]) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda item: item[0], reverse=True)
 
 
-def checkpoint_problems(path: Path, step: int, expect: dict[str, Any]) -> list[str]:
-    """Why the checkpoint folder `path` (named for `step`) cannot be resumed from; [] if it can."""
+def checkpoint_problems(path: Path, update: int, expect: dict[str, Any]) -> list[str]:
+    """Why the checkpoint folder `path` (named for `update`) cannot be resumed from; [] if it can."""
     found = objects.verify(path)
     if found:
         return found[:3]
@@ -51,8 +51,8 @@ def checkpoint_problems(path: Path, step: int, expect: dict[str, Any]) -> list[s
         return [f"{TRAIN_STATE} unreadable ({exc})"]
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         return [f"{TRAIN_STATE} has an unknown format"]
-    if state.get("step") != step:
-        return [f"records step {state.get('step')}, named step {step}"]
+    if state.get("step") != update:  # the state's field is named "step" (a data format)
+        return [f"records step {state.get('step')}, named step {update}"]
     mismatched = [key for key, value in expect.items() if state.get(key) != value]
     if mismatched:
         return [f"belongs to another configuration ({', '.join(mismatched)})"]

@@ -104,7 +104,7 @@ def train(job: TrainJob, log: Any, controls: TrainControls | None = None) -> Tra
             on_skip=lambda path, why: log.warning("checkpoint_skipped", checkpoint=path.name, reason=why),
         )
         if resumed is not None:
-            update, trace = resumed.step, resumed.trace
+            update, trace = resumed.update, resumed.trace
             cursor = observer.resumed(resumed.state["cursor"])
             log.info("resumed", step=update, checkpoint=resumed.path.name, world_size=ranks.world)
     update, cursor = ranks.share_state(model, optimizer, [update, cursor])
