@@ -42,6 +42,8 @@ from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
+    from buildtrain.steps.context import StepContext
+    from buildtrain.steps.train.controls import TrainControls
     from buildtrain.steps.train.observer import Observer
 
 # Makes the observer of a train step's rank 0 from the job and the logger (None: the job has none).
@@ -136,7 +138,7 @@ def _casts(export_config: dict[str, Any]) -> bool:
     return ExportStep.from_config(export_config).export.dtype != "float32"
 
 
-def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | None) -> Any:
+def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | None) -> TrainControls:
     """The stop request, faults, observer and ranks of a train step process."""
     from buildtrain.steps.train.controls import StopRequest, TrainControls
     from buildtrain.steps.train.faults import FaultPlan, Faults
@@ -155,7 +157,7 @@ def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | N
     return TrainControls(stop=stop, observer=Observers(*observers), ranks=ranks)
 
 
-def _dispatch(ctx: Any, out: Path | None) -> dict[str, str] | None:
+def _dispatch(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
     kind = ctx.step.kind
     if kind == "train":
         from buildtrain.steps.train import step as train_step

@@ -23,6 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from buildtrain.steps.context import RESULT
 from buildtrain.steps.train.checkpoint import read_trace
 from buildtrain.steps.train.identity import checkpoint_name, checkpoint_update
 from buildtrain.steps.train.observer import Observer
@@ -57,7 +58,7 @@ class Watcher(Observer):
     @classmethod
     def from_job(cls, job: dict[str, Any], log: Any) -> Watcher:
         recorded = Path(job["recorded"])
-        names = json.loads((recorded / "result.json").read_bytes())["checkpoints"]
+        names = json.loads((recorded / RESULT).read_bytes())["checkpoints"]
         retained = [at for at in map(checkpoint_update, names) if at is not None]
         return cls(recorded, Path(job["report"]), retained, job.get("stop_after"), log)
 
