@@ -10,7 +10,7 @@ import pytest
 from conftest import MICRO, plan_hash, run_bt
 
 from buildtrain.errors import ExitCode
-from buildtrain.steps.train.state import TRAIN_STATE
+from buildtrain.steps.train.state import TRACE, TRAIN_STATE
 from buildtrain.store.store import Store
 from buildtrain.verify import verify as verify_module
 from buildtrain.verify.watch import Watcher
@@ -215,3 +215,16 @@ def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"diverged": False, "steps_compared": 3, "compared": [1, 2, 3]}
     assert verify_module.TRAIN_STATE == TRAIN_STATE
+
+
+def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
+    from buildtrain.verify.worker import watcher_for
+
+    assert watcher_for({"kind": "train", "watch": None}, _Log()) is None
+    folder = tmp_path / "recorded"
+    folder.mkdir()
+    (folder / "result.json").write_text(json.dumps({"checkpoints": ["step-000004", "damaged-x"]}))
+    (folder / TRACE).write_bytes(b"")
+    job = {"watch": {"recorded": str(folder), "report": str(tmp_path / "report.json"), "stop_after": None}}
+    watcher = watcher_for(job, _Log())
+    assert watcher is not None and watcher.retained == [4]
