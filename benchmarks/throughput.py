@@ -183,7 +183,7 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
     import attrs
 
     from buildtrain.executor import numerics
-    from buildtrain.executor.worker import configure_logging
+    from buildtrain.executor.logs import configure
 
     numerics.check_before_import(spec["profile"], "cpu", spec["threads"])
     import torch
@@ -191,17 +191,17 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
     numerics.apply_after_import(torch, spec["profile"], "cpu", spec["threads"])
     from buildtrain.steps.context import StepContext
     from buildtrain.steps.train.step import make_job
-    from buildtrain.steps.train.trainer import Hooks, StopRequest, train
+    from buildtrain.steps.train.trainer import train
 
     clock = EventClock()
-    log = configure_logging(clock)
+    log = configure(clock)
     store, plan = load_plan(spec)
     step = plan.by_label("train:main")
     context = StepContext(
         store=store, plan=plan, step=step, inputs={"data": Path(spec["data"])}, sources=[], log=log
     )
     job = attrs.evolve(make_job(context), work=Path(spec["work"]))
-    train(job, log, StopRequest(), Hooks())
+    train(job, log)
     rates = window_rates(clock.times, spec["warmup"], job.train.batch_size * job.train.seq_len)
     return {**rates, "isa": torch.backends.cpu.get_cpu_capability()}
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
+from buildtrain.steps.train.identity import newest_first
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
@@ -24,10 +25,11 @@ def step_status(store: Store, step: Step) -> tuple[str, str]:
     """(action, reason) for one step, without hashing anything: the dry run of `bt run`."""
     if store.has_output(step.hash):
         return "cached", "output in store"
-    checkpoints = sorted((store.work_dir(step.hash) / "checkpoints").glob("step-*/" + MANIFEST))
-    if checkpoints:
-        step_number = int(checkpoints[-1].parent.name.removeprefix("step-"))
-        return "will run", f"resume from checkpoint at step {step_number}"
+    folder = store.work_dir(step.hash) / "checkpoints"
+    saved = newest_first(folder.iterdir()) if folder.is_dir() else []
+    sealed = [update for update, path in saved if (path / MANIFEST).is_file()]
+    if sealed:
+        return "will run", f"resume from checkpoint at step {sealed[0]}"
     return "will run", "not built"
 
 

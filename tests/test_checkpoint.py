@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
-from buildtrain.steps.train import checkpoint
+from buildtrain.steps.train import checkpoint, identity
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
@@ -28,7 +28,6 @@ from buildtrain.steps.train.state import (
     optimizer_tensors,
     save_tensors,
     state_tensors,
-    weights_digest,
 )
 from buildtrain.store import objects
 
@@ -61,7 +60,7 @@ def train_step(model: Transformer, optimizer: AdamW, step: int) -> None:
     tokens = torch.randint(0, BYTE_VOCAB_SIZE, (2, 9), generator=seeded(1000 + step))
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    optimizer.step()
+    optimizer.update()
     optimizer.zero_grad()
 
 
@@ -129,7 +128,7 @@ def test_load_newest_restores_weights_and_adamw_state_exactly(
     skips = Skips()
     resumed = checkpoint.load_newest(folder, model, optimizer, IDENTITY, skips)
     assert resumed is not None and skips.calls == []
-    assert resumed.step == 2 and resumed.path == folder / "step-000002"
+    assert resumed.update == 2 and resumed.path == folder / "step-000002"
     assert resumed.state == {"format": checkpoint.STATE_FORMAT, **state_at(2)}
     assert resumed.trace.entries == trace_to(2)
     assert_same_tensors(snapshot(model, optimizer), states[2])
@@ -141,7 +140,7 @@ def test_load_newest_restores_weights_and_adamw_state_exactly(
         train_step(reference, reference_optimizer, step)
     train_step(model, optimizer, 3)
     assert_same_tensors(snapshot(model, optimizer), snapshot(reference, reference_optimizer))
-    assert weights_digest(model) == weights_digest(reference)
+    assert digests(model_tensors(model)) == digests(model_tensors(reference))
 
 
 @settings(max_examples=25, deadline=None)
@@ -161,7 +160,7 @@ def test_a_checkpoint_with_a_flipped_byte_is_skipped_for_the_previous_one(
         skips = Skips()
         resumed = checkpoint.load_newest(folder, model, optimizer, IDENTITY, skips)
         assert [name for name, _ in skips.calls] == ["step-000002"]
-        assert resumed is not None and resumed.step == 1
+        assert resumed is not None and resumed.update == 1
         assert_same_tensors(snapshot(model, optimizer), saved[1][1])
 
 
@@ -170,7 +169,7 @@ def test_an_unsealed_checkpoint_is_skipped(saved: tuple[Path, Any], tmp_path: Pa
     (folder / "step-000002" / objects.MANIFEST).unlink()
     skips = Skips()
     resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
-    assert resumed is not None and resumed.step == 1
+    assert resumed is not None and resumed.update == 1
     assert skips.calls == [("step-000002", "no manifest (incomplete or not sealed)")]
 
 
@@ -183,7 +182,7 @@ def test_temporary_folders_are_never_candidates(saved: tuple[Path, Any], tmp_pat
     assert checkpoint.candidates(folder) == [(2, folder / "step-000002"), (1, folder / "step-000001")]
     skips = Skips()
     resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
-    assert resumed is not None and resumed.step == 2 and skips.calls == []
+    assert resumed is not None and resumed.update == 2 and skips.calls == []
 
 
 def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> None:
@@ -198,7 +197,7 @@ def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> Non
     skips = Skips()
     restored, restored_optimizer = fresh(seed=5)
     resumed = checkpoint.load_newest(folder, restored, restored_optimizer, IDENTITY, skips)
-    assert resumed is not None and resumed.step == 1
+    assert resumed is not None and resumed.update == 1
     assert skips.calls == [("step-000002", "belongs to another configuration (seed)")]
     assert_same_tensors(snapshot(restored, restored_optimizer), at_one)
     # A skipped checkpoint is moved out of the candidates, so it never counts among those kept.
@@ -228,7 +227,7 @@ def test_saving_a_step_again_replaces_it(saved: tuple[Path, Any], tmp_path: Path
     assert objects.verify(path) == []
     assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
     assert checkpoint.read_trace(path / TRACE) == trace_to(1)
-    assert weights_digest(model) == weights_digest(load_into_fresh(path))
+    assert digests(model_tensors(model)) == digests(model_tensors(load_into_fresh(path)))
 
 
 def load_into_fresh(path: Path) -> Transformer:
@@ -251,8 +250,20 @@ def test_prune_keeps_the_newest_k_and_removes_temporaries(tmp_path: Path) -> Non
 
 def test_checkpoint_name_is_zero_padded_and_matches_the_pattern() -> None:
     assert checkpoint.checkpoint_name(50) == "step-000050"
-    assert checkpoint.CHECKPOINT.match(checkpoint.checkpoint_name(1_234_567))
-    assert not checkpoint.CHECKPOINT.match(".step-000050.tmp")
+    assert identity.checkpoint_update(checkpoint.checkpoint_name(1_234_567)) == 1_234_567
+    assert identity.checkpoint_update(".step-000050.tmp") is None
+
+
+@pytest.mark.parametrize("name", [".step-000050.tmp", "step-000050.tmp", "step-50", "damaged-step-000050.1"])
+def test_only_checkpoint_names_parse(name: str) -> None:
+    assert identity.checkpoint_update(name) is None
+
+
+def test_checkpoint_names_sort_by_update_not_as_strings() -> None:
+    names = [checkpoint.checkpoint_name(at) for at in (999_999, 1_000_000, 2)]
+    assert sorted(names)[-1] == "step-999999"  # as strings, the newest would be wrong
+    assert [at for at, _ in identity.newest_first(Path(name) for name in names)] == [1_000_000, 999_999, 2]
+    assert identity.newest_first([Path("notes.txt"), Path(".step-000001.tmp")]) == []
 
 
 def test_load_model_refuses_a_different_tensor_set(tmp_path: Path) -> None:
@@ -292,12 +303,10 @@ def test_a_checkpoint_renamed_or_linked_under_another_step_is_never_resumed(
     (folder / "step-000040").symlink_to(folder / "step-000001")
     skips = Skips()
     resumed = checkpoint.load_newest(folder, *fresh(), IDENTITY, skips)
-    assert resumed is not None and resumed.step == 1
+    assert resumed is not None and resumed.update == 1
     assert [name for name, _ in skips.calls] == ["step-000040", "step-000030"]
     assert checkpoint.candidates(folder) == [(1, folder / "step-000001")]
 
 
 def test_the_torch_free_identity_module_names_the_same_state_file() -> None:
-    from buildtrain.steps.train import identity
-
     assert identity.TRAIN_STATE == TRAIN_STATE

@@ -32,9 +32,11 @@ class FakeLog:
         self.events.append(("warning", event, fields))
 
 
-def spec_of(config: DataConfig) -> dict[str, Any]:
-    """The data step's body as the plan holds it (only `config` is read by build)."""
-    return {"config": {"data": data_view(config), "tokenizer": tokenizer_description(config.tokenizer)}}
+def spec_of(config: DataConfig) -> data.DataStep:
+    """The data step's config as the plan holds it, typed as the step types it."""
+    return data.DataStep.from_config(
+        {"data": data_view(config), "tokenizer": tokenizer_description(config.tokenizer)}
+    )
 
 
 def synthetic(**overrides: Any) -> DataConfig:

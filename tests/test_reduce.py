@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.steps.train.reduce import Node, children, cover, flatten, tree_sum, unflatten
+from buildtrain.steps.train.reduce import (
+    Node,
+    children,
+    cover,
+    gradients_to_vector,
+    tree_sum,
+    vector_to_gradients,
+)
 
 
 def leaves(count: int, seed: int, length: int = 64) -> list[torch.Tensor]:
@@ -89,15 +96,15 @@ def test_the_order_of_addition_matters() -> None:
     assert differing > 0
 
 
-def test_flatten_and_unflatten_round_trip() -> None:
+def test_gradients_to_vector_and_back_round_trip() -> None:
     weights = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
     for weight in weights:
         weight.grad = torch.randn_like(weight)
     expected = [weight.grad.clone() for weight in weights]
-    flat = flatten(weights, torch.tensor(2.5))
+    flat = gradients_to_vector(weights, torch.tensor(2.5))
     assert flat.shape == (3 * 4 + 5 + 1,)
     for weight in weights:
         weight.grad = None
-    assert unflatten(flat, weights).item() == 2.5
+    assert vector_to_gradients(flat, weights).item() == 2.5
     for weight, grad in zip(weights, expected, strict=True):
         assert torch.equal(weight.grad, grad)

@@ -30,13 +30,13 @@ from buildtrain.config import preflight, shape
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import SINGLE_PROCESS
-from buildtrain.executor.policy import plan_numerics, step_launch
+from buildtrain.executor.policy import step_launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
-from buildtrain.steps.train.reduce import flatten, tree_sum
+from buildtrain.steps.train.reduce import gradients_to_vector, tree_sum
 from buildtrain.steps.train.state import digests
 from buildtrain.store.store import Store
 
@@ -117,7 +117,7 @@ def gradient_tree(micro_batches: int, size: int, seed: int) -> torch.Tensor:
     def leaf(micro: int) -> torch.Tensor:
         for index, parameter in enumerate(parameters):
             parameter.grad = torch.randn(parameter.shape, generator=generator(seed + 2 * micro + index))
-        return flatten(parameters, torch.tensor(float(micro)))
+        return gradients_to_vector(parameters, torch.tensor(float(micro)))
 
     return tree_sum((0, micro_batches), leaf)
 
@@ -142,7 +142,7 @@ def adamw(size: int, updates: int, seed: int) -> dict[str, Any]:
     for update in range(updates):
         matrix.grad = torch.randn(matrix.shape, generator=generator(seed + 100 + update))
         gains.grad = torch.randn(gains.shape, generator=generator(seed + 200 + update))
-        optimizer.step()
+        optimizer.update()
     return {"matrix": matrix.detach(), "gains": gains.detach(), "state": list(optimizer.state.values())}
 
 
@@ -290,7 +290,7 @@ def test_portable_train_steps_share_cores_as_ranks_when_large(
     tmp_path: Path, overrides: list[str], threads: int, expected: int
 ) -> None:
     plan = stored_plan(tmp_path, *overrides)
-    settings = plan_numerics(plan)
+    settings = plan.numerics
     assert step_launch(settings, step_of(plan, "train"), threads, SINGLE_PROCESS).nproc == expected
     assert step_launch(settings, step_of(plan, "eval"), threads, SINGLE_PROCESS) == SINGLE_PROCESS
 
@@ -301,9 +301,9 @@ def test_portable_ranks_stay_within_the_memory(tmp_path: Path, monkeypatch: pyte
     per_rank = 1 << 30
     monkeypatch.setattr(shape, "memory_estimate", lambda *_: per_rank)
     monkeypatch.setattr(preflight, "machine_memory", lambda: 3 * per_rank)  # 80%: room for 2 ranks
-    assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 2
+    assert step_launch(plan.numerics, train, 16, SINGLE_PROCESS).nproc == 2
     monkeypatch.setattr(preflight, "machine_memory", lambda: per_rank)
-    assert step_launch(plan_numerics(plan), train, 16, SINGLE_PROCESS).nproc == 1
+    assert step_launch(plan.numerics, train, 16, SINGLE_PROCESS).nproc == 1
 
 
 def stored_plan(tmp_path: Path, *overrides: str) -> Plan:

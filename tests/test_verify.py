@@ -11,7 +11,7 @@ from conftest import MICRO, plan_hash, run_bt
 
 from buildtrain.errors import ExitCode
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.train.state import TRAIN_STATE
+from buildtrain.steps.train.state import TRACE, TRAIN_STATE
 from buildtrain.store.store import Store
 from buildtrain.verify import train_check
 from buildtrain.verify.watch import Watcher
@@ -202,7 +202,7 @@ def _entry(step: int, **fields: object) -> dict:
 )
 def test_the_watcher_counts_an_uncomparable_update_as_a_divergence(tmp_path, recorded, reexecuted, fields):
     watcher = _watcher(tmp_path, recorded, stop_after=1)
-    assert watcher(reexecuted, {})  # a spot check of 1 stops at once: no checkpoint in reach
+    assert watcher.recorded(reexecuted, {})  # a spot check of 1 stops at once: no checkpoint in reach
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["diverged"] and report["step"] == 1 and report["fields"] == fields
 
@@ -210,9 +210,22 @@ def test_the_watcher_counts_an_uncomparable_update_as_a_divergence(tmp_path, rec
 def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
     recorded = [_entry(1), _entry(2), _entry(3)]
     first = _watcher(tmp_path, recorded)
-    assert not first(_entry(1), {}) and not first(_entry(2), {})
+    assert not first.recorded(_entry(1), {}) and not first.recorded(_entry(2), {})
     resumed = _watcher(tmp_path, recorded)  # a new process after a kill goes on with the list
-    assert not resumed(_entry(3), {})
+    assert not resumed.recorded(_entry(3), {})
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"diverged": False, "steps_compared": 3, "compared": [1, 2, 3]}
     assert train_check.TRAIN_STATE == TRAIN_STATE
+
+
+def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
+    from buildtrain.verify.worker import watcher_for
+
+    assert watcher_for({"kind": "train", "watch": None}, _Log()) is None
+    folder = tmp_path / "recorded"
+    folder.mkdir()
+    (folder / "result.json").write_text(json.dumps({"checkpoints": ["step-000004", "damaged-x"]}))
+    (folder / TRACE).write_bytes(b"")
+    job = {"watch": {"recorded": str(folder), "report": str(tmp_path / "report.json"), "stop_after": None}}
+    watcher = watcher_for(job, _Log())
+    assert watcher is not None and watcher.retained == [4]

@@ -16,31 +16,9 @@ from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
 from buildtrain.executor.spawn import StepJob, spawn
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.steps.eval_cache import complete_from_cache
 from buildtrain.store import objects
 from buildtrain.store.store import Store
-
-
-def complete_eval_from_cache(store: Store, step: Step) -> dict[str, str] | None:
-    """An evaluation of the same weights and data may already be in the store: no process needed.
-    Called holding the step's lock; a damaged or foreign cache entry is set aside, never used."""
-    from buildtrain.steps.eval import cache_key, entry_problem, publish
-
-    try:
-        key, _ = cache_key(step, store.output(step.inputs["weights"]), store.output(step.inputs["data"]))
-    except (OSError, ValueError, KeyError):
-        return None  # an input's manifest does not verify: the step process says which
-    cached, problem = entry_problem(store.evals / f"{key}.json", key)
-    if problem is not None:
-        store.set_aside(store.evals / f"{key}.json")
-    if cached is None:
-        return None
-    out = store.new_temp("eval")
-    try:
-        digests = publish(store, key, cached, out)
-        objects.publish(out, store.output(step.hash), digests)
-    finally:
-        objects.remove_tree(out)
-    return digests
 
 
 def damaged_inputs(store: Store, plan: Plan, step: Step) -> list[Step]:
@@ -111,7 +89,7 @@ def build_step(
                     record.event(
                         "output_quarantined", step=step.label, problems=problems, moved_to=str(moved)
                     )
-            if step.kind == "eval" and complete_eval_from_cache(store, step) is not None:
+            if step.kind == "eval" and complete_from_cache(store, step) is not None:
                 return result("cached", "same weights evaluated before")
             record.event("step_started", step=step.label, hash=step.hash, threads=threads)
             if step.kind == "train":

@@ -16,10 +16,6 @@ from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import cpu_facts, differences, fingerprint, hashed_world_size, portable_target
 
 
-def plan_numerics(plan: Plan) -> NumericsConfig:
-    return converter.structure({"threads": 0, **plan.config["numerics"]}, NumericsConfig)
-
-
 def pinned_threads(plan: Plan) -> int | None:
     """The thread count a native plan's hash pins, if any."""
     for step in plan.steps:
@@ -43,7 +39,7 @@ def resolve_threads(plan: Plan, requested: int | None, processes: int = 1) -> in
 
 def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
     """Refuse a plan compiled for another toolchain, naming each field that differs."""
-    settings = plan_numerics(plan)
+    settings = plan.numerics
     lines: list[str] = []
     for step in plan.steps:
         current = fingerprint(

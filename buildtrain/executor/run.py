@@ -25,7 +25,7 @@ from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, UsageError
 from buildtrain.executor import numerics
 from buildtrain.executor.build import build_step, join_step
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch
-from buildtrain.executor.policy import pinned_threads, plan_numerics, prepare
+from buildtrain.executor.policy import pinned_threads, prepare
 from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
@@ -93,7 +93,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     threads = prepare(plan, options.threads, launch, steps)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash))
     reporter = Reporter(options.progress, options.log_every)
-    settings = plan_numerics(plan)
+    settings = plan.numerics
     per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
     if launch.world_size > 1:
         layout = f"{launch.world_size} processes x {per_process} threads"

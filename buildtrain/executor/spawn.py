@@ -18,7 +18,7 @@ from buildtrain.executor import numerics
 from buildtrain.executor.faults import test_hooks_from_environment
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_with_parent, root_cause
 from buildtrain.executor.outcome import Outcome
-from buildtrain.executor.policy import plan_numerics, step_launch
+from buildtrain.executor.policy import step_launch
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.sources import SourceFile, locate
@@ -73,7 +73,7 @@ def spawn(
 ) -> Outcome:
     """Run one step in a worker process (one of `processes`, shared with other steps, when given),
     or a train step on `launch.world_size` ranks."""
-    settings = plan_numerics(plan)
+    settings = plan.numerics
     launch = step_launch(settings, step, threads, launch)
     job = {
         "store": str(store.root),
@@ -99,7 +99,10 @@ def spawn(
         **os.environ,
         **numerics.environment(settings.profile, settings.device, threads),
     }
-    worker = [sys.executable, "-m", "buildtrain.executor.worker", "--job", str(job_path)]
+    # A watched job (bt verify) runs in verify's entry point, which hands this worker its watcher:
+    # the executor never imports verification.
+    module = "buildtrain.verify.worker" if job_extra.watch else "buildtrain.executor.worker"
+    worker = [sys.executable, "-m", module, "--job", str(job_path)]
     distributed = step.kind == "train" and launch.world_size > 1
     launcher_log = store.tmp / f"torchrun-{name}.log"
     shared = None

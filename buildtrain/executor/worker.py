@@ -3,62 +3,60 @@
 It is started by the executor with the numerics environment already in place, imports torch only
 after checking that, logs structured JSON events to a pipe the executor reads, builds the step's
 output in a temporary folder and publishes it atomically. Exit status: 0 done, 1 failed,
-3 interrupted (a checkpoint was written).
+3 interrupted (a checkpoint was written), or the exit code of the buildtrain error that stopped the
+step (for example 5 for an input that does not verify, 6 for a toolchain that does not match); a
+serving worker exits with the status of the first job that did not succeed.
 
 With `--serve FD` it runs one job after another, as the executor sends them (see
 `processes.py`), so consecutive steps of one numerics environment import torch once.
 
 Under torchrun the same module runs on every rank of a train step; rank 0 does all of the above,
 the other ranks only train (see `steps/train/ranks.py`).
+
+A job that watches its training (`bt verify`) runs in `python -m buildtrain.verify.worker`, which
+calls `main` here with an observer factory: the executor never imports verify.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import structlog
+from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
-from buildtrain.executor import numerics
+from buildtrain.executor import logs, numerics
 from buildtrain.executor.launch import die_with_parent
 from buildtrain.executor.processes import JOB_EXIT
 from buildtrain.plan.stored import load_plan
+from buildtrain.steps.failures import out_of_memory
 from buildtrain.store import objects
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.steps.context import StepContext
+    from buildtrain.steps.train.controls import TrainControls
+    from buildtrain.steps.train.observer import Observer
+
+# Makes the observer of a train step's rank 0 from the job and the logger (None: the job has none).
+ObserverFactory = Callable[[dict[str, Any], Any], "Observer | None"]
 
 TORCH_STEPS = ("train", "eval")
 # The numerics this process applied when it imported torch (a serving worker runs several steps).
 APPLIED: dict[str, tuple[str, str, int]] = {}
 
 
-def configure_logging(stream: Any) -> Any:
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(sort_keys=True),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.WriteLoggerFactory(file=stream),
-        cache_logger_on_first_use=True,
-    )
-    return structlog.get_logger()
-
-
 def _interrupt_now(number: int, _: object) -> None:
     raise Interrupted(f"stopped by {signal.Signals(number).name}")
 
 
-def execute(job: dict[str, Any], log: Any) -> int:
+def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = None) -> int:
     from buildtrain.steps.context import StepContext, verified_inputs
 
     store = Store(Path(job["store"]))
@@ -66,7 +64,7 @@ def execute(job: dict[str, Any], log: Any) -> int:
     step = plan.step(job["step"])
     log = log.bind(label=step.label)
 
-    if step.kind in TORCH_STEPS or (step.kind == "export" and step.config["export"]["dtype"] != "float32"):
+    if step.kind in TORCH_STEPS or (step.kind == "export" and _casts(step.config)):
         settings = job["numerics"]
         wanted = (settings["profile"], settings["device"], settings["threads"])
         if APPLIED.get("settings") != wanted:  # the first computing step of this process
@@ -77,28 +75,12 @@ def execute(job: dict[str, Any], log: Any) -> int:
             APPLIED["settings"] = wanted
             log.info("numerics_applied", profile=settings["profile"], **applied)
 
-    extra: dict[str, Any] = {}
+    controls = None
     lead = True
     if step.kind == "train":
-        from buildtrain.steps.train.ranks import Ranks
-        from buildtrain.steps.train.trainer import Hooks, StopRequest
-
-        ranks = extra["ranks"] = Ranks.from_environment(job["numerics"]["device"])
-        lead = ranks.lead
-        if ranks.world > 1:
-            log.info("rank_started", pid=os.getpid())
-        ranks.agree_on(step.hash, step.label)
-
-        stop = StopRequest()
-        stop.install()
-        extra["stop"] = stop
-        extra["hooks"] = Hooks(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in job.get("hooks", {}).items()}
-        )
-        if job.get("watch") and lead:
-            from buildtrain.verify.watch import Watcher
-
-            extra["watch"] = Watcher.from_job(job["watch"], log)
+        controls = _train_controls(job, log, observer)
+        lead = controls.ranks.lead
+        controls.ranks.agree_on(step.hash, step.label)
     else:
         signal.signal(signal.SIGTERM, _interrupt_now)
         signal.signal(signal.SIGINT, _interrupt_now)
@@ -111,7 +93,7 @@ def execute(job: dict[str, Any], log: Any) -> int:
         inputs=verified_inputs(store, step, only=None if lead else ("data",)),
         sources=[Path(p) for p in job.get("sources", [])],
         log=log,
-        extra=extra,
+        controls=controls,
     )
     if not lead:  # trains in step with rank 0, which alone writes checkpoints and the output
         _dispatch(ctx, None)
@@ -133,7 +115,33 @@ def execute(job: dict[str, Any], log: Any) -> int:
         objects.remove_tree(out)
 
 
-def _dispatch(ctx: Any, out: Path | None) -> dict[str, str] | None:
+def _casts(export_config: dict[str, Any]) -> bool:
+    """An export that casts the weights needs torch (and so the numerics environment)."""
+    from buildtrain.steps.export import ExportStep
+
+    return ExportStep.from_config(export_config).export.dtype != "float32"
+
+
+def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | None) -> TrainControls:
+    """The stop request, faults, observer and ranks of a train step process."""
+    from buildtrain.steps.train.controls import StopRequest, TrainControls
+    from buildtrain.steps.train.faults import FaultPlan, Faults
+    from buildtrain.steps.train.observer import Observers
+    from buildtrain.steps.train.ranks import Ranks
+
+    ranks = Ranks.from_environment(job["numerics"]["device"])
+    if ranks.world > 1:
+        log.info("rank_started", pid=os.getpid())
+    stop = StopRequest()
+    stop.install()
+    observers = [Faults(FaultPlan.from_job(job.get("hooks", {})), ranks.rank, log)]
+    watcher = observer(job, log) if observer is not None and ranks.lead else None
+    if watcher is not None:
+        observers.append(watcher)
+    return TrainControls(stop=stop, observer=Observers(*observers), ranks=ranks)
+
+
+def _dispatch(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
     kind = ctx.step.kind
     if kind == "train":
         from buildtrain.steps.train import step as train_step
@@ -143,7 +151,7 @@ def _dispatch(ctx: Any, out: Path | None) -> dict[str, str] | None:
     if kind == "data":
         from buildtrain.steps import data
 
-        return data.build(ctx.step.to_body(), ctx.sources, out, ctx.log)
+        return data.execute(ctx, out)
     if kind == "eval":
         from buildtrain.steps import eval as eval_step
 
@@ -163,10 +171,10 @@ def _kept(job: dict[str, Any]) -> str:
     return "nothing partial was published; free space, then bt run again"
 
 
-def run_job(job: dict[str, Any], log: Any) -> int:
+def run_job(job: dict[str, Any], log: Any, observer: ObserverFactory | None = None) -> int:
     """Execute one job; every failure becomes an event and an exit status, never a traceback."""
     try:
-        return execute(job, log)
+        return execute(job, log, observer)
     except Interrupted as exc:
         log.warning("interrupted", message=str(exc))
         return ExitCode.INTERRUPTED
@@ -185,7 +193,7 @@ def run_job(job: dict[str, Any], log: Any) -> int:
         if type(exc).__name__ == "SafetensorError":  # safetensors' own I/O error: disk full, file too large
             log.error("step_failed", message=f"cannot write a tensor file: {exc}; {_kept(job)}")
             return ExitCode.FAILED
-        if type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc):
+        if out_of_memory(exc):
             log.error(
                 "step_failed",
                 message="out of memory on the device; the last checkpoint is intact; lower train.micro_batch_size",
@@ -195,7 +203,7 @@ def run_job(job: dict[str, Any], log: Any) -> int:
         return ExitCode.FAILED
 
 
-def serve(control_fd: int, log: Any) -> int:
+def serve(control_fd: int, log: Any, observer: ObserverFactory | None = None) -> int:
     """Run the jobs the executor sends, one after another (see `processes.py`), until it closes the
     socket; stop at the first job that does not succeed, so no failed step's state lives on."""
     control = socket.socket(fileno=control_fd)
@@ -209,7 +217,7 @@ def serve(control_fd: int, log: Any) -> int:
         if not message:
             return ExitCode.OK
         try:
-            code = run_job(json.loads(Path(os.fsdecode(message)).read_text(encoding="utf-8")), log)
+            code = run_job(json.loads(Path(os.fsdecode(message)).read_text(encoding="utf-8")), log, observer)
         finally:
             for fd in fds:
                 os.close(fd)  # the step's lock: held while its step ran
@@ -218,7 +226,8 @@ def serve(control_fd: int, log: Any) -> int:
             return int(code)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, observer: ObserverFactory | None = None) -> int:
+    """Run the job (or serve jobs) named by `argv`; `observer` makes a train step's observer."""
     parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
     job_or_serve = parser.add_mutually_exclusive_group(required=True)
     job_or_serve.add_argument("--job", help="JSON job description written by the executor")
@@ -235,21 +244,24 @@ def main(argv: list[str] | None = None) -> int:
         events_fd = os.dup(1)
         os.dup2(2, 1)
     stream = os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
-    log = configure_logging(stream)
+    log = logs.configure(stream)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: every event says whose it is
         log = log.bind(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
         if args.serve is not None:
-            return serve(args.serve, log)
-        return run_job(json.loads(Path(args.job).read_text(encoding="utf-8")), log)
+            return serve(args.serve, log, observer)
+        return run_job(json.loads(Path(args.job).read_text(encoding="utf-8")), log, observer)
     finally:
         stream.flush()
 
 
-if __name__ == "__main__":
-    code = main()
+def exit_now(code: int) -> None:
+    """Outputs are sealed and fsynced by now; skip the interpreter's teardown, which costs about a
+    second once torch is loaded."""
     sys.stdout.flush()
     sys.stderr.flush()
-    # Outputs are sealed and fsynced by now; skip the interpreter's teardown, which costs about a
-    # second once torch is loaded.
     os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(main())

@@ -16,6 +16,8 @@ import attrs
 
 from buildtrain.canonical import digest, plain
 from buildtrain.config.checks import name_problem
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import NumericsConfig
 
 PLAN_FORMAT = 1
 STEP_KINDS = ("data", "train", "eval", "export")
@@ -133,6 +135,11 @@ class Plan:
             if step.hash == step_hash:
                 return step
         raise KeyError(step_hash)
+
+    @property
+    def numerics(self) -> NumericsConfig:
+        """The plan's numerics, typed (a portable plan records no thread count: 0 stands for it)."""
+        return converter.structure({"threads": 0, **self.config["numerics"]}, NumericsConfig)
 
     def by_label(self, label: str) -> Step:
         for step in self.steps:

@@ -9,14 +9,18 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from buildtrain.config.schema import NumericsConfig
 from buildtrain.errors import CorruptObject
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.steps.train.controls import TrainControls
 
 RESULT = "result.json"
 
@@ -29,7 +33,11 @@ class StepContext:
     inputs: dict[str, Path]  # upstream step outputs by input name, verified on read
     sources: list[Path]  # data files in plan order (the data step only)
     log: Any
-    extra: dict[str, Any] = attrs.Factory(dict)  # train-only: hooks, stop request, watcher
+    controls: TrainControls | None = None  # a train step's stop request, observer and ranks
+
+    @property
+    def numerics(self) -> NumericsConfig:
+        return self.plan.numerics
 
 
 def verified_inputs(store: Store, step: Step, only: Collection[str] | None = None) -> dict[str, Path]:

@@ -9,18 +9,60 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.config.schema import END_OF_DOCUMENT
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import END_OF_DOCUMENT, SyntheticConfig
 from buildtrain.errors import StepFailed
 from buildtrain.steps.seeds import derive_seed, derive_unit
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
+if TYPE_CHECKING:
+    from buildtrain.steps.context import StepContext
+
 DATA_FORMAT = 1
 DATA_INDEX = "data.json"
 READ_CHUNK = 1 << 20
+
+
+@attrs.frozen(kw_only=True)
+class DataSettings:
+    """The data section as a data step's config holds it: no paths (the files arrive as sources,
+    in plan order), and the synthetic corpus only when it is the source."""
+
+    source: str
+    synthetic: SyntheticConfig | None = None
+    tokenizer: str
+    heldout_fraction: float
+    split_block: int
+    split_seed: int
+    shard_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class TokenizerDescription:
+    """How text becomes tokens, as the plan describes it and the outputs record it."""
+
+    type: str
+    vocab_size: int
+    end_of_document: int
+
+
+@attrs.frozen(kw_only=True)
+class DataStep:
+    """A data step's config, typed."""
+
+    data: DataSettings
+    tokenizer: TokenizerDescription
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> DataStep:
+        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
+        return converter.structure(config, cls)
 
 
 class SplitMix64:
@@ -50,12 +92,13 @@ def arithmetic_document(seed: int, index: int, lines: int) -> bytes:
     return "".join(rows).encode("ascii")
 
 
-def documents(config: dict[str, Any], sources: list[Path]) -> Iterator[Iterator[bytes]]:
+def documents(settings: DataSettings, sources: list[Path]) -> Iterator[Iterator[bytes]]:
     """Each document as an iterator of byte chunks."""
-    if config["source"] == "synthetic":
-        synthetic = config["synthetic"]
-        for index in range(synthetic["documents"]):
-            yield iter((arithmetic_document(synthetic["seed"], index, synthetic["lines"]),))
+    if settings.source == "synthetic":
+        synthetic = settings.synthetic
+        assert synthetic is not None, "the plan keeps the synthetic settings of a synthetic source"
+        for index in range(synthetic.documents):
+            yield iter((arithmetic_document(synthetic.seed, index, synthetic.lines),))
         return
     for path in sources:
         yield _chunks(path)
@@ -109,11 +152,15 @@ class ShardWriter:
         return sum(shard["tokens"] for shard in self.shards)
 
 
-def build(spec: dict[str, Any], sources: list[Path], out: Path, log: Any) -> dict[str, str]:
+def execute(ctx: StepContext, out: Path) -> dict[str, str]:
+    return build(DataStep.from_config(ctx.step.config), ctx.sources, out, ctx.log)
+
+
+def build(step: DataStep, sources: list[Path], out: Path, log: Any) -> dict[str, str]:
     """Write shards and `data.json` into `out`; return the logical digests of the output."""
-    config = spec["config"]["data"]
-    block_size, fraction, split_seed = config["split_block"], config["heldout_fraction"], config["split_seed"]
-    writers = {split: ShardWriter(out, split, config["shard_tokens"]) for split in ("train", "heldout")}
+    settings = step.data
+    block_size, fraction, split_seed = settings.split_block, settings.heldout_fraction, settings.split_seed
+    writers = {split: ShardWriter(out, split, settings.shard_tokens) for split in ("train", "heldout")}
     block = bytearray()  # the current split block, as uint16 little-endian bytes
     block_bytes = 2 * block_size
     block_index = 0
@@ -136,7 +183,7 @@ def build(spec: dict[str, Any], sources: list[Path], out: Path, log: Any) -> dic
                 route(block)
                 block = bytearray()
 
-    for document in documents(config, sources):
+    for document in documents(settings, sources):
         for chunk in document:
             append(widen(chunk))
         append(END_OF_DOCUMENT_BYTES)
@@ -156,7 +203,7 @@ def build(spec: dict[str, Any], sources: list[Path], out: Path, log: Any) -> dic
             )
     index = {
         "format": DATA_FORMAT,
-        "tokenizer": spec["config"]["tokenizer"],
+        "tokenizer": converter.unstructure(step.tokenizer),
         "documents": document_count,
         "splits": {
             split: {"tokens": writer.tokens, "shards": writer.shards} for split, writer in writers.items()

@@ -16,12 +16,18 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.checks import name_problem
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import ExportConfig
 from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
+from buildtrain.steps.data import TokenizerDescription
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
@@ -30,12 +36,31 @@ WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"
 
 
-def execute(ctx: StepContext, out: Path) -> dict[str, str]:
-    from buildtrain.steps.eval import EVAL_RESULT
+@attrs.frozen(kw_only=True)
+class ExportStep:
+    """An export step's config: what it does (`export`, `tokenizer`), and the settings it
+    describes in config.json, kept exactly as the plan holds them (the package's bytes)."""
 
-    config = ctx.step.config
+    export: ExportConfig
+    tokenizer: TokenizerDescription
+    described: dict[str, Any]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ExportStep:
+        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
+        return cls(
+            export=converter.structure(config["export"], ExportConfig),
+            tokenizer=converter.structure(config["tokenizer"], TokenizerDescription),
+            described={k: v for k, v in config.items() if k != "tokenizer"},
+        )
+
+
+def execute(ctx: StepContext, out: Path) -> dict[str, str]:
+    from buildtrain.steps.eval_cache import EVAL_RESULT
+
+    config = ExportStep.from_config(ctx.step.config)
     source = final_weights(ctx.inputs["weights"])
-    if config["export"]["dtype"] == "float32":
+    if config.export.dtype == "float32":
         shutil.copyfile(source, out / WEIGHTS)
     else:
         import safetensors.torch
@@ -43,8 +68,8 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
 
         tensors = safetensors.torch.load_file(str(source))
         safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out / WEIGHTS))
-    (out / "config.json").write_bytes(canonical_bytes({k: v for k, v in config.items() if k != "tokenizer"}))
-    (out / "tokenizer.json").write_bytes(canonical_bytes(config["tokenizer"]))
+    (out / "config.json").write_bytes(canonical_bytes(config.described))
+    (out / "tokenizer.json").write_bytes(canonical_bytes(converter.unstructure(config.tokenizer)))
     shutil.copyfile(ctx.inputs["eval"] / EVAL_RESULT, out / "eval.json")
     lines = [
         f"{objects.hash_file(path)[0]}  {path.name}\n" for path in sorted(out.iterdir()) if path.is_file()

@@ -1,7 +1,8 @@
 """The `heldout` suite: mean loss, bits per token and perplexity over the held-out split.
 
-The windows are the split cut in order into non-overlapping pieces of `seq_len + 1` tokens, and the
-sum runs in float64 in that order, so the result is as reproducible as the weights.
+The windows are the split cut in order into non-overlapping pieces of `seq_len + 1` tokens. Each
+batch's loss is summed in float32 (by cross_entropy), and the batch sums are added in float64 in
+that order, so the result is as reproducible as the weights.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import attrs
 
 from buildtrain.errors import BuildtrainError, Locked
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.eval import entry_problem
-from buildtrain.steps.train.identity import CHECKPOINT, checkpoint_problems
+from buildtrain.steps.eval_cache import entry_problem
+from buildtrain.steps.train.identity import checkpoint_problems, checkpoint_update
 from buildtrain.store.meta import read_meta
 from buildtrain.store.store import Store
 
@@ -151,11 +151,11 @@ def scan(store: Store) -> Report:
             damaged.append(Damage(object=f"work/{work.name}", kind="work folder", problems=["not a folder"]))
             continue
         for path in _listing(work / "checkpoints"):
-            match = CHECKPOINT.match(path.name)
-            if match is None:
+            update = checkpoint_update(path.name)
+            if update is None:
                 continue  # set aside by resume (damaged-step-...), removed with the work folder
             checked += 1
-            problems = checkpoint_problems(path, int(match.group(1)), {"step_hash": work.name})
+            problems = checkpoint_problems(path, update, {"step_hash": work.name})
             if problems:
                 damaged.append(
                     Damage(

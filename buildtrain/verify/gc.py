@@ -14,17 +14,15 @@ points to is never touched. What could not be removed is reported as left, never
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import stat
 from pathlib import Path
 
 import attrs
 
-from buildtrain.canonical import digest
 from buildtrain.errors import BuildtrainError
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.eval import EVAL_RESULT
+from buildtrain.steps.eval_cache import key_of_output
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -84,17 +82,6 @@ def _busy(store: Store) -> bool:
     return False
 
 
-def _eval_key(output: Path) -> str | None:
-    """The evaluation cache key an eval output holds, if it has one."""
-    path = output / EVAL_RESULT
-    if path.is_symlink() or not path.is_file():
-        return None
-    try:
-        return digest("eval", json.loads(path.read_bytes())["identity"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
     report = Collected()
     for ref in drop:
@@ -135,7 +122,7 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
     kept_outputs = {p.name for p in outputs if p not in doomed}
     doomed += [p for p in _listing(store.root / "cache" / "verified", "*.json") if p.stem not in kept_outputs]
     if not damaged_plans:
-        kept_evals = {_eval_key(p) for p in outputs if p.name in referenced}
+        kept_evals = {key_of_output(p) for p in outputs if p.name in referenced}
         doomed += [p for p in _listing(store.evals, "*.json") if p.stem not in kept_evals]
 
     for path in doomed:

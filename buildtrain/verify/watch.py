@@ -23,18 +23,23 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from buildtrain.steps.train.checkpoint import checkpoint_name, read_trace
+from buildtrain.steps.context import RESULT
+from buildtrain.steps.train.checkpoint import read_trace
+from buildtrain.steps.train.identity import checkpoint_name, checkpoint_update
+from buildtrain.steps.train.observer import Observer
 from buildtrain.steps.train.state import MODEL, OPTIMIZER, TRACE
 
 COMPARED = ("loss", "grad_norm", "lr", "cursor", "weights", "state")
 REPORTED_TENSORS = 10
 
 
-class Watcher:
+class Watcher(Observer):
+    """The training loop's observer on rank 0 of a re-executed train step (see observer.py)."""
+
     def __init__(
         self, recorded: Path, report: Path, retained: list[int], stop_after: int | None, log: Any
     ) -> None:
-        self.recorded = recorded
+        self.recorded_output = recorded
         self.report_path = report
         self.reference = {e["step"]: e for e in read_trace(recorded / TRACE) if "eval" not in e}
         self.retained = sorted(retained)
@@ -53,14 +58,12 @@ class Watcher:
     @classmethod
     def from_job(cls, job: dict[str, Any], log: Any) -> Watcher:
         recorded = Path(job["recorded"])
-        retained = [
-            int(name.removeprefix("step-"))
-            for name in json.loads((recorded / "result.json").read_bytes())["checkpoints"]
-        ]
+        names = json.loads((recorded / RESULT).read_bytes())["checkpoints"]
+        retained = [at for at in map(checkpoint_update, names) if at is not None]
         return cls(recorded, Path(job["report"]), retained, job.get("stop_after"), log)
 
-    def __call__(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        """Called after each update; True ends training here."""
+    def recorded(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        """Compare the record of an update as it is made; True ends training here."""
         step = entry["step"]
         spot_check_over = self.stop_after is not None and step >= self.stop_after
         if self.divergence is None:
@@ -111,7 +114,7 @@ class Watcher:
     def _measure(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.divergence is not None
         differences: list[dict[str, Any]] = []
-        folder = self.recorded / "checkpoints" / checkpoint_name(step)
+        folder = self.recorded_output / "checkpoints" / checkpoint_name(step)
         if self.compare_at == step and folder.is_dir():
             recorded = {f"model.{k}": v for k, v in safetensors.torch.load_file(str(folder / MODEL)).items()}
             recorded.update(

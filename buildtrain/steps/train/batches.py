@@ -120,10 +120,6 @@ class Batches:
             )
         self.order = WindowOrder(self.windows, seed)
 
-    def sample(self, index: int) -> torch.Tensor:
-        """seq_len + 1 tokens of global sample `index`."""
-        return self.stream.read(self.start(index), self.seq_len + 1)
-
     def start(self, index: int) -> int:
         """Where global sample `index` starts in the split."""
         epoch, position = divmod(index, self.windows)

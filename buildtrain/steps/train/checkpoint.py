@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ import attrs
 import torch
 
 from buildtrain.canonical import canonical_bytes
-from buildtrain.steps.train.identity import CHECKPOINT, STATE_FORMAT, checkpoint_name, checkpoint_problems
+from buildtrain.steps.train.identity import STATE_FORMAT, checkpoint_name, checkpoint_problems, newest_first
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
@@ -42,7 +41,7 @@ from buildtrain.store import objects
 
 @attrs.frozen
 class Resumed:
-    step: int
+    update: int  # the update the checkpoint was taken after
     state: dict[str, Any]
     trace: Trace
     path: Path
@@ -72,22 +71,23 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 def save(
     folder: Path,
-    step: int,
+    update: int,
     model: torch.nn.Module,
     optimizer: AdamW,
     state: dict[str, Any],
     trace: Trace,
-    kill_midway: bool = False,
+    midway: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `step` atomically; returns its folder."""
+    """Write a complete checkpoint for `update` atomically; returns its folder. `midway` is called
+    with the update once the weights are written and nothing else is (a fault can strike there)."""
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(step)
-    temporary = folder / f".{checkpoint_name(step)}.tmp"
+    final = folder / checkpoint_name(update)
+    temporary = folder / f".{checkpoint_name(update)}.tmp"
     objects.remove_tree(temporary)
     temporary.mkdir()
     save_tensors(temporary / MODEL, model_tensors(model))
-    if kill_midway:  # test hook: die with a half-written checkpoint on disk
-        os.kill(os.getpid(), signal.SIGKILL)
+    if midway is not None:
+        midway(update)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
     (temporary / TRACE).write_bytes(trace.to_bytes())
@@ -100,13 +100,11 @@ def save(
 
 def candidates(folder: Path) -> list[tuple[int, Path]]:
     """Checkpoint folders, newest first (temporary folders are not candidates)."""
-    found = []
-    if folder.is_dir():
-        for path in folder.iterdir():
-            match = CHECKPOINT.match(path.name)
-            if match and path.is_dir() and not path.is_symlink():
-                found.append((int(match.group(1)), path))
-    return sorted(found, reverse=True)
+    if not folder.is_dir():
+        return []
+    return [
+        (at, path) for at, path in newest_first(folder.iterdir()) if path.is_dir() and not path.is_symlink()
+    ]
 
 
 def prune(folder: Path, keep: int) -> None:
@@ -114,12 +112,6 @@ def prune(folder: Path, keep: int) -> None:
         objects.remove_tree(path)
     for path in folder.glob(".step-*.tmp"):
         objects.remove_tree(path)
-
-
-def problems(path: Path, step: int, expect: dict[str, Any]) -> list[str]:
-    """Why the checkpoint folder `path` (named for `step`) cannot be resumed from; [] if it can:
-    its manifest must verify and its state must record the same step and identity (`expect`)."""
-    return checkpoint_problems(path, step, expect)
 
 
 def set_aside(path: Path) -> None:
@@ -140,12 +132,12 @@ def load_newest(
 ) -> Resumed | None:
     """Restore the newest checkpoint that verifies and belongs to this step; None to start fresh.
     Every newer one that does not is reported through `on_skip` and moved aside."""
-    for path in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+    for _, path in newest_first(folder.iterdir()) if folder.is_dir() else []:
         if path.is_symlink():  # never a checkpoint, whatever it points to
             on_skip(path, "a symbolic link, not a checkpoint folder")
             set_aside(path)
-    for step, path in candidates(folder):
-        found = problems(path, step, expect)
+    for update, path in candidates(folder):
+        found = checkpoint_problems(path, update, expect)
         if found:
             on_skip(path, "; ".join(found))
             set_aside(path)
@@ -153,5 +145,5 @@ def load_newest(
         state = json.loads((path / TRAIN_STATE).read_bytes())
         load_model(model, path / MODEL)
         load_optimizer(model, optimizer, path / OPTIMIZER)
-        return Resumed(step=step, state=state, trace=Trace(read_trace(path / TRACE)), path=path)
+        return Resumed(update=update, state=state, trace=Trace(read_trace(path / TRACE)), path=path)
     return None

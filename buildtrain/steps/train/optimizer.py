@@ -12,7 +12,7 @@ single-tensor path, so the bits are the same. Step counts live on the host: no d
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -42,7 +42,8 @@ class AdamW:
         return self.state[param]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def update(self) -> None:
+        """One optimizer update of every parameter that has a gradient."""
         for group in self.param_groups:
             # Parameters that joined at different updates (a gradient that was None) have their own
             # step counts; in practice every parameter of a group is in one bucket.
@@ -52,10 +53,11 @@ class AdamW:
                     state = self.slots(param)
                     state["step"] += 1  # a host tensor: reading it below costs no device sync
                     buckets.setdefault(state["step"].item(), []).append(param)
-            for step, params in buckets.items():
-                self._update(params, step, group["lr"], group["weight_decay"])
+            for count, params in buckets.items():
+                self._apply(params, count, group["lr"], group["weight_decay"])
 
-    def _update(self, params: list[torch.Tensor], step: float, lr: float, weight_decay: float) -> None:
+    def _apply(self, params: list[torch.Tensor], count: float, lr: float, weight_decay: float) -> None:
+        """The AdamW update of `params`, whose step count is `count` (1 on the first update)."""
         grads = [p.grad for p in params if p.grad is not None]
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
@@ -64,11 +66,37 @@ class AdamW:
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        step_size = lr / (1 - beta1**step)
+        step_size = lr / (1 - beta1**count)
         denominators = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2**step))
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2**count))
         torch._foreach_add_(denominators, self.eps)
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-step_size)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next update, for every group (the schedule decides it)."""
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    def state_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Moments and step counts by `<parameter name>.<slot>`, parameters named by `named`
+        (the model's `named_parameters()`); a parameter never updated has none."""
+        names = {id(p): name for name, p in named}
+        found: dict[str, torch.Tensor] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                for slot, value in self.state.get(param, {}).items():
+                    found[f"{names[id(param)]}.{slot}"] = value.detach()
+        return found
+
+    def load_state_tensors(
+        self, named: Iterable[tuple[str, torch.Tensor]], tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Restore what `state_tensors` gave: moments onto their parameter's device, step counts
+        on the host."""
+        for name, param in named:
+            slots = {slot: tensors[f"{name}.{slot}"] for slot in SLOTS if f"{name}.{slot}" in tensors}
+            if slots:
+                self.state[param] = {k: v.to(param.device) if k != "step" else v for k, v in slots.items()}
 
     def zero_grad(self) -> None:
         for group in self.param_groups:

@@ -56,7 +56,7 @@ def tree_sum(
     return total
 
 
-def flatten(parameters: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+def gradients_to_vector(parameters: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
     """One vector: each parameter's gradient (zeros where it has none), then the loss."""
     parts = [
         p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
@@ -65,7 +65,7 @@ def flatten(parameters: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
     return torch.cat([*parts, loss.detach().reshape(1).to(parts[0].dtype)])
 
 
-def unflatten(flat: torch.Tensor, parameters: list[torch.Tensor]) -> torch.Tensor:
+def vector_to_gradients(flat: torch.Tensor, parameters: list[torch.Tensor]) -> torch.Tensor:
     """Set each parameter's gradient from the vector; returns the loss at its end."""
     offset = 0
     for parameter in parameters:

@@ -13,9 +13,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from buildtrain.steps.train.optimizer import SLOTS as OPTIMIZER_SLOTS
 from buildtrain.steps.train.optimizer import AdamW
-from buildtrain.store.tensors import DTYPE_CODES, combine, tensor_digest
+from buildtrain.store.tensors import DTYPE_CODES, tensor_digest
 
 # File names inside a checkpoint; constants because resume, verify and export all read them.
 MODEL = "model.safetensors"
@@ -40,13 +39,7 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, torch.Tensor]:
     """AdamW moments and step counts by parameter name (`<param>.exp_avg`, ...)."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    found: dict[str, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            for slot, value in optimizer.state.get(parameter, {}).items():
-                found[f"{names[id(parameter)]}.{slot}"] = value.detach()
-    return found
+    return optimizer.state_tensors(model.named_parameters())
 
 
 def state_tensors(model: torch.nn.Module, optimizer: AdamW | None) -> dict[str, torch.Tensor]:
@@ -96,10 +89,6 @@ def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: f"{first:08x}{second:08x}" for name, (first, second) in zip(names, sums, strict=True)}
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    return combine(digests(model_tensors(model)))
-
-
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     safetensors.torch.save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path))
 
@@ -120,10 +109,4 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
 
 def load_optimizer(model: torch.nn.Module, optimizer: AdamW, path: Path) -> None:
     """Restore AdamW moments and step counts saved by `optimizer_tensors`."""
-    loaded = safetensors.torch.load_file(str(path))
-    for name, parameter in model.named_parameters():
-        slots = {slot: loaded[f"{name}.{slot}"] for slot in OPTIMIZER_SLOTS if f"{name}.{slot}" in loaded}
-        if slots:
-            optimizer.state[parameter] = {
-                k: v.to(parameter.device) if k != "step" else v for k, v in slots.items()
-            }
+    optimizer.load_state_tensors(model.named_parameters(), safetensors.torch.load_file(str(path)))

@@ -9,8 +9,6 @@ Output layout (sealed by MANIFEST.json):
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,55 +19,46 @@ from buildtrain.errors import StepFailed
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.steps.data import DATA_INDEX
 from buildtrain.steps.train import checkpoint
-from buildtrain.steps.train.ranks import Ranks
+from buildtrain.steps.train.controls import TrainControls
+from buildtrain.steps.train.identity import checkpoint_problems
+from buildtrain.steps.train.job import TrainJob
 from buildtrain.steps.train.state import MODEL, TRACE
-from buildtrain.steps.train.trainer import Hooks, StopRequest, TrainJob, TrainResult, train
+from buildtrain.steps.train.trainer import TrainResult, train
+from buildtrain.store import objects
 from buildtrain.store.tensors import combine, safetensors_digests
 
 RESULT_FORMAT = 1
 
 
 def make_job(ctx: StepContext) -> TrainJob:
+    """The step's config dicts, structured once: everything below reads typed values."""
     config = ctx.step.config
-    numerics = ctx.plan.config["numerics"]
+    numerics = ctx.numerics
     data_dir = ctx.inputs["data"]
     init = ctx.inputs.get("init")
     return TrainJob(
         model=converter.structure(config["model"], ModelConfig),
         train=converter.structure(config["train"], TrainConfig),
         eval=converter.structure(config["eval"], EvalConfig) if "eval" in config else None,
-        device=numerics["device"],
-        dtype=numerics["dtype"],
-        compile=numerics.get("compile", False),
-        data=(data_dir, read_json(data_dir / DATA_INDEX)),
+        device=numerics.device,
+        dtype=numerics.dtype,
+        compile=numerics.compile,
+        data=data_dir,
+        index=read_json(data_dir / DATA_INDEX),
         init_weights=final_weights(init) if init is not None else None,
         work=ctx.store.work_dir(ctx.step.hash) / "checkpoints",
         identity={"step_hash": ctx.step.hash},
     )
 
 
-def _link_tree(source: Path, target: Path) -> None:
-    """Hard-link a checkpoint into the output (instant, and the work copy stays valid until commit)."""
-    for path in source.rglob("*"):
-        destination = target / path.relative_to(source)
-        if path.is_dir():
-            destination.mkdir(parents=True, exist_ok=True)
-            continue
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(path, destination)
-        except OSError:
-            shutil.copy2(path, destination)
-
-
-def publish(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> dict[str, str]:
+def assemble_output(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> dict[str, str]:
     """Assemble the output folder from the retained checkpoints and the trace. Only checkpoints
     that verify and belong to this step go into the output, and the newest must be the last
     update: nothing unverified is sealed into an output."""
     retained = []
     for at, path in checkpoint.candidates(job.work):
         found = (
-            checkpoint.problems(path, at, job.identity) if at <= job.train.steps else ["beyond train.steps"]
+            checkpoint_problems(path, at, job.identity) if at <= job.train.steps else ["beyond train.steps"]
         )
         if found:
             if log is not None:
@@ -87,7 +76,7 @@ def publish(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> d
         )
     final_step, final_path = retained[0]
     for _, path in retained:
-        _link_tree(path, out / "checkpoints" / path.name)
+        objects.link_tree(path, out / "checkpoints" / path.name)  # the work copy stays valid until commit
     (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in result.trace))
     weights = f"checkpoints/{final_path.name}/{MODEL}"
     weights_digest = combine(safetensors_digests(out / weights))
@@ -110,15 +99,12 @@ def publish(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> d
 
 
 def execute(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
-    """Train (resuming if a checkpoint exists) and publish into `out` (rank 0); None when a hook
-    stopped it early, and on the other ranks."""
+    """Train (resuming if a checkpoint exists) and publish into `out` (rank 0); None when the
+    observer stopped it early, and on the other ranks."""
     job = make_job(ctx)
-    hooks: Hooks = ctx.extra.get("hooks", Hooks())
-    stop: StopRequest = ctx.extra.get("stop", StopRequest())
-    ranks: Ranks = ctx.extra.get("ranks", Ranks())
-    result = train(job, ctx.log, stop, hooks, ctx.extra.get("watch"), ranks)
-    ctx.extra["result"] = result
-    if result.steps_done < job.train.steps or not ranks.lead:
+    controls = ctx.controls or TrainControls()
+    result = train(job, ctx.log, controls)
+    if result.updates_done < job.train.steps or not controls.ranks.lead:
         return None  # stopped early, or another rank publishes
     assert out is not None
-    return publish(job, result, out, ctx.log)
+    return assemble_output(job, result, out, ctx.log)

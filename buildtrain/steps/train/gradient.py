@@ -1,0 +1,69 @@
+"""Forward, loss and backward of one update: the batch gradient, summed in the order
+`train.reduction` names, whichever process computes which micro-batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from buildtrain.steps.seeds import derive_seed
+from buildtrain.steps.train.batches import Batches
+from buildtrain.steps.train.job import TrainJob
+from buildtrain.steps.train.ranks import Ranks
+from buildtrain.steps.train.reduce import cover, gradients_to_vector, tree_sum, vector_to_gradients
+
+
+def seeded(seed: int, purpose: str, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one purpose; on the device that draws from it (CUDA kernels refuse a CPU one)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(derive_seed(seed, purpose, *counters))
+    return generator
+
+
+def batch_gradient(
+    model: torch.nn.Module,
+    batches: Batches,
+    cursor: int,
+    update: int,
+    job: TrainJob,
+    device: torch.device,
+    autocast: Any,
+    ranks: Ranks,
+) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches, then the reduction `train.reduction`
+    names; leaves the batch gradient in `.grad` on every rank and returns the batch loss."""
+    cfg = job.train
+    micro_batches = cfg.batch_size // cfg.micro_batch_size
+    parameters = list(model.parameters())
+
+    def backward(micro: int) -> torch.Tensor:
+        x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
+        if device.type == "cuda":  # copied from page-locked memory, without waiting for the GPU
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        else:
+            x, y = x.to(device), y.to(device)
+        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if job.model.dropout else None
+        with autocast:
+            logits = model(x, generator)  # (B, T, vocab)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
+        loss.backward()
+        return loss.detach()
+
+    first, end = ranks.share(micro_batches)
+    if cfg.reduction == "allreduce":
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(first, end):
+            loss_sum += backward(micro)  # autograd adds each micro-batch into .grad, in order
+        if ranks.world == 1:
+            return loss_sum
+        return vector_to_gradients(ranks.sum(gradients_to_vector(parameters, loss_sum)), parameters)
+
+    def leaf(micro: int) -> torch.Tensor:
+        for parameter in parameters:
+            parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
+        return gradients_to_vector(parameters, backward(micro))
+
+    partials = {node: tree_sum(node, leaf) for node in cover((0, micro_batches), first, end)}
+    return vector_to_gradients(ranks.finish_tree(partials, micro_batches), parameters)

@@ -1,0 +1,59 @@
+"""The deterministic record of one update: the trace line that `bt verify` compares bit for bit."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+from buildtrain.config.schema import TrainConfig
+from buildtrain.steps.train.optimizer import AdamW
+from buildtrain.steps.train.schedule import checkpoint_due
+from buildtrain.steps.train.state import checksums, digests, state_tensors
+from buildtrain.store.tensors import combine
+
+TENSOR_DIGEST_CHARS = 16
+
+
+def float_bits(value: float) -> str:
+    """The exact float32 bit pattern of a value, as hex: the trace compares bits, not decimals."""
+    return struct.pack(">f", value).hex()
+
+
+def trace_entry(
+    update: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    cursor: int,
+    model: torch.nn.Module,
+    optimizer: AdamW,
+    cfg: TrainConfig,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The record of one update (and the tensors it digested).
+
+    Weights are digested every `digest_every` updates, the whole state (weights and AdamW moments)
+    at every update the checkpoint cadence names. Only the cadence decides, never an
+    interruption, so the trace of a resumed run equals that of an uninterrupted one. Between
+    checkpoints, weights on a GPU are checksummed where they are (`state.checksums`) instead of
+    copied to the host for blake3.
+    """
+    entry: dict[str, Any] = {
+        "step": update,
+        "loss": float_bits(loss),
+        "grad_norm": float_bits(grad_norm),
+        "lr": lr,
+        "cursor": cursor,
+    }
+    full = checkpoint_due(update, cfg)
+    if not (full or update % cfg.digest_every == 0):
+        return entry, {}
+    tensors = state_tensors(model, optimizer if full else None)
+    on_host = full or next(model.parameters()).device.type == "cpu"
+    tensor_digests = digests(tensors) if on_host else checksums(tensors)
+    entry["weights"] = combine({k: v for k, v in tensor_digests.items() if k.startswith("model.")})
+    if full:
+        entry["state"] = combine(tensor_digests)
+    entry["tensors"] = {k: v[:TENSOR_DIGEST_CHARS] for k, v in tensor_digests.items()}
+    return entry, tensors
