@@ -20,6 +20,7 @@ from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.executor.launch import Launch
+    from buildtrain.executor.run import RunOptions
 
 # More processes per machine or machines than this is a typo, not a cluster.
 MAX_PROCESSES = 1024
@@ -51,15 +52,20 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _is_preset(ref: str) -> bool:
-    return ref.endswith(".toml") or os.path.sep in ref or Path(ref).is_file()
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from buildtrain.plan.planner import plan_preset
+    from buildtrain.plan.sweep import plan_sweep
     from buildtrain.report import plan_summary
 
     store = _store(args)
+    sweep = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes)
+    if sweep is not None:  # one hash per point on stdout; what the points share on stderr
+        from buildtrain.views.sweep import sweep_summary
+
+        print("\n".join(point.planned.plan.hash for point in sweep.points), flush=True)
+        if not args.quiet:
+            _err(sweep_summary(store, sweep))
+        return ExitCode.OK
     planned = plan_preset(args.preset, args.set, store, args.nproc * args.nnodes)
     print(planned.plan.hash, flush=True)
     if not args.quiet:
@@ -92,6 +98,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     from buildtrain.report import ls_rows, ls_text
 
+    if args.metrics or args.sort:
+        from buildtrain.views.table import metrics_rows, sort_rows, table_json, table_text
+
+        keys, rows = metrics_rows(_store(args))
+        rows = sort_rows(rows, keys, args.sort)
+        print(json.dumps(table_json(keys, rows), indent=2) if args.json else table_text(keys, rows))
+        return ExitCode.OK
     rows = ls_rows(_store(args))
     print(json.dumps(rows, indent=2) if args.json else ls_text(rows))
     return ExitCode.OK
@@ -102,22 +115,30 @@ def _experiments(args: argparse.Namespace) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from buildtrain.executor.run import RunOptions, run_plan
+    from buildtrain.executor.run import run_plan
+    from buildtrain.plan.refs import resolve_targets
 
     store = _store(args)
-    threads = args.threads
     launch = _launch(args)
-    if _is_preset(args.plan):
-        from buildtrain.plan.planner import plan_preset
+    targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
-        planned = plan_preset(args.plan, args.set, store, launch.world_size)
-        plan = planned.plan
-        threads = threads or planned.threads or None
-    else:
-        if args.set:
-            raise UsageError("--set applies to a preset; give a preset path, or plan first with bt plan")
-        plan = store.load_plan(args.plan)
-    options = RunOptions(
+    def options_for(threads: int) -> RunOptions:
+        return _run_options(args, args.threads or threads or None, launch)
+
+    if len(targets) == 1:
+        return run_plan(store, targets[0].plan, options_for(targets[0].threads))
+    from buildtrain.executor.batch import run_plans
+    from buildtrain.views.sweep import batch_text
+
+    summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets])
+    _err(batch_text(summary))
+    return summary.code
+
+
+def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
+    from buildtrain.executor.run import RunOptions
+
+    return RunOptions(
         threads=threads,
         experiments=_experiments(args),
         wait=not args.no_wait,
@@ -126,7 +147,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         target=args.target,
         launch=launch,
     )
-    return run_plan(store, plan, options)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -390,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a key with a TOML value, e.g. train.lr=3e-4 or stages.finetune.train.steps=50 (repeatable)",
     )
+    sub.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="compile one plan per point of the grid of these axes (repeatable: the product), e.g. "
+        "train.lr=1e-3,3e-3; prints one hash per line; a preset's [sweep] table declares axes too",
+    )
     sub.add_argument("-q", "--quiet", action="store_true", help="print only the hash")
     _add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=cmd_plan)
@@ -402,9 +430,18 @@ def build_parser() -> argparse.ArgumentParser:
         "resumes from its newest valid checkpoint, bit for bit. Ctrl-C finishes the current optimizer "
         "step, checkpoints and exits with code 3. Every run writes a record to experiments/.",
     )
-    sub.add_argument("plan", help="plan hash or prefix, or a preset path")
+    sub.add_argument(
+        "plan",
+        nargs="+",
+        help="plan hashes or prefixes, preset paths (every point of a preset's sweep), a stored sweep's "
+        "hash, a sweep file (one plan hash per line, as bt plan --sweep prints), or - for that on stdin; "
+        "steps the plans share are built once",
+    )
     sub.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="overrides, when PLAN is a preset"
+    )
+    sub.add_argument(
+        "--sweep", action="append", default=[], metavar="KEY=V1,V2", help="sweep axes, when PLAN is a preset"
     )
     sub.add_argument(
         "--threads",
@@ -509,9 +546,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub.set_defaults(func=cmd_diff)
 
     sub = command(
-        "ls", "list stored plans", "List stored plans with name, creation time, steps and build status."
+        "ls",
+        "list stored plans (with --metrics: their results)",
+        "List stored plans with name, creation time, steps and build status. With --metrics: per "
+        "plan, the config values that differ between the listed plans, final train loss, held-out "
+        "loss and bits per token, tokens/s, wall time and build status.",
     )
     sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.add_argument("--metrics", action="store_true", help="a results table (never imports torch)")
+    sub.add_argument(
+        "--sort",
+        metavar="COLUMN",
+        help="sort the results table by a column (train_loss, heldout_loss, bits_per_token, "
+        "tokens_per_s, wall_s, name, created, or a differing key such as train.lr); -COLUMN: descending",
+    )
     sub.set_defaults(func=cmd_ls)
 
     sub = command(

@@ -63,6 +63,7 @@ class LoadedPreset:
     config: Config
     path: Path
     provenance: Mapping[KeyPath, str]
+    sweep: Any = None  # the preset's [sweep] table, read by plan/sweep.py; never part of the config
 
     def source_of(self, key: KeyPath) -> str:
         return source_of(self.provenance, key, display(self.path))
@@ -595,6 +596,7 @@ def load_preset(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
     root_label = display(root)
     try:
         raw, provenance = _load_with_extends(root, ())
+        sweep = raw.pop("sweep", None)  # a grid of plans, not a key of any one plan (plan/sweep.py)
         for assignment in overrides:
             apply_override(raw, provenance, assignment)
     except _Problems as exc:
@@ -608,4 +610,4 @@ def load_preset(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
                 lines.append(line)
         raise ConfigError(lines)
     assert config is not None  # no problems means every part structured
-    return LoadedPreset(config=config, path=root.resolve(), provenance=provenance)
+    return LoadedPreset(config=config, path=root.resolve(), provenance=provenance, sweep=sweep)

@@ -5,6 +5,7 @@ plan.json       the plan snapshot
 train.log       every event as a JSON line (executor and step processes alike)
 metrics.jsonl   training and evaluation metrics, one JSON line each
 summary.json    per step: cache hit or executed, duration, output digests; and the outcome
+events.out.tfevents.*  the same training and evaluation scalars for TensorBoard (executor/events.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from buildtrain.executor.metrics import MetricsCollector
 from buildtrain.plan.plan import Plan
 from buildtrain.store.objects import write_bytes_durably
 
@@ -26,15 +28,18 @@ def _now() -> str:
 
 
 class RunRecord:
-    def __init__(self, folder: Path, plan: Plan) -> None:
+    def __init__(self, folder: Path, plan: Plan, store_root: Path | None = None) -> None:
         self.folder = folder
         self.plan = plan
+        self.metrics = MetricsCollector(folder, store_root)  # TensorBoard scalars, step summaries
         self.steps: list[dict[str, Any]] = []
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
     @classmethod
-    def create(cls, root: Path, plan: Plan, meta: dict[str, Any]) -> RunRecord:
+    def create(
+        cls, root: Path, plan: Plan, meta: dict[str, Any], store_root: Path | None = None
+    ) -> RunRecord:
         root.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         base = f"{stamp}-{plan.hash[:12]}"
@@ -57,7 +62,7 @@ class RunRecord:
         write_bytes_durably(
             folder / "plan.json", json.dumps({"hash": plan.hash, **plan.to_body()}, indent=2).encode()
         )
-        return cls(folder, plan)
+        return cls(folder, plan, store_root)
 
     @property
     def run_id(self) -> str:
@@ -74,9 +79,12 @@ class RunRecord:
             metric = {k: v for k, v in line.items() if k not in ("level",)}
             self._metrics.write(json.dumps(metric, sort_keys=True) + "\n")
             self._metrics.flush()
+            self.metrics.event(line)
 
     def step_result(self, **result: Any) -> None:
         self.steps.append(result)
+        kinds = {step.hash: step.kind for step in self.plan.steps}
+        self.metrics.step_finished(result, kinds.get(result.get("hash", ""), "?"))
 
     def close(self, outcome: str, exit_code: int, duration: float) -> None:
         summary = {
@@ -95,3 +103,4 @@ class RunRecord:
         write_bytes_durably(self.folder / "summary.json", json.dumps(summary, indent=2).encode())
         self._log.close()
         self._metrics.close()
+        self.metrics.close()

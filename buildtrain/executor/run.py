@@ -595,7 +595,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     threads = resolve_threads(plan, options.threads, launch.nproc)
     check_toolchain(plan, threads, launch.world_size)
     check_world_size(steps, launch.world_size)
-    record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash))
+    record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
     reporter = Reporter(options.progress, options.log_every)
     settings = plan_numerics(plan)
     per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
