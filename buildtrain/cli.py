@@ -78,8 +78,26 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     store = _store(args)
     plan = store.load_plan(args.plan)
+    if args.lineage:
+        import json
+
+        from buildtrain.views.lineage import lineage, lineage_text
+
+        nodes = lineage(store, plan)
+        print(json.dumps(nodes, indent=2) if args.json else lineage_text(plan, nodes))
+        return ExitCode.OK
     print(show_json(store, plan) if args.json else show_text(store, plan))
     return ExitCode.OK
+
+
+def cmd_why(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.views.lineage import why, why_text
+
+    result = why(_store(args), args.digest)
+    print(json.dumps(result, indent=2) if args.json else why_text(result))
+    return ExitCode.OK if result["found"] else ExitCode.USAGE
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -89,7 +107,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
     store = _store(args)
     a, b = store.load_plan(args.plan_a), store.load_plan(args.plan_b)
     changes, steps = diff_plans(a, b)
-    print(diff_json(a, b, changes, steps) if args.json else diff_text(a, b, changes, steps))
+    from buildtrain.views.table import metrics_diff, metrics_diff_text
+
+    metrics = metrics_diff(store, a.hash, b.hash)
+    if args.json:
+        import json
+
+        print(json.dumps({**json.loads(diff_json(a, b, changes, steps)), "metrics": metrics}, indent=2))
+    else:
+        print(diff_text(a, b, changes, steps) + "\n" + metrics_diff_text(metrics))
     return ExitCode.OK
 
 
@@ -107,6 +133,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return ExitCode.OK
     rows = ls_rows(_store(args))
     print(json.dumps(rows, indent=2) if args.json else ls_text(rows))
+    return ExitCode.OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from buildtrain.views.html import build_report
+
+    store = _store(args)
+    hashes = (
+        list(dict.fromkeys(store.resolve(ref) for ref in args.plans)) if args.plans else store.plan_hashes()
+    )
+    if not hashes:
+        raise UsageError(f"no plans in the store {store.root}; compile one with: bt plan PRESET")
+    out = Path(args.output)
+    page, pngs = build_report(store, hashes, _experiments(args), Path(args.png) if args.png else None)
+    from buildtrain.store.objects import write_bytes_durably
+
+    write_bytes_durably(out, page.encode())
+    print(out)
+    for path in pngs:
+        print(path)
     return ExitCode.OK
 
 
@@ -532,7 +578,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("plan", help="plan hash or prefix")
     sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.add_argument(
+        "--lineage",
+        action="store_true",
+        help="for each output, the chain of steps, inputs and toolchain that produced it, down to the "
+        "source files' digests",
+    )
     sub.set_defaults(func=cmd_show)
+
+    sub = command(
+        "why",
+        "which plan and step produced these weights",
+        "Find the stored step outputs that hold a file with this blake3 digest (any line of an "
+        "export's BLAKE3SUMS) or declare it, and name the plans and steps that produced them. "
+        "DIGEST may be a unique prefix of at least 8 hex digits, an export folder or its BLAKE3SUMS "
+        "file (its model.safetensors line). Exit 2 when nothing in the store holds it.",
+    )
+    sub.add_argument(
+        "digest", metavar="DIGEST", help="a blake3 digest or prefix, an export folder, a BLAKE3SUMS file"
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=cmd_why)
 
     sub = command(
         "diff",
@@ -561,6 +627,22 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens_per_s, wall_s, name, created, or a differing key such as train.lr); -COLUMN: descending",
     )
     sub.set_defaults(func=cmd_ls)
+
+    sub = command(
+        "report",
+        "an HTML page with curves, results and cache hits of plans",
+        "Write one self-contained HTML page (inline SVG, no script, no network) that overlays the "
+        "training-loss and learning-rate curves of PLANs (default: every stored plan), their "
+        "held-out evaluations, the results table of bt ls --metrics and each plan's steps with the "
+        "cache hits of its last run. --png DIR also writes the figures as PNG for papers.",
+    )
+    sub.add_argument("plans", nargs="*", metavar="PLAN", help="plan hashes or prefixes (default: all)")
+    sub.add_argument("-o", "--output", default="report.html", metavar="FILE", help="default report.html")
+    sub.add_argument("--png", metavar="DIR", help="also write loss.png, lr.png and heldout.png here")
+    sub.add_argument(
+        "--experiments", metavar="DIR", help="run records to read (default: $BT_EXPERIMENTS or ./experiments)"
+    )
+    sub.set_defaults(func=cmd_report)
 
     sub = command(
         "gc",

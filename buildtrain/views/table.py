@@ -125,3 +125,27 @@ def table_text(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
 
 def table_json(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**row, "values": dict(row["values"])} for row in rows]
+
+
+def metrics_diff(store: Store, a: str, b: str) -> list[dict[str, Any]]:
+    """The results of plan a and plan b side by side (`bt diff`), with the change where both have one."""
+    _, rows = metrics_rows(store, [a, b] if a != b else [a])
+    before, after = rows[0], rows[-1]
+    out = []
+    for column in RESULT_COLUMNS:
+        old, new = before.get(column), after.get(column)
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (old, new))
+        out.append({"metric": column, "before": old, "after": new, "change": new - old if numeric else None})
+    return out
+
+
+def metrics_diff_text(entries: Sequence[dict[str, Any]]) -> str:
+    lines = ["metrics:"]
+    width = max(len(HEADINGS[e["metric"]]) for e in entries)
+    for entry in entries:
+        change = entry["change"]
+        delta = f"  ({change:+.4g})" if isinstance(change, float | int) and change else ""
+        lines.append(
+            f"  {HEADINGS[entry['metric']]:<{width}}  {_cell(entry['before'])} -> {_cell(entry['after'])}{delta}"
+        )
+    return "\n".join(lines)
