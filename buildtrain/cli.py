@@ -624,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sort",
         metavar="COLUMN",
         help="sort the results table by a column (train_loss, heldout_loss, bits_per_token, "
-        "tokens_per_s, wall_s, name, created, or a differing key such as train.lr); -COLUMN: descending",
+        "tokens_per_s, wall_s, name, created, or a differing key such as train.lr); --sort=-COLUMN: descending",
     )
     sub.set_defaults(func=cmd_ls)
 

@@ -586,7 +586,8 @@ def signals_interrupt(plan: Plan) -> Iterator[None]:
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
-def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
+def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesses | None = None) -> int:
+    """Execute `plan`; `shared`: workers that outlive this plan (the plans of a sweep share them)."""
     started = time.perf_counter()
     launch = options.launch
     steps = steps_for(plan, options.target)
@@ -622,7 +623,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
             f"which slows training; {fix}"
         )
     outcome, code = "failed", int(ExitCode.FAILED)
-    processes = StepProcesses()  # steps of one numerics environment share a process
+    processes = shared or StepProcesses()  # steps of one numerics environment share a process
     try:
         with signals_interrupt(plan):
             for step in steps:
@@ -643,7 +644,8 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
         record.event("run_" + outcome, message=str(exc))
         raise
     finally:
-        processes.close()
+        if shared is None:
+            processes.close()
         duration = time.perf_counter() - started
         record.close(outcome, code, duration)
         if outcome == "done":
