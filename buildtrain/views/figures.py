@@ -37,11 +37,9 @@ def _loss(ax: Any, curves: Sequence[Curve]) -> None:
             ax.plot(at, values, "o", markersize=3.5, color=line.get_color())
         for boundary in curve.boundaries:
             ax.axvline(boundary, color="0.6", linewidth=0.8, linestyle=":")
-    ax.set(
-        xlabel="update",
-        ylabel="training loss (nats/token)",
-        title="Training loss (dots: held-out during training)",
-    )
+    during = " (dots: held-out during training)" if any(c.evals for c in curves) else ""
+    stages = "; dotted lines: stage boundaries" if any(c.boundaries for c in curves) else ""
+    ax.set(xlabel="update", ylabel="loss (nats/token)", title=f"Training loss{during}{stages}")
 
 
 def _lr(ax: Any, curves: Sequence[Curve]) -> None:
@@ -69,7 +67,7 @@ def draw(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) ->
     """A matplotlib Figure for one of FIGURES."""
     plt = _pyplot()
     height = 3.2 if name != "heldout" else max(1.6, 0.35 * len(curves) + 0.9)
-    fig, ax = plt.subplots(figsize=(7.5, height), layout="constrained")
+    fig, ax = plt.subplots(figsize=(10, height), layout="constrained")
     if name == "loss":
         _loss(ax, curves)
     elif name == "lr":

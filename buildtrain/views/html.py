@@ -57,7 +57,7 @@ def latest_record(experiments: Path, plan_hash: str) -> dict[str, Any] | None:
 
 def _table(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
     head = "".join(
-        f"<th class='text'>{html.escape(h)}</th>" if i < 2 else f"<th>{html.escape(h)}</th>"
+        f"<th class='text'>{html.escape(h)}</th>" if i < 2 or h == "status" else f"<th>{html.escape(h)}</th>"
         for i, h in enumerate(["plan", "name", *keys, *(HEADINGS[c] for c in RESULT_COLUMNS)])
     )
     body = []
@@ -67,7 +67,10 @@ def _table(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
             f"<td class='text'>{html.escape(row['name'])}</td>",
         ]
         cells += [f"<td>{html.escape(_cell(row['values'].get(k)))}</td>" for k in keys]
-        cells += [f"<td>{html.escape(_cell(row.get(c)))}</td>" for c in RESULT_COLUMNS]
+        cells += [
+            f"<td{' class=text' if c == 'status' else ''}>{html.escape(_cell(row.get(c)))}</td>"
+            for c in RESULT_COLUMNS
+        ]
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
