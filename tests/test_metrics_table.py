@@ -21,7 +21,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> BuiltSweep:
 
 
 def _card(**config: object) -> Card:
-    return Card(hash="0" * 64, name="x", config=dict(config), steps=())
+    return Card(hash="0" * 64, name="x", created="?", config=dict(config), steps=())
 
 
 def test_only_keys_that_differ_become_columns() -> None:

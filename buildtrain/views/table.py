@@ -27,12 +27,19 @@ HEADINGS = {
 
 
 def differing(cards: Sequence[Card]) -> list[str]:
-    """Config keys whose value is not the same in every listed plan (a missing key counts as a value)."""
+    """Config keys whose value is not the same in every listed plan (a missing key counts as a value;
+    1, 1.0 and true are three values)."""
+    keys = list(dict.fromkeys(k for card in cards for k in card.config))
     missing = object()
-    keys: list[str] = []
-    for card in cards:
-        keys.extend(k for k in card.config if k not in keys)
-    return [k for k in keys if len({repr(card.config.get(k, missing)) for card in cards}) > 1]
+
+    def same(a: Any, b: Any) -> bool:
+        return type(a) is type(b) and a == b
+
+    return [
+        k
+        for k in keys
+        if any(not same(card.config.get(k, missing), cards[0].config.get(k, missing)) for card in cards[1:])
+    ]
 
 
 def metrics_rows(
@@ -48,12 +55,11 @@ def metrics_rows(
             rows[-1]["status"] = "damaged"
             continue
         cards.append(card)
-        created = store.plan_meta(plan_hash).get("created")
         rows.append(
             {
                 "hash": plan_hash,
                 "name": card.name,
-                "created": created if isinstance(created, str) else "?",
+                "created": card.created,
                 "card": card,
                 **plan_results(store, card),
             }
