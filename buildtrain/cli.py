@@ -115,7 +115,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
         print(json.dumps({**json.loads(diff_json(a, b, changes, steps)), "metrics": metrics}, indent=2))
     else:
-        print(diff_text(a, b, changes, steps) + "\n" + metrics_diff_text(metrics))
+        section = metrics_diff_text(metrics)
+        print(diff_text(a, b, changes, steps) + ("\n" + section if section else ""))
     return ExitCode.OK
 
 

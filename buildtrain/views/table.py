@@ -146,6 +146,9 @@ def metrics_diff(store: Store, a: str, b: str) -> list[dict[str, Any]]:
 
 
 def metrics_diff_text(entries: Sequence[dict[str, Any]]) -> str:
+    """The metrics section of `bt diff`; empty while neither plan has a result to compare."""
+    if all(e["before"] is None and e["after"] is None for e in entries if e["metric"] != "status"):
+        return ""
     lines = ["metrics:"]
     width = max(len(HEADINGS[e["metric"]]) for e in entries)
     for entry in entries:
