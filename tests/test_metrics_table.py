@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import run_bt
@@ -82,3 +83,22 @@ def test_tables_and_reports_do_not_import_torch(sweep: BuiltSweep, tmp_path) -> 
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_damaged_card_is_recomputed_from_the_plan_not_believed(tmp_path) -> None:
+    from conftest import MICRO
+
+    from buildtrain.plan.card import card_path, load_card, read_card
+    from buildtrain.plan.planner import plan_preset
+    from buildtrain.store.store import Store
+
+    store = Store(tmp_path / ".bt")
+    plan = plan_preset(MICRO, [], store).plan
+    path = card_path(store, plan.hash)
+    good = read_card(store, plan.hash)
+    assert good is not None and good.config["stages[0].train.lr"] == 3e-3  # written when planned
+    raw = Path(path).read_bytes()
+    Path(path).write_bytes(raw.replace(b'"micro"', b'"other"'))
+    assert read_card(store, plan.hash) is None
+    assert load_card(store, plan.hash) == good
+    assert read_card(store, plan.hash) == good  # and kept again

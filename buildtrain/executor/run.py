@@ -623,7 +623,9 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
             f"which slows training; {fix}"
         )
     outcome, code = "failed", int(ExitCode.FAILED)
-    processes = shared or StepProcesses()  # steps of one numerics environment share a process
+    processes = (
+        shared if shared is not None else StepProcesses()
+    )  # steps of one numerics environment share a process
     try:
         with signals_interrupt(plan):
             for step in steps:
