@@ -185,3 +185,13 @@ def test_a_sweep_file_with_something_else_is_refused_in_one_line(bt: BtRunner, t
         "is not a preset" in result.stderr or "not a plan hash" in result.stderr or "no plan" in result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_a_failing_point_stops_the_batch_and_says_which(bt: BtRunner) -> None:
+    result = bt(
+        "run", str(MICRO), "--sweep", "train.lr=1e9,3e-3", "--set", "train.steps=4", "--progress", "off"
+    )
+    assert result.returncode == ExitCode.FAILED
+    assert "0 of 2 plans done" in result.stderr
+    assert "stopped at plan" in result.stderr and "loss is nan" in result.stderr
+    assert "Traceback" not in result.stderr
