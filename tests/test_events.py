@@ -67,3 +67,15 @@ def test_bt_run_writes_event_files_tensorboard_reads(sweep: BuiltSweep) -> None:
     losses = multiplexer.Scalars("train:pretrain/loss")
     assert [e.step for e in losses] == list(range(1, 9))
     assert all(2.0 < e.value < 6.0 for e in losses)
+
+
+def test_tensorboard_logdir_experiments_finds_every_training_run(sweep: BuiltSweep) -> None:
+    """What `tensorboard --logdir experiments` does: one run per record folder with event files."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    multiplexer = EventMultiplexer().AddRunsFromDirectory(str(sweep.experiments))
+    multiplexer.Reload()
+    runs = multiplexer.Runs()
+    assert len(runs) == 6
+    for run in runs:
+        assert "train:finetune/loss" in multiplexer.GetAccumulator(run).Tags()["tensors"]
