@@ -12,7 +12,7 @@ from conftest import run_bt
 from sweeps_built import BuiltSweep, built_sweep
 
 from buildtrain.errors import ExitCode
-from buildtrain.views.cards import Card
+from buildtrain.plan.card import Card
 from buildtrain.views.table import differing
 
 

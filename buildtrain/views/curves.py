@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
+from buildtrain.plan.card import Card
 from buildtrain.store.store import Store
-from buildtrain.views.cards import Card
 
 TRACE = "trace.jsonl"  # steps/train/state.py's file name; not imported (that module loads torch)
 

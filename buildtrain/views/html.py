@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from buildtrain.plan.card import load_card
 from buildtrain.store.store import Store
-from buildtrain.views.cards import load_card
 from buildtrain.views.curves import Curve, plan_curve
 from buildtrain.views.figures import FIGURES, svg, write_pngs
-from buildtrain.views.table import HEADINGS, RESULT_COLUMNS, SHORT, _cell, metrics_rows
+from buildtrain.views.table import HEADINGS, RESULT_COLUMNS, SHORT, cell, metrics_rows
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
@@ -66,9 +66,9 @@ def _table(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
             f"<td class='text'><code>{row['hash'][:SHORT]}</code></td>",
             f"<td class='text'>{html.escape(row['name'])}</td>",
         ]
-        cells += [f"<td>{html.escape(_cell(row['values'].get(k)))}</td>" for k in keys]
+        cells += [f"<td>{html.escape(cell(row['values'].get(k)))}</td>" for k in keys]
         cells += [
-            f"<td{' class=text' if c == 'status' else ''}>{html.escape(_cell(row.get(c)))}</td>"
+            f"<td{' class=text' if c == 'status' else ''}>{html.escape(cell(row.get(c)))}</td>"
             for c in RESULT_COLUMNS
         ]
         body.append("<tr>" + "".join(cells) + "</tr>")

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.errors import UsageError
+from buildtrain.plan.card import load_card
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import HEX, Store
-from buildtrain.views.cards import load_card
 
 SHORT = 12
 MIN_DIGEST = 8

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from buildtrain.errors import UsageError
+from buildtrain.plan.card import Card, load_card
 from buildtrain.store.store import Store
-from buildtrain.views.cards import Card, load_card, plan_results
+from buildtrain.views.results import plan_results
 
 SHORT = 12
 RESULT_COLUMNS = ("train_loss", "heldout_loss", "bits_per_token", "tokens_per_s", "wall_s", "status")
@@ -94,7 +95,7 @@ def sort_rows(rows: list[dict[str, Any]], keys: Sequence[str], column: str | Non
     return present + blank
 
 
-def _cell(value: Any) -> str:
+def cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -112,8 +113,8 @@ def table_text(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
         [
             row["hash"][:SHORT],
             row["name"],
-            *(_cell(row["values"].get(k)) for k in keys),
-            *(_cell(row.get(c)) for c in RESULT_COLUMNS),
+            *(cell(row["values"].get(k)) for k in keys),
+            *(cell(row.get(c)) for c in RESULT_COLUMNS),
         ]
         for row in rows
     ]
@@ -155,6 +156,6 @@ def metrics_diff_text(entries: Sequence[dict[str, Any]]) -> str:
         change = entry["change"]
         delta = f"  ({change:+.4g})" if isinstance(change, float | int) and change else ""
         lines.append(
-            f"  {HEADINGS[entry['metric']]:<{width}}  {_cell(entry['before'])} -> {_cell(entry['after'])}{delta}"
+            f"  {HEADINGS[entry['metric']]:<{width}}  {cell(entry['before'])} -> {cell(entry['after'])}{delta}"
         )
     return "\n".join(lines)

@@ -7,11 +7,10 @@ import os
 from typing import Any
 
 from buildtrain.executor.metrics import read_step_metrics
-from buildtrain.plan.card import Card, load_card
+from buildtrain.plan.card import Card
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
-__all__ = ["Card", "eval_result", "load_card", "plan_results"]
 EVAL_RESULT = "eval.json"  # steps/eval.py's file name; not imported, so that no step module loads
 
 
