@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -158,7 +159,7 @@ def test_run_reads_plans_from_stdin_and_from_a_stored_sweep(sweep: BuiltSweep, t
         input=listed,
         capture_output=True,
         text=True,
-        env={**__import__("os").environ, **env},
+        env={**os.environ, **env},
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -170,7 +171,7 @@ def test_run_reads_plans_from_stdin_and_from_a_stored_sweep(sweep: BuiltSweep, t
         [sys.executable, "-m", "buildtrain", "run", stored.stem[:10], "--progress", "off"],
         capture_output=True,
         text=True,
-        env={**__import__("os").environ, **env},
+        env={**os.environ, **env},
         timeout=120,
     )
     assert result.returncode == 0 and "6 of 6 plans done" in result.stderr, result.stderr
