@@ -119,3 +119,18 @@ def test_the_readme_draws_the_same_order() -> None:
         "base": "canonical.py",
     }
     assert drawn == [first_module[name] for name, _ in reversed(LAYERS)]
+
+
+def test_presentation_never_imports_torch_itself() -> None:
+    """Tables, reports and the CLI read the store and records; torch stays in the step processes."""
+    for module, path in modules().items():
+        if LAYERS[layer_of(module)][0] == "presentation":
+            for node in ast.walk(ast.parse(path.read_bytes())):
+                names = (
+                    [alias.name for alias in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                assert not any(n.split(".")[0] == "torch" for n in names), f"{module} imports torch"

@@ -17,9 +17,10 @@ from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.executor.launch import Launch
+    from buildtrain.executor.run import RunOptions
 
 
-def _store(args: argparse.Namespace) -> Store:
+def store_of(args: argparse.Namespace) -> Store:
     return Store.at(args.store)
 
 
@@ -27,11 +28,7 @@ def err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _is_preset(ref: str) -> bool:
-    return ref.endswith(".toml") or os.path.sep in ref or Path(ref).is_file()
-
-
-def _experiments(args: argparse.Namespace) -> Path:
+def experiments(args: argparse.Namespace) -> Path:
     return Path(args.experiments or os.environ.get("BT_EXPERIMENTS") or "experiments")
 
 
@@ -77,9 +74,18 @@ def _parse_steps(text: str | None) -> tuple[int, ...]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from buildtrain.plan.planner import plan_preset
+    from buildtrain.plan.sweep import plan_sweep
     from buildtrain.report import plan_summary
 
-    store = _store(args)
+    store = store_of(args)
+    sweep = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes)
+    if sweep is not None:  # one hash per point on stdout; what the points share on stderr
+        from buildtrain.views.sweep import sweep_summary
+
+        print("\n".join(point.planned.plan.hash for point in sweep.points), flush=True)
+        if not args.quiet:
+            err(sweep_summary(store, sweep))
+        return ExitCode.OK
     planned = plan_preset(args.preset, args.set, store, args.nproc * args.nnodes)
     print(planned.plan.hash, flush=True)
     if not args.quiet:
@@ -87,62 +93,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    from buildtrain.report import show_json, show_text
-
-    store = _store(args)
-    plan = load_plan(store, args.plan)
-    print(show_json(store, plan) if args.json else show_text(store, plan))
-    return ExitCode.OK
-
-
-def cmd_diff(args: argparse.Namespace) -> int:
-    from buildtrain.plan.diff import diff_plans
-    from buildtrain.report import diff_json, diff_text
-
-    store = _store(args)
-    a, b = load_plan(store, args.plan_a), load_plan(store, args.plan_b)
-    changes, steps = diff_plans(a, b)
-    print(diff_json(a, b, changes, steps) if args.json else diff_text(a, b, changes, steps))
-    return ExitCode.OK
-
-
-def cmd_ls(args: argparse.Namespace) -> int:
-    import json
-
-    from buildtrain.report import ls_rows, ls_text
-
-    rows = ls_rows(_store(args))
-    print(json.dumps(rows, indent=2) if args.json else ls_text(rows))
-    return ExitCode.OK
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from buildtrain.executor.run import RunOptions, run_plan
+    from buildtrain.executor.run import run_plan
+    from buildtrain.plan.refs import resolve_targets
 
-    store = _store(args)
-    threads = args.threads
+    store = store_of(args)
     launch = _launch(args)
-    if _is_preset(args.plan):
-        from buildtrain.plan.planner import plan_preset
+    targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
-        planned = plan_preset(args.plan, args.set, store, launch.world_size)
-        plan = planned.plan
-        threads = threads or planned.threads or None
-    else:
-        if args.set:
-            raise UsageError("--set applies to a preset; give a preset path, or plan first with bt plan")
-        plan = load_plan(store, args.plan)
-    options = RunOptions(
+    def options_for(threads: int) -> RunOptions:
+        return _run_options(args, args.threads or threads or None, launch)
+
+    if len(targets) == 1:
+        return run_plan(store, targets[0].plan, options_for(targets[0].threads))
+    from buildtrain.executor.batch import run_plans
+    from buildtrain.views.sweep import batch_text
+
+    summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets])
+    err(batch_text(summary))
+    return summary.code
+
+
+def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
+    from buildtrain.executor.run import RunOptions
+
+    return RunOptions(
         threads=threads,
-        experiments=_experiments(args),
+        experiments=experiments(args),
         wait=not args.no_wait,
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
         target=args.target,
         launch=launch,
     )
-    return run_plan(store, plan, options)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -151,14 +134,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from buildtrain.report import verdict_line, verification_summary
     from buildtrain.verify.verify import VerifyOptions, verify_plan
 
-    store = _store(args)
+    store = store_of(args)
     plan = load_plan(store, args.plan)
     options = VerifyOptions(
         resume_at=_parse_steps(args.resume_at),
         threads=args.threads,
         steps=args.steps,
         keep=args.keep_scratch,
-        experiments=_experiments(args),
+        experiments=experiments(args),
         launch=_launch(args),
     )
     verification = verify_plan(
@@ -176,7 +159,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
     from buildtrain.verify.fsck import fsck
 
-    store = _store(args)
+    store = store_of(args)
     report = fsck(store, fix=args.repair)
     if report is None:
         err(f"bt fsck: no store at {store.root}")
@@ -218,7 +201,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from buildtrain.verify.gc import collect
 
-    store = _store(args)
+    store = store_of(args)
     report = collect(store, drop=args.drop, dry_run=args.dry_run)
     for line in report.warnings:
         err(f"warning: {line}")
@@ -240,7 +223,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from buildtrain.steps.export import export_to
 
-    store = _store(args)
+    store = store_of(args)
     plan = load_plan(store, args.plan)
     destination = export_to(store, plan, Path(args.dest) if args.dest else None)
     print(destination)

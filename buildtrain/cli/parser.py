@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import typing
 
-from buildtrain.cli import commands
+from buildtrain.cli import commands, queries
 from buildtrain.cli.arguments import add_world_size, positive, thread_count
 from buildtrain.errors import ExitCode
 
@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a key with a TOML value, e.g. train.lr=3e-4 or stages.finetune.train.steps=50 (repeatable)",
     )
+    sub.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="compile one plan per point of the grid of these axes (repeatable: the product), e.g. "
+        "train.lr=1e-3,3e-3; prints one hash per line; a preset's [sweep] table declares axes too",
+    )
     sub.add_argument("-q", "--quiet", action="store_true", help="print only the hash")
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_plan)
@@ -88,9 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         "resumes from its newest valid checkpoint, bit for bit. Ctrl-C finishes the current optimizer "
         "step, checkpoints and exits with code 3. Every run writes a record to experiments/.",
     )
-    sub.add_argument("plan", help="plan hash or prefix, or a preset path")
+    sub.add_argument(
+        "plan",
+        nargs="+",
+        help="plan hashes or prefixes, preset paths (every point of a preset's sweep), a stored sweep's "
+        "hash, a sweep file (one plan hash per line, as bt plan --sweep prints), or - for that on stdin; "
+        "steps the plans share are built once",
+    )
     sub.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="overrides, when PLAN is a preset"
+    )
+    sub.add_argument(
+        "--sweep", action="append", default=[], metavar="KEY=V1,V2", help="sweep axes, when PLAN is a preset"
     )
     sub.add_argument(
         "--threads",
@@ -181,7 +198,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("plan", help="plan hash or prefix")
     sub.add_argument("--json", action="store_true", help="machine-readable")
-    sub.set_defaults(func=commands.cmd_show)
+    sub.add_argument(
+        "--lineage",
+        action="store_true",
+        help="for each output, the chain of steps, inputs and toolchain that produced it, down to the "
+        "source files' digests",
+    )
+    sub.set_defaults(func=queries.cmd_show)
+
+    sub = command(
+        "why",
+        "which plan and step produced these weights",
+        "Find the stored step outputs that hold a file with this blake3 digest (any line of an "
+        "export's BLAKE3SUMS) or declare it, and name the plans and steps that produced them. "
+        "DIGEST may be a unique prefix of at least 8 hex digits, an export folder or its BLAKE3SUMS "
+        "file (its model.safetensors line). Exit 2 when nothing in the store holds it.",
+    )
+    sub.add_argument(
+        "digest", metavar="DIGEST", help="a blake3 digest or prefix, an export folder, a BLAKE3SUMS file"
+    )
+    sub.add_argument("--json", action="store_true", help="machine-readable")
+    sub.set_defaults(func=queries.cmd_why)
 
     sub = command(
         "diff",
@@ -192,13 +229,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("plan_a", help="plan hash or prefix")
     sub.add_argument("plan_b", help="plan hash or prefix")
     sub.add_argument("--json", action="store_true", help="machine-readable")
-    sub.set_defaults(func=commands.cmd_diff)
+    sub.set_defaults(func=queries.cmd_diff)
 
     sub = command(
-        "ls", "list stored plans", "List stored plans with name, creation time, steps and build status."
+        "ls",
+        "list stored plans (with --metrics: their results)",
+        "List stored plans with name, creation time, steps and build status. With --metrics: per "
+        "plan, the config values that differ between the listed plans, final train loss, held-out "
+        "loss and bits per token, tokens/s, wall time and build status.",
     )
     sub.add_argument("--json", action="store_true", help="machine-readable")
-    sub.set_defaults(func=commands.cmd_ls)
+    sub.add_argument("--metrics", action="store_true", help="a results table (never imports torch)")
+    sub.add_argument(
+        "--sort",
+        metavar="COLUMN",
+        help="sort the results table by a column (train_loss, heldout_loss, bits_per_token, "
+        "tokens_per_s, wall_s, name, created, or a differing key such as train.lr); --sort=-COLUMN: descending",
+    )
+    sub.set_defaults(func=queries.cmd_ls)
+
+    sub = command(
+        "report",
+        "an HTML page with curves, results and cache hits of plans",
+        "Write one self-contained HTML page (inline SVG, no script, no network) that overlays the "
+        "training-loss and learning-rate curves of PLANs (default: every stored plan), their "
+        "held-out evaluations, the results table of bt ls --metrics and each plan's steps with the "
+        "cache hits of its last run. --png DIR also writes the figures as PNG for papers.",
+    )
+    sub.add_argument("plans", nargs="*", metavar="PLAN", help="plan hashes or prefixes (default: all)")
+    sub.add_argument("-o", "--output", default="report.html", metavar="FILE", help="default report.html")
+    sub.add_argument("--png", metavar="DIR", help="also write loss.png, lr.png and heldout.png here")
+    sub.add_argument(
+        "--experiments", metavar="DIR", help="run records to read (default: $BT_EXPERIMENTS or ./experiments)"
+    )
+    sub.set_defaults(func=queries.cmd_report)
 
     sub = command(
         "gc",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -30,6 +31,7 @@ class LoadedPreset:
     path: Path
     provenance: Mapping[KeyPath, str]
     layers: tuple[str, ...]  # the files and `--set`s it was built from, in the order applied
+    sweep: Any = None  # the preset's [sweep] table, read by plan/sweep.py; never part of the config
 
     def source_of(self, key: KeyPath) -> str:
         """The file (or `--set`) that set `key` or its nearest set ancestor."""
@@ -45,6 +47,7 @@ def load_preset(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
     root = Path(path)
     try:
         preset = read_preset(root)
+        sweep = preset.raw.pop("sweep", None)  # a grid of plans, not a key of any one plan (plan/sweep.py)
         for assignment in overrides:
             apply_override(preset, assignment)
     except Fatal as exc:
@@ -63,5 +66,9 @@ def load_preset(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
         )
     assert config is not None  # no problems means every part structured
     return LoadedPreset(
-        config=config, path=root.resolve(), provenance=preset.provenance, layers=tuple(preset.layers)
+        config=config,
+        path=root.resolve(),
+        provenance=preset.provenance,
+        layers=tuple(preset.layers),
+        sweep=sweep,
     )

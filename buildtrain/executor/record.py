@@ -5,6 +5,7 @@ plan.json       the plan snapshot
 train.log       every event as a JSON line (executor and step processes alike)
 metrics.jsonl   training and evaluation metrics, one JSON line each
 summary.json    per step: cache hit or executed, duration, output digests; and the outcome
+events.out.tfevents.*  the same training and evaluation scalars for TensorBoard (executor/events.py)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from buildtrain import clock
 from buildtrain.executor import logs
+from buildtrain.executor.metrics import MetricsCollector
 from buildtrain.plan.plan import Plan
 from buildtrain.store.objects import write_bytes_durably
 
@@ -23,16 +25,19 @@ METRIC_EVENTS = ("train_step", "eval")
 
 
 class RunRecord:
-    def __init__(self, folder: Path, plan: Plan) -> None:
+    def __init__(self, folder: Path, plan: Plan, store_root: Path | None = None) -> None:
         self.folder = folder
         self.plan = plan
+        self.metrics = MetricsCollector(folder, store_root)  # TensorBoard scalars, step summaries
         self.steps: list[dict[str, Any]] = []
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self._events = logs.writing_to(self._write_line)
 
     @classmethod
-    def create(cls, root: Path, plan: Plan, meta: dict[str, Any]) -> RunRecord:
+    def create(
+        cls, root: Path, plan: Plan, meta: dict[str, Any], store_root: Path | None = None
+    ) -> RunRecord:
         root.mkdir(parents=True, exist_ok=True)
         base = f"{clock.compact()}-{plan.hash[:12]}"
         for attempt in range(1000):
@@ -54,7 +59,7 @@ class RunRecord:
         write_bytes_durably(
             folder / "plan.json", json.dumps({"hash": plan.hash, **plan.to_body()}, indent=2).encode()
         )
-        return cls(folder, plan)
+        return cls(folder, plan, store_root)
 
     @property
     def run_id(self) -> str:
@@ -75,9 +80,12 @@ class RunRecord:
             metric = {k: v for k, v in line.items() if k not in ("level",)}
             self._metrics.write(json.dumps(metric, sort_keys=True) + "\n")
             self._metrics.flush()
+            self.metrics.event(line)
 
     def step_result(self, **result: Any) -> None:
         self.steps.append(result)
+        kinds = {step.hash: step.kind for step in self.plan.steps}
+        self.metrics.step_finished(result, kinds.get(result.get("hash", ""), "?"))
 
     def close(self, outcome: str, exit_code: int, duration: float) -> None:
         summary = {
@@ -96,3 +104,4 @@ class RunRecord:
         write_bytes_durably(self.folder / "summary.json", json.dumps(summary, indent=2).encode())
         self._log.close()
         self._metrics.close()
+        self.metrics.close()

@@ -84,14 +84,15 @@ def signals_interrupt(plan: Plan) -> Iterator[None]:
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
-def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
+def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesses | None = None) -> int:
+    """Execute `plan`; `shared`: workers that outlive this plan (the plans of a sweep share them)."""
     started = time.perf_counter()
     launch = options.launch
     steps = steps_for(plan, options.target)
     if launch.follower:  # node 0 evaluates and exports; this node helps train
         steps = [step for step in steps if step.kind in ("data", "train")]
     threads = prepare(plan, options.threads, launch, steps)
-    record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash))
+    record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
     reporter = Reporter(options.progress, options.log_every)
     settings = plan.numerics
     per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
@@ -118,7 +119,8 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
             f"which slows training; {fix}"
         )
     outcome, code = "failed", int(ExitCode.FAILED)
-    processes = StepProcesses()  # steps of one numerics environment share a process
+    # Steps of one numerics environment share a process (and the plans of a sweep, when `shared`).
+    processes = shared if shared is not None else StepProcesses()
     try:
         with signals_interrupt(plan):
             for step in steps:
@@ -141,7 +143,8 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
         record.event("run_" + outcome, message=str(exc))
         raise
     finally:
-        processes.close()
+        if shared is None:
+            processes.close()
         duration = time.perf_counter() - started
         record.close(outcome, code, duration)
         if outcome == "done":

@@ -13,6 +13,7 @@ import attrs
 from buildtrain.config.loader import LoadedPreset, load_preset
 from buildtrain.config.preflight import preflight
 from buildtrain.errors import ConfigError
+from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import save_plan
@@ -53,6 +54,7 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_
 
     plan = compile_plan(loaded.config, sources, world_size)
     save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
+    save_card(store, plan, store.plan_meta(plan.hash).get("created", "?"))  # what bt ls --metrics reads
     return Planned(
         plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
     )

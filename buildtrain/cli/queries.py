@@ -1,0 +1,87 @@
+"""The commands that read and show what is stored: `bt show`, `bt diff`, `bt ls`, `bt report` and
+`bt why`. None imports torch or the executor; the tables read small per-plan cards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from buildtrain.cli.commands import experiments, store_of
+from buildtrain.errors import ExitCode, UsageError
+from buildtrain.plan.stored import load_plan
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from buildtrain.report import show_json, show_text
+
+    store = store_of(args)
+    plan = load_plan(store, args.plan)
+    if args.lineage:
+        from buildtrain.views.lineage import lineage, lineage_text
+
+        nodes = lineage(store, plan)
+        print(json.dumps(nodes, indent=2) if args.json else lineage_text(plan, nodes))
+        return ExitCode.OK
+    print(show_json(store, plan) if args.json else show_text(store, plan))
+    return ExitCode.OK
+
+
+def cmd_why(args: argparse.Namespace) -> int:
+    from buildtrain.views.lineage import why, why_text
+
+    result = why(store_of(args), args.digest)
+    print(json.dumps(result, indent=2) if args.json else why_text(result))
+    return ExitCode.OK if result["found"] else ExitCode.USAGE
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from buildtrain.plan.diff import diff_plans
+    from buildtrain.report import diff_json, diff_text
+    from buildtrain.views.table import metrics_diff, metrics_diff_text
+
+    store = store_of(args)
+    a, b = load_plan(store, args.plan_a), load_plan(store, args.plan_b)
+    changes, steps = diff_plans(a, b)
+    metrics = metrics_diff(store, a.hash, b.hash)
+    if args.json:
+        print(json.dumps({**json.loads(diff_json(a, b, changes, steps)), "metrics": metrics}, indent=2))
+    else:
+        section = metrics_diff_text(metrics)
+        print(diff_text(a, b, changes, steps) + ("\n" + section if section else ""))
+    return ExitCode.OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = store_of(args)
+    if args.metrics or args.sort:
+        from buildtrain.views.table import metrics_rows, sort_rows, table_json, table_text
+
+        keys, rows = metrics_rows(store)
+        rows = sort_rows(rows, keys, args.sort)
+        print(json.dumps(table_json(keys, rows), indent=2) if args.json else table_text(keys, rows))
+        return ExitCode.OK
+    from buildtrain.report import ls_rows, ls_text
+
+    listed = ls_rows(store)
+    print(json.dumps(listed, indent=2) if args.json else ls_text(listed))
+    return ExitCode.OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from buildtrain.store.objects import write_bytes_durably
+    from buildtrain.views.html import build_report
+
+    store = store_of(args)
+    hashes = (
+        list(dict.fromkeys(store.resolve(ref) for ref in args.plans)) if args.plans else store.plan_hashes()
+    )
+    if not hashes:
+        raise UsageError(f"no plans in the store {store.root}; compile one with: bt plan PRESET")
+    out = Path(args.output)
+    page, pngs = build_report(store, hashes, experiments(args), Path(args.png) if args.png else None)
+    write_bytes_durably(out, page.encode())
+    print(out)
+    for path in pngs:
+        print(path)
+    return ExitCode.OK

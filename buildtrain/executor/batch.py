@@ -1,0 +1,121 @@
+"""`bt run` over several plans (a sweep): each plan runs as usual, shared steps are built once.
+
+Sharing needs no scheduler of its own: plans run one after another, and a step that an earlier
+plan built is a cache hit for every later one (the store is content-addressed by step hash). The
+plans also share their step processes (one per numerics environment), so a sweep pays for
+`import torch` once, not once per plan. What
+this module adds is the count a researcher asks for: how many distinct steps the plans hold,
+how many were built now, how many were already in the store, and how many step executions the
+sharing saved. The first plan that fails stops the batch (like make without -k).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+from buildtrain.errors import BuildtrainError, ExitCode
+from buildtrain.executor.processes import StepProcesses
+from buildtrain.executor.run import RunOptions, run_plan
+from buildtrain.plan.plan import Plan
+from buildtrain.store.store import Store
+
+
+@attrs.frozen
+class BatchSummary:
+    plans: int
+    ran: int  # plans whose run finished
+    step_slots: int  # steps over all plans, counting a shared step once per plan
+    distinct: int  # distinct step hashes
+    executed: int  # steps executed by this batch (each at most once)
+    cached: int  # distinct steps already in the store before the batch
+    records: tuple[str, ...]
+    code: int
+    stopped_at: str | None = None  # the plan whose failure stopped the batch
+    error: str | None = None  # its message
+
+    @property
+    def saved(self) -> int:
+        """Step executions avoided because plans share steps: what running the plans apart costs more."""
+        return self.step_slots - self.distinct
+
+
+def _record_of(experiments: Path, before: set[str], plan: Plan) -> dict | None:
+    if not experiments.is_dir():
+        return None
+    new = sorted(p for p in experiments.iterdir() if p.name not in before and plan.hash[:12] in p.name)
+    for folder in reversed(new):
+        try:
+            return json.loads((folder / "summary.json").read_bytes()) | {"folder": str(folder)}
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def run_plans(
+    store: Store,
+    plans: Sequence[tuple[Plan, RunOptions]],
+    on_plan: Callable[[int, Plan], None] | None = None,
+) -> BatchSummary:
+    """Run each plan in order; the summary counts shared steps once. A failed plan stops the batch
+    and is reported in the summary (the records of earlier plans stand); an interruption raises."""
+    distinct: dict[str, bool] = {}
+    slots = 0
+    for plan, _ in plans:
+        for step in plan.steps:
+            slots += 1
+            distinct.setdefault(step.hash, store.has_output(step.hash))
+    executed: set[str] = set()
+    records: list[str] = []
+    processes = StepProcesses()
+    try:
+        ran, code, stopped, error = _run_each(store, plans, processes, on_plan, executed, records)
+    finally:
+        processes.close()
+    return BatchSummary(
+        plans=len(plans),
+        ran=ran,
+        step_slots=slots,
+        distinct=len(distinct),
+        executed=len(executed),
+        cached=sum(distinct.values()),
+        records=tuple(records),
+        code=code,
+        stopped_at=stopped,
+        error=error,
+    )
+
+
+def _run_each(
+    store: Store,
+    plans: Sequence[tuple[Plan, RunOptions]],
+    processes: StepProcesses,
+    on_plan: Callable[[int, Plan], None] | None,
+    executed: set[str],
+    records: list[str],
+) -> tuple[int, int, str | None, str | None]:
+    """(plans done, exit code, the plan that stopped the batch, its message)."""
+    code, ran, stopped, error = int(ExitCode.OK), 0, None, None
+    for index, (plan, options) in enumerate(plans):
+        if on_plan is not None:
+            on_plan(index, plan)
+        experiments = options.experiments
+        before = {p.name for p in experiments.iterdir()} if experiments.is_dir() else set()
+        try:
+            code = run_plan(store, plan, options, processes)
+        except BuildtrainError as exc:
+            if exc.exit_code == ExitCode.INTERRUPTED:
+                raise
+            code, error = int(exc.exit_code), str(exc)
+        summary = _record_of(experiments, before, plan)
+        if summary is not None:
+            records.append(summary["folder"])
+            executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
+        if code != ExitCode.OK:
+            stopped = plan.hash
+            break
+        ran += 1
+    return ran, code, stopped, error

@@ -1,0 +1,114 @@
+"""Metrics of executed steps: TensorBoard scalars while a run goes, a small summary when a step ends.
+
+The summary of a step (`<store>/metrics/steps/<step hash>.json`) is what `bt ls --metrics` and
+`bt report` read instead of parsing every run's metrics.jsonl: final training loss, held-out
+results, median tokens/s and the wall time of the execution that built the output. It is keyed by
+step hash because a step is built once and shared by every plan that contains it (a sweep's
+pretrain stage): its cost and speed belong to the step, not to whichever plan ran first. Like
+eval results and stamps it is a derived record, never part of a hash; a lost one costs a blank
+in a table, never a wrong number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from buildtrain.executor.events import EventWriter
+from buildtrain.store.objects import write_bytes_durably
+
+METRICS_FORMAT = 1
+TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
+EVAL_SCALARS = ("loss", "bits_per_token", "perplexity")
+
+
+def step_metrics_path(store_root: Path, step_hash: str) -> Path:
+    return store_root / "metrics" / "steps" / f"{step_hash}.json"
+
+
+def read_step_metrics(store_root: Path, step_hash: str) -> dict[str, Any] | None:
+    """The summary of a built step, or None when absent or unreadable (a blank, never an error)."""
+    try:  # plain strings: a table asks this thousands of times
+        with open(os.path.join(store_root, "metrics", "steps", step_hash + ".json"), "rb") as file:
+            body = json.loads(file.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or body.get("format") != METRICS_FORMAT or body.get("step") != step_hash:
+        return None
+    return body
+
+
+class MetricsCollector:
+    """Fed every event of a run; writes TensorBoard scalars and, per executed step, its summary."""
+
+    def __init__(self, folder: Path, store_root: Path | None) -> None:
+        self.store_root = store_root
+        self.writer = EventWriter(folder)
+        self._steps: dict[str, dict[str, Any]] = {}
+        self._last_step: dict[str, int] = {}
+
+    def event(self, line: dict[str, Any]) -> None:
+        label = line.get("label")
+        if not isinstance(label, str):
+            return
+        kind = line.get("event")
+        seen = self._steps.setdefault(label, {"train": [], "eval": None})
+        if kind == "train_step" and isinstance(line.get("step"), int):
+            self._last_step[label] = line["step"]
+            seen["train"].append(line)
+            self.writer.scalars(line["step"], _scalars(label, line, TRAIN_SCALARS))
+        elif kind == "eval":
+            # During training an eval line carries the step; the eval step's own has none.
+            at = (
+                line.get("step")
+                if isinstance(line.get("step"), int)
+                else max(self._last_step.values(), default=0)
+            )
+            prefix = f"{label}/heldout" if label.startswith("train") else label
+            self.writer.scalars(at, _scalars(prefix, line, EVAL_SCALARS))
+            if not label.startswith("train"):
+                seen["eval"] = {k: line[k] for k in EVAL_SCALARS if isinstance(line.get(k), (int, float))}
+
+    def step_finished(self, result: dict[str, Any], kind: str) -> None:
+        """Write the summary of a step this run executed (a cache hit keeps the builder's)."""
+        if self.store_root is None or result.get("action") != "executed":
+            return
+        seen = self._steps.get(result["label"], {"train": [], "eval": None})
+        body: dict[str, Any] = {
+            "format": METRICS_FORMAT,
+            "step": result["hash"],
+            "label": result["label"],
+            "kind": kind,
+            "wall_s": result.get("duration_s"),
+        }
+        train = seen["train"]
+        if train:
+            speeds = [e["tokens_per_s"] for e in train if isinstance(e.get("tokens_per_s"), (int, float))]
+            body["train"] = {
+                "final_loss": train[-1].get("loss"),
+                "final_step": train[-1].get("step"),
+                "tokens_per_s": round(statistics.median(speeds), 1) if speeds else None,
+                "max_rss_mb": max((e.get("max_rss_mb") or 0 for e in train), default=None),
+            }
+        if seen["eval"]:
+            body["eval"] = seen["eval"]
+        path = step_metrics_path(self.store_root, result["hash"])
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_durably(path, json.dumps(body, indent=1, sort_keys=True).encode())
+        except OSError:  # a read-only store: the table shows a blank, the run still succeeds
+            pass
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _scalars(prefix: str, line: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
+    return {
+        f"{prefix}/{name}": float(line[name])
+        for name in names
+        if isinstance(line.get(name), (int, float)) and not isinstance(line.get(name), bool)
+    }

@@ -1,0 +1,56 @@
+"""The results of a plan, joined from its card and its steps' outputs and summaries (never torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from buildtrain.executor.metrics import read_step_metrics
+from buildtrain.plan.card import Card
+from buildtrain.store.objects import MANIFEST
+from buildtrain.store.store import Store
+
+EVAL_RESULT = "eval.json"  # steps/eval.py's file name; not imported, so that no step module loads
+
+
+def _built(store: Store, step_hash: str) -> bool:
+    """`Store.has_output` on plain strings: the table asks it thousands of times."""
+    folder = os.path.join(store.steps, step_hash)
+    return not os.path.islink(folder) and os.path.isfile(os.path.join(folder, MANIFEST))
+
+
+def eval_result(store: Store, step_hash: str) -> dict[str, Any] | None:
+    """The held-out result of a built eval step, read from its (small) output file."""
+    try:
+        body = json.loads((store.output(step_hash) / EVAL_RESULT).read_bytes())
+        result = body["result"]
+        return result if isinstance(result, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def plan_results(store: Store, card: Card) -> dict[str, Any]:
+    """The numbers of one plan: final train loss and speed (last stage), held-out loss and bits
+    per token, wall time (the sum over the executions that built its steps), build status."""
+    built = [_built(store, h) for _, _, h in card.steps]
+    summaries = {h: read_step_metrics(store.root, h) for _, _, h in card.steps}
+    trains = card.of_kind("train")
+    last = summaries.get(trains[-1][2]) if trains else None
+    train = (last or {}).get("train") or {}
+    evals = card.of_kind("eval")
+    result = eval_result(store, evals[-1][2]) if evals and built[card.steps.index(evals[-1])] else None
+    walls = [s["wall_s"] for s in summaries.values() if s and isinstance(s.get("wall_s"), (int, float))]
+    count = sum(built)
+    return {
+        "train_loss": train.get("final_loss"),
+        "heldout_loss": (result or {}).get("loss"),
+        "bits_per_token": (result or {}).get("bits_per_token"),
+        "tokens_per_s": train.get("tokens_per_s"),
+        "wall_s": round(sum(walls), 3) if walls else None,
+        "status": "built"
+        if count == len(built)
+        else "not built"
+        if count == 0
+        else f"partial {count}/{len(built)}",
+    }

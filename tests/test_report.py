@@ -1,0 +1,115 @@
+"""`bt report`: one self-contained page with charts drawn by matplotlib, PNG figures, and a browser check."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_bt
+from sweeps_built import BuiltSweep, built_sweep
+
+from buildtrain.views.html import legend_label
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> BuiltSweep:
+    return built_sweep(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def report(sweep: BuiltSweep, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("report")
+    env = {"BT_EXPERIMENTS": str(sweep.experiments)}
+    result = run_bt(
+        "report",
+        *sweep.plans,
+        "-o",
+        str(out / "report.html"),
+        "--png",
+        str(out / "figures"),
+        store=sweep.store,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    return out, (out / "report.html").read_text(encoding="utf-8")
+
+
+def test_the_page_is_self_contained(report: tuple[Path, str]) -> None:
+    _, page = report
+    assert page.count("<svg") == 3  # loss, learning rate, held-out
+    assert "<script" not in page.lower()
+    # Namespaces name, they do not fetch; nothing else may point outside the file.
+    outside = re.findall(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", page)
+    assert outside == []
+    assert "<link" not in page and "@import" not in page
+
+
+def test_the_page_holds_the_table_the_curves_and_the_cache_hits(
+    sweep: BuiltSweep, report: tuple[Path, str]
+) -> None:
+    _, page = report
+    for plan in sweep.plans:
+        assert plan[:12] in page
+    assert "stages[1].train.lr" in page and "held-out" in page
+    assert page.count("train:pretrain") >= 6  # every plan's steps
+    assert "<span class='cached'>cached</span>" in page  # the second run's hits
+    assert "Training loss" in page and "stage boundaries" in page  # two stages, end to end
+    assert "Learning rate" in page and "Held-out evaluation" in page
+
+
+def test_png_figures_for_papers(report: tuple[Path, str]) -> None:
+    out, _ = report
+    for name in ("loss", "lr", "heldout"):
+        data = (out / "figures" / f"{name}.png").read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+def test_legend_labels_name_what_sets_a_plan_apart() -> None:
+    assert legend_label("0bc9f7c8c2ae" + "0" * 52, {"stages[1].train.lr": 0.01, "model.n_layers": 2}) == (
+        "0bc9f7c8 lr=0.01 n_layers=2"
+    )
+    same_leaf = {"stages[0].train.lr": 0.1, "stages[1].train.lr": 0.2}
+    assert legend_label("a" * 64, same_leaf) == "aaaaaaaa stages[0].train.lr=0.1 stages[1].train.lr=0.2"
+
+
+def test_an_unknown_plan_is_one_line(sweep: BuiltSweep, tmp_path: Path) -> None:
+    result = run_bt("report", "ffff0000", "-o", str(tmp_path / "r.html"), store=sweep.store)
+    assert result.returncode == 2 and "no plan ffff0000" in result.stderr
+    assert not (tmp_path / "r.html").exists()
+
+
+def _browser_ready() -> bool:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import playwright  # noqa: F401
+        from report_in_browser import find_chromium
+    except ImportError:
+        return False
+    finally:
+        sys.path.pop(0)
+    return find_chromium() is not None
+
+
+@pytest.mark.skipif(not _browser_ready(), reason="needs Chromium and playwright (CI has neither)")
+def test_the_page_renders_in_a_real_browser(report: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = report
+    shot = tmp_path / "report.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "report_in_browser.py"),
+            str(out / "report.html"),
+            "--screenshot",
+            str(shot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert shot.read_bytes().startswith(PNG_MAGIC)
