@@ -96,7 +96,7 @@ def training_state(target_bytes: int) -> tuple[Any, Any]:
     optimizer = AdamW(param_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     for parameter in model.parameters():
         parameter.grad = torch.randn(parameter.shape, generator=generator) * 1e-3
-    optimizer.step()
+    optimizer.update()
     optimizer.zero_grad()
     return model, optimizer
 

@@ -147,10 +147,12 @@ def in_one_process(space: Workspace, n: int) -> None:
     import torch
 
     from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+    from buildtrain.steps.train.gradient import batch_gradient, seeded
+    from buildtrain.steps.train.job import TrainJob
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.optimizer import AdamW
     from buildtrain.steps.train.ranks import Ranks
-    from buildtrain.steps.train.trainer import TrainJob, batch_gradient, param_groups, seeded
+    from buildtrain.steps.train.trainer import param_groups
 
     torch.set_num_threads(threads)
 
@@ -198,7 +200,7 @@ def in_one_process(space: Workspace, n: int) -> None:
                         Ranks(),
                     )  # type: ignore[arg-type]
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    optimizer.step()
+                    optimizer.update()
                     optimizer.zero_grad()
                     samples.append(time.perf_counter() - started)
             plain, tree = median(times["allreduce"]), median(times["invariant"])
