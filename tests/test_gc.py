@@ -59,6 +59,23 @@ def test_dropping_a_plan_frees_its_outputs(micro_built, tmp_path):
     assert Store(root).plan_hashes() == []
     assert list((root / "steps").iterdir()) == []
     assert list((root / "evals").iterdir()) == []
+    # The plan's card and its steps' metrics summaries (what bt ls --metrics reads) go with them.
+    assert list((root / "metrics" / "plans").glob("*.json")) == []
+    assert list((root / "metrics" / "steps").glob("*.json")) == []
+
+
+def test_gc_keeps_the_cards_and_summaries_of_kept_plans(micro_built, tmp_path):
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    cards = sorted((root / "metrics" / "plans").glob("*.json"))
+    summaries = sorted((root / "metrics" / "steps").glob("*.json"))
+    assert cards and summaries
+    stray = root / "metrics" / "steps" / f"{'d' * 64}.json"
+    stray.write_text("{}")
+    result = run_bt("gc", store=root)
+    assert result.returncode == 0, result.stderr
+    assert sorted((root / "metrics" / "plans").glob("*.json")) == cards
+    assert sorted((root / "metrics" / "steps").glob("*.json")) == summaries
 
 
 def test_gc_keeps_what_a_damaged_plan_may_use_and_never_follows_links(micro_built, tmp_path):

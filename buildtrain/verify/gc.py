@@ -121,6 +121,13 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
     doomed += _listing(store.quarantined)
     kept_outputs = {p.name for p in outputs if p not in doomed}
     doomed += [p for p in _listing(store.root / "cache" / "verified", "*.json") if p.stem not in kept_outputs]
+    # What bt ls --metrics reads: a plan's card and a step's metrics summary go with their object.
+    kept_plans = set(store.plan_hashes()) - set(report.dropped)
+    doomed += [p for p in _listing(store.root / "metrics" / "plans", "*.json") if p.stem not in kept_plans]
+    if not damaged_plans:
+        doomed += [
+            p for p in _listing(store.root / "metrics" / "steps", "*.json") if p.stem not in referenced
+        ]
     if not damaged_plans:
         kept_evals = {key_of_output(p) for p in outputs if p.name in referenced}
         doomed += [p for p in _listing(store.evals, "*.json") if p.stem not in kept_evals]
