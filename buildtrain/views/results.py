@@ -8,10 +8,9 @@ from typing import Any
 
 from buildtrain.executor.metrics import read_step_metrics
 from buildtrain.plan.card import Card
+from buildtrain.steps.eval_cache import EVAL_RESULT  # torch-free
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
-
-EVAL_RESULT = "eval.json"  # steps/eval.py's file name; not imported, so that no step module loads
 
 
 def _built(store: Store, step_hash: str) -> bool:
