@@ -41,7 +41,14 @@ from buildtrain.executor.processes import JOB_EXIT, StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
 from buildtrain.plan.plan import Plan, SourceFile, Step
-from buildtrain.plan.toolchain import cpu_facts, differences, fingerprint, hashed_world_size, portable_target
+from buildtrain.plan.toolchain import (
+    cpu_facts,
+    differences,
+    fingerprint,
+    hashed_world_size,
+    library_facts,
+    portable_target,
+)
 from buildtrain.store import objects
 from buildtrain.store.sources import locate
 from buildtrain.store.store import Store
@@ -127,7 +134,7 @@ def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
     for step in plan.steps:
         current = fingerprint(
             step.kind, settings, threads, hashed_world_size(step.kind, step.config, world_size)
-        )
+        ) | library_facts(step.kind, step.config)
         for line in differences(dict(step.toolchain), current):
             if line not in lines:
                 lines.append(line)
@@ -254,7 +261,7 @@ def spawn(
             "dtype": settings.dtype,
             "threads": threads,
         },
-        "sources": source_paths(store, plan, step) if step.kind == "data" else [],
+        "sources": source_paths(store, plan, step) if step.kind in ("tokenizer", "data") else [],
         "hooks": {**test_hooks_from_environment(), **job_extra.hooks},
         "watch": job_extra.watch,
         "commit": job_extra.commit,
@@ -591,7 +598,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions) -> int:
     launch = options.launch
     steps = steps_for(plan, options.target)
     if launch.follower:  # node 0 evaluates and exports; this node helps train
-        steps = [step for step in steps if step.kind in ("data", "train")]
+        steps = [step for step in steps if step.kind in ("tokenizer", "data", "train")]
     threads = resolve_threads(plan, options.threads, launch.nproc)
     check_toolchain(plan, threads, launch.world_size)
     check_world_size(steps, launch.world_size)

@@ -139,10 +139,14 @@ def _dispatch(ctx: Any, out: Path | None) -> dict[str, str] | None:
 
         return train_step.execute(ctx, out)
     assert out is not None, "only a train step runs on several ranks"
+    if kind == "tokenizer":
+        from buildtrain.steps import tokenizer
+
+        return tokenizer.execute(ctx, out)
     if kind == "data":
         from buildtrain.steps import data
 
-        return data.build(ctx.step.to_body(), ctx.sources, out, ctx.log)
+        return data.build(ctx.step.to_body(), ctx.sources, out, ctx.log, ctx.inputs.get("tokenizer"))
     if kind == "eval":
         from buildtrain.steps import eval as eval_step
 

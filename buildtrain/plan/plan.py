@@ -18,7 +18,7 @@ from buildtrain.canonical import digest, plain
 from buildtrain.config.checks import name_problem
 
 PLAN_FORMAT = 1
-STEP_KINDS = ("data", "train", "eval", "export")
+STEP_KINDS = ("tokenizer", "data", "train", "eval", "export")
 
 
 @attrs.frozen

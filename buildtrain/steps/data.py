@@ -20,7 +20,6 @@ from buildtrain.store.tensors import tensor_digest
 
 DATA_FORMAT = 1
 DATA_INDEX = "data.json"
-READ_CHUNK = 1 << 20
 
 
 class SplitMix64:
@@ -57,14 +56,10 @@ def documents(config: dict[str, Any], sources: list[Path]) -> Iterator[Iterator[
         for index in range(synthetic["documents"]):
             yield iter((arithmetic_document(synthetic["seed"], index, synthetic["lines"]),))
         return
-    for path in sources:
-        yield _chunks(path)
+    from buildtrain.steps.formats import documents as file_documents  # text, JSONL, Parquet
 
-
-def _chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
-        while chunk := handle.read(READ_CHUNK):
-            yield chunk
+    for _, chunks in file_documents(config, sources):
+        yield chunks
 
 
 def widen(chunk: bytes) -> bytearray:
@@ -80,8 +75,10 @@ END_OF_DOCUMENT_BYTES = END_OF_DOCUMENT.to_bytes(2, "little")
 class ShardWriter:
     """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
 
-    def __init__(self, folder: Path, split: str, shard_tokens: int) -> None:
-        self.folder, self.split, self.shard_bytes = folder, split, 2 * shard_tokens
+    def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
+        # width 4 (uint32) for vocabularies past 65,536 ids; see steps/tokenized.py
+        self.folder, self.split, self.width = folder, split, width
+        self.shard_bytes = width * shard_tokens
         self.buffer = bytearray()
         self.shards: list[dict[str, Any]] = []
 
@@ -99,9 +96,10 @@ class ShardWriter:
     def _flush(self, raw: bytes) -> None:
         name = f"{self.split}-{len(self.shards):05d}.bin"
         (self.folder / name).write_bytes(raw)
-        count = len(raw) // 2
+        count = len(raw) // self.width
+        dtype = "u16" if self.width == 2 else "u32"
         self.shards.append(
-            {"file": name, "tokens": count, "digest": tensor_digest(name, "u16", [count], raw)}
+            {"file": name, "tokens": count, "digest": tensor_digest(name, dtype, [count], raw)}
         )
 
     @property
@@ -109,9 +107,15 @@ class ShardWriter:
         return sum(shard["tokens"] for shard in self.shards)
 
 
-def build(spec: dict[str, Any], sources: list[Path], out: Path, log: Any) -> dict[str, str]:
+def build(
+    spec: dict[str, Any], sources: list[Path], out: Path, log: Any, tokenizer: Path | None = None
+) -> dict[str, str]:
     """Write shards and `data.json` into `out`; return the logical digests of the output."""
     config = spec["config"]["data"]
+    if tokenizer is not None:  # a tokenizer step's output: BPE or a given tokenizer.json
+        from buildtrain.steps.tokenized import build_tokenized
+
+        return build_tokenized(config, sources, tokenizer, out, log)
     block_size, fraction, split_seed = config["split_block"], config["heldout_fraction"], config["split_seed"]
     writers = {split: ShardWriter(out, split, config["shard_tokens"]) for split in ("train", "heldout")}
     block = bytearray()  # the current split block, as uint16 little-endian bytes

@@ -119,13 +119,15 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
 
     numerics = ctx.plan.config["numerics"]
     device = torch.device(numerics["device"])
+    index = read_json(ctx.inputs["data"] / DATA_INDEX)
+    vocab_size = index["tokenizer"].get("vocab_size", BYTE_VOCAB_SIZE)
     model = Transformer.build(
-        converter.structure(ctx.step.config["model"], ModelConfig), BYTE_VOCAB_SIZE, torch.Generator()
+        converter.structure(ctx.step.config["model"], ModelConfig), vocab_size, torch.Generator()
     )
     load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
     eval_config = converter.structure({**ctx.step.config["eval"], "every": 0}, EvalConfig)
-    heldout = TokenStream(ctx.inputs["data"], read_json(ctx.inputs["data"] / DATA_INDEX)["splits"]["heldout"])
+    heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics["dtype"] == "bfloat16")
     result = evaluate(model, heldout, eval_config, device, autocast)
     ctx.log.info("eval", **result)

@@ -239,12 +239,13 @@ def train(
     device = torch.device(job.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16")
 
-    model = Transformer.build(job.model, BYTE_VOCAB_SIZE, seeded(cfg.seed, "init"))
+    data_dir, index = job.data
+    vocab_size = index.get("tokenizer", {}).get("vocab_size", BYTE_VOCAB_SIZE)  # the tokenizer's
+    model = Transformer.build(job.model, vocab_size, seeded(cfg.seed, "init"))
     if job.init_weights is not None:
         load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
     model.to(device)
     optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    data_dir, index = job.data
     batches = Batches(
         TokenStream(data_dir, index["splits"]["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
     )
