@@ -311,7 +311,22 @@ def datas(draw: st.DrawFn, files: list[str]) -> dict[str, Any]:
             "lines": draw(st.integers(1, 64)),
             "seed": draw(SEEDS),
         },
-        "tokenizer": draw(_choices(DataConfig, "tokenizer")),
+        "format": draw(_choices(DataConfig, "format")),
+        "text_field": draw(st.sampled_from(["text", "content", "body"])),
+        "text_column": draw(st.sampled_from(["text", "content", "body"])),
+        "tokenizer": draw(
+            st.one_of(
+                _choices(DataConfig, "tokenizer"),
+                st.fixed_dictionaries(
+                    {
+                        "kind": st.just("bpe"),
+                        "vocab_size": st.integers(258, 1 << 17),
+                        "min_frequency": st.integers(1, 10),
+                        "end_of_document": st.sampled_from(["<|endoftext|>", "</s>"]),
+                    }
+                ),
+            )
+        ),
         "heldout_fraction": draw(st.floats(min_value=0.0, max_value=0.5, exclude_min=True)),
         "split_block": draw(st.integers(16, 4096)),
         "split_seed": draw(SEEDS),

@@ -116,3 +116,52 @@ def load(folder: Path) -> tuple[Any, dict[str, Any]]:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(folder / TOKENIZER)), json.loads((folder / DESCRIPTION).read_bytes())
+
+
+BYTE_END_OF_DOCUMENT = "<|endoftext|>"
+
+
+def byte_level_json(end_of_document: int) -> bytes:
+    """The byte tokenizer as a `tokenizers` file: id b for byte b, `<|endoftext|>` at
+    `end_of_document`. A byte-level BPE with no merges and no regex split encodes every text to
+    exactly its UTF-8 bytes, so transformers reads the same ids buildtrain trained on."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the printable stand-in of every byte
+    bytes_to_unicode = _gpt2_byte_map()
+    vocab = {bytes_to_unicode[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(BYTE_END_OF_DOCUMENT, special=True)])
+    assert tokenizer.token_to_id(BYTE_END_OF_DOCUMENT) == end_of_document
+    return tokenizer.to_str().encode("utf-8")
+
+
+def _gpt2_byte_map() -> dict[int, str]:
+    """GPT-2's reversible map of bytes to printable characters (what ByteLevel uses)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    codes, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, codes, strict=True)}
+
+
+def export_files(inputs: dict[str, Path], described: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """(tokenizer.json bytes, description) of what a plan's export ships: the tokenizer step's
+    output, or the byte tokenizer (`described` is then the plan's byte description)."""
+    import json
+
+    if "tokenizer" in inputs:
+        folder = inputs["tokenizer"]
+        return (folder / TOKENIZER).read_bytes(), json.loads((folder / DESCRIPTION).read_bytes())
+    description = {**described, "end_of_document_token": BYTE_END_OF_DOCUMENT}
+    return byte_level_json(described["end_of_document"]), description
