@@ -222,6 +222,31 @@ def cmd_export(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from buildtrain.steps.sample import SampleOptions, sample
+
+    store = _store(args)
+    options = SampleOptions(
+        prompt=args.prompt,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+    )
+    print(args.prompt + sample(store, store.load_plan(args.plan), options))
+    return ExitCode.OK
+
+
+def _at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _launch(args: argparse.Namespace) -> Launch:
     from buildtrain.executor.launch import Launch
 
@@ -535,6 +560,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("plan", help="plan hash or prefix")
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
     sub.set_defaults(func=cmd_export)
+
+    sub = command(
+        "sample",
+        "generate text from a built plan's exported weights",
+        "Generate text after PROMPT from the export of a built PLAN, with a key/value cache. The same "
+        "--seed gives the same text; --temperature 0 is greedy.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none)")
+    sub.add_argument(
+        "--tokens", type=_positive, default=64, metavar="N", help="tokens to generate (default 64)"
+    )
+    sub.add_argument(
+        "--temperature", type=_at_least_zero, default=0.8, metavar="T", help="default 0.8; 0: greedy"
+    )
+    sub.add_argument(
+        "--top-k",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="draw from the K likeliest tokens (default: all)",
+    )
+    sub.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)")
+    sub.set_defaults(func=cmd_sample)
     return parser
 
 
