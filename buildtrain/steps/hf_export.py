@@ -67,7 +67,9 @@ def hf_config(
         "head_dim": model["dim"] // model["n_heads"],
         "hidden_act": "silu" if model["mlp"] == "swiglu" else "gelu",  # gelu: the exact (erf) form
         "max_position_embeddings": max_positions,
+        # transformers 5 reads rope_parameters; 4.x read rope_theta (and partial_rotary_factor)
         "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+        "rope_theta": model["rope_theta"],
         "tie_word_embeddings": model["tie_embeddings"],
         "bos_token_id": eod,
         "eos_token_id": eod,
@@ -79,7 +81,7 @@ def hf_config(
         config.update(rms_norm_eps=model["norm_eps"], attention_bias=False, mlp_bias=False)
     elif model_type == "stablelm":
         config.update(layer_norm_eps=model["norm_eps"], use_qkv_bias=False, qk_layernorm=False)
-        config["rope_parameters"]["partial_rotary_factor"] = 1.0
+        config["rope_parameters"]["partial_rotary_factor"] = config["partial_rotary_factor"] = 1.0
     else:
         config.update(norm_epsilon=model["norm_eps"], use_bias=False, sliding_window=None)
     return config
