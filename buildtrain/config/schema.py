@@ -41,7 +41,7 @@ class TokenizerConfig:
     )
     kind: str = setting(
         attrs.Factory(lambda self: "file" if self.file is not None else "bpe", takes_self=True),
-        "bpe (trained by a tokenizer step) or file (set by `file`)",
+        "bpe (trained by a tokenizer step; the default) or file (the default when `file` is set)",
         one_of("bpe", "file"),
     )
     vocab_size: int = setting(
@@ -96,7 +96,12 @@ class DataConfig:
     heldout_fraction: float = setting(
         0.05, "fraction of split blocks held out for evaluation", greater_than(0.0), at_most(0.5)
     )
-    split_block: int = setting(1024, "tokens per block when assigning train/held-out", at_least(16))
+    split_block: int = setting(
+        1024,
+        "tokens per block when assigning train/held-out (with a BPE or file tokenizer: at most this many "
+        "bytes of text per piece, cut after a newline where one fits, split before tokenizing)",
+        at_least(16),
+    )
     split_seed: int = setting(0, "seed of the train/held-out assignment", at_least(0))
     shard_tokens: int = setting(1 << 20, "tokens per shard file", at_least(1024))
 
