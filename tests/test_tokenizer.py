@@ -21,7 +21,25 @@ from buildtrain.steps.pieces import corpus, pieces
 from buildtrain.store.store import Store
 
 MICRO_BPE = REPO / "tests" / "presets" / "micro_bpe.toml"
-WORDS = "the a model trains on text and learns tokens from bytes which merge into words over time".split()
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "trains",
+    "on",
+    "text",
+    "and",
+    "learns",
+    "tokens",
+    "from",
+    "bytes",
+    "which",
+    "merge",
+    "into",
+    "words",
+    "over",
+    "time",
+]
 TEXT_CONFIG = {"source": "files", "format": "jsonl", "text_field": "text", "split_block": 128}
 TEXT_CONFIG |= {"heldout_fraction": 0.2, "split_seed": 0}
 BPE = {"kind": "bpe", "vocab_size": 320, "min_frequency": 2, "end_of_document": "<|endoftext|>"}
