@@ -178,3 +178,41 @@ def test_the_bpe_preset_runs_and_a_rerun_is_a_null_build(tmp_path: Path, bt: BtR
     assert first.returncode == 0, first.stderr
     again = bt("run", planned)
     assert again.returncode == 0 and "5 cached" in again.stderr, again.stderr
+
+
+def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path) -> None:
+    from tokenizers import AddedToken
+
+    from buildtrain.canonical import canonical_bytes
+    from buildtrain.steps.data import DATA_INDEX
+    from buildtrain.steps.tokenized import build_tokenized
+    from buildtrain.steps.train.batches import TokenStream
+
+    wide = tokenizer_step.new_bpe()  # no merges: unknown words fall back to their bytes
+    wide.add_tokens([f"filler{i}" for i in range(70_000)])
+    wide.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    wide.add_tokens(["WIDE"])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / tokenizer_step.TOKENIZER).write_text(wide.to_str())
+    description = tokenizer_step.describe(wide, "file", "<|endoftext|>")
+    (folder / tokenizer_step.DESCRIPTION).write_bytes(canonical_bytes(description))
+    assert description["vocab_size"] > 1 << 16
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": f"ab WIDE c{i}"}) + "\n" for i in range(200)))
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {**TEXT_CONFIG, "split_block": 16, "shard_tokens": 1024}
+
+    class Log:
+        def info(self, *_: object, **__: object) -> None: ...
+
+    build_tokenized(config, [path], folder, out, Log())
+    index = json.loads((out / DATA_INDEX).read_bytes())
+    split = index["splits"]["train"]
+    assert split["dtype"] == "u32" and split["shards"][0]["digest"]
+    tokens = TokenStream(out, split).read(0, len(TokenStream(out, split))).tolist()
+    wide_id, end = wide.token_to_id("WIDE"), description["end_of_document"]
+    assert wide_id > 1 << 16 and end > 1 << 16
+    assert tokens.count(wide_id) > 100 and tokens.count(end) > 100
+    assert max(tokens) < description["vocab_size"]
