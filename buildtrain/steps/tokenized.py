@@ -3,12 +3,14 @@
 The text is split into train and held-out pieces exactly as the tokenizer step saw it (`pieces`),
 then encoded a batch of pieces at a time with the library's batch encoder (parallel in Rust,
 without offsets), so memory holds one batch, not the corpus. Encoding a piece does not depend on
-the other pieces of its batch, so the batch size and the thread count cannot change the tokens.
+the other pieces of its batch, so the batch size and the thread count cannot change the tokens;
+encoding one batch overlaps reading the next.
 Token ids go into uint16 shards while the vocabulary fits 65,536 ids, uint32 shards beyond.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,7 @@ def build_tokenized(
     batch: list[Piece] = []
     batch_bytes = 0
 
-    def encode(batch: list[Piece]) -> None:
-        encodings = tokenizer.encode_batch_fast([piece.text for piece in batch], add_special_tokens=False)
+    def write(batch: list[Piece], encodings: list[Any]) -> None:
         ids: dict[bool, list[int]] = {False: [], True: []}
         for piece, encoding in zip(batch, encodings, strict=True):
             ids[piece.held_out].extend(encoding.ids)
@@ -57,14 +58,29 @@ def build_tokenized(
         counts["pieces"] += len(batch)
         log.info("data_progress", documents=counts["documents"], blocks=counts["pieces"])
 
-    for piece in pieces(config, corpus(config, sources)):
-        batch.append(piece)
-        batch_bytes += len(piece.text)
-        if batch_bytes >= ENCODE_BATCH_BYTES:
-            encode(batch)
-            batch, batch_bytes = [], 0
-    if batch:
-        encode(batch)
+    # The library releases the GIL while it encodes: batch k is encoded in a helper thread while
+    # this one reads and cuts the text of batch k + 1. Results are written in batch order.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending: tuple[list[Piece], Future[Any]] | None = None
+
+        def submit(batch: list[Piece]) -> None:
+            nonlocal pending
+            texts = [piece.text for piece in batch]
+            future = pool.submit(tokenizer.encode_batch_fast, texts, add_special_tokens=False)
+            if pending is not None:
+                write(pending[0], pending[1].result())
+            pending = (batch, future)
+
+        for piece in pieces(config, corpus(config, sources)):
+            batch.append(piece)
+            batch_bytes += len(piece.text)
+            if batch_bytes >= ENCODE_BATCH_BYTES:
+                submit(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            submit(batch)
+        if pending is not None:
+            write(pending[0], pending[1].result())
     for writer in writers.values():
         writer.close()
 
