@@ -138,3 +138,20 @@ def test_a_built_plan_exports_hf_covered_by_checksums(micro_built: Reference, tm
     tokenizer = transformers.AutoTokenizer.from_pretrained(package / "hf")
     ids = tokenizer("12+30=", return_tensors="pt")["input_ids"]
     assert model(ids).logits.shape == (1, 6, 257)
+
+
+def test_a_bfloat16_export_keeps_its_bits_and_loads_as_bfloat16(tmp_path: Path) -> None:
+    config = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, tie_embeddings=False)
+    model = Transformer.build(config, VOCAB, torch.Generator().manual_seed(3)).eval()
+    weights = tmp_path / "model.safetensors"
+    save_tensors(weights, {k: v.to(torch.bfloat16) for k, v in model_tensors(model).items()})
+    write_hf(
+        tmp_path / "hf", weights, _as_dict(config), byte_level_json(256), "<|endoftext|>", 256, 64, "bfloat16"
+    )
+    ours = read_tensors(weights)
+    theirs = read_tensors(tmp_path / "hf" / "model.safetensors")
+    assert ours["output.weight"][2].tobytes() == theirs["lm_head.weight"][2].tobytes()
+    assert theirs["lm_head.weight"][0] == "BF16"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.lm_head.weight, model.output.weight.to(torch.bfloat16))

@@ -216,3 +216,12 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
     assert wide_id > 1 << 16 and end > 1 << 16
     assert tokens.count(wide_id) > 100 and tokens.count(end) > 100
     assert max(tokens) < description["vocab_size"]
+
+
+def test_the_fast_held_out_unit_is_derive_unit() -> None:
+    from buildtrain.steps.pieces import HeldOutUnit
+    from buildtrain.steps.seeds import derive_unit
+
+    for seed in (0, 7, 2**40):
+        unit = HeldOutUnit(seed)
+        assert all(unit(i) == derive_unit(seed, "heldout", i) for i in [*range(300), 10**9, 2**62])
