@@ -51,6 +51,16 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_
     tokenizer_files: dict[str, SourceFile] = {}
     for index, stage in enumerate(loaded.config.stages):
         tokenizer = stage.data.tokenizer
+        if stage.init_from is not None and tokenizer != loaded.config.stage(stage.init_from).data.tokenizer:
+            key = ("stages", index, "data", "tokenizer")
+            where = loaded.source_of(key if key in loaded.provenance else key[2:])
+            raise ConfigError(
+                [
+                    f"{where}: stages.{stage.name}.data.tokenizer: differs from the tokenizer of stage "
+                    f"'{stage.init_from}', whose weights it starts from; a stage keeps its parent's "
+                    "tokenizer (the ids must mean the same tokens), so leave it out"
+                ]
+            )
         if isinstance(tokenizer, TokenizerConfig) and tokenizer.file is not None:
             path = Path(tokenizer.file)
             try:
