@@ -123,6 +123,14 @@ def test_the_byte_tokenizer_loads_in_transformers_and_gives_the_byte_ids(tmp_pat
     assert tokenizer(text)["input_ids"] == list(text.encode("utf-8"))
     assert tokenizer.eos_token_id == 256
     assert tokenizer.decode(list(text.encode("utf-8"))) == text
+    every_byte = bytes(range(256)).decode("latin-1")  # code points 0..255: UTF-8 of one or two bytes
+    assert tokenizer(every_byte)["input_ids"] == list(every_byte.encode("utf-8"))
+    from tokenizers import pre_tokenizers
+
+    vocab = json.loads(byte_level_json(256))["model"]["vocab"]
+    assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(vocab.values()) == list(
+        range(256)
+    )
 
 
 def test_a_built_plan_exports_hf_covered_by_checksums(micro_built: Reference, tmp_path: Path) -> None:

@@ -124,19 +124,43 @@ BYTE_END_OF_DOCUMENT = "<|endoftext|>"
 def byte_level_json(end_of_document: int) -> bytes:
     """The byte tokenizer as a `tokenizers` file: id b for byte b, `<|endoftext|>` at
     `end_of_document`. A byte-level BPE with no merges and no regex split encodes every text to
-    exactly its UTF-8 bytes, so transformers reads the same ids buildtrain trained on."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the printable stand-in of every byte
-    bytes_to_unicode = _gpt2_byte_map()
-    vocab = {bytes_to_unicode[b]: b for b in range(256)}
-    assert set(vocab) == set(alphabet)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(BYTE_END_OF_DOCUMENT, special=True)])
-    assert tokenizer.token_to_id(BYTE_END_OF_DOCUMENT) == end_of_document
-    return tokenizer.to_str().encode("utf-8")
+    exactly its UTF-8 bytes, so transformers reads the same ids buildtrain trained on. Written out
+    here (canonical JSON), not serialized by the library, so the export's bytes do not depend on
+    the `tokenizers` release (the export step's hash does not name it)."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    document = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": end_of_document,
+                "content": BYTE_END_OF_DOCUMENT,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {character: byte for byte, character in _gpt2_byte_map().items()},
+            "merges": [],
+        },
+    }
+    return canonical_bytes(document)
 
 
 def _gpt2_byte_map() -> dict[int, str]:
