@@ -13,7 +13,13 @@ import stat
 from pathlib import Path
 
 from buildtrain.config.loader import LoadedPreset, Problem, key_text
-from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig, world_size_problem
+from buildtrain.config.schema import (
+    BYTE_VOCAB_SIZE,
+    ModelConfig,
+    TokenizerConfig,
+    TrainConfig,
+    world_size_problem,
+)
 
 GIB = 1 << 30
 
@@ -57,16 +63,16 @@ def gradient_vectors(train: TrainConfig) -> int:
     return 2 + max(0, micro_batches - 1).bit_length()
 
 
-def memory_estimate(model: ModelConfig, train: TrainConfig) -> int:
+def memory_estimate(model: ModelConfig, train: TrainConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
     """Bytes for float32 weights, gradients (and the reduction's partial sums), two AdamW moments
     and one micro-batch of activations."""
-    state = parameter_count(model) * 4 * (3 + gradient_vectors(train))
+    state = parameter_count(model, vocab_size) * 4 * (3 + gradient_vectors(train))
     tokens = train.micro_batch_size * train.seq_len
     per_layer = (
         tokens * (12 * model.dim + 3 * model.ffn_hidden)
         + train.micro_batch_size * model.n_heads * train.seq_len**2 * 2
     )
-    activations = (model.n_layers * per_layer + tokens * BYTE_VOCAB_SIZE * 3) * 4
+    activations = (model.n_layers * per_layer + tokens * vocab_size * 3) * 4
     return state + activations
 
 
@@ -107,7 +113,13 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
 
     available = machine_memory()
     for stage in config.stages:
-        needed = memory_estimate(config.model, stage.train)
+        tokenizer = stage.data.tokenizer  # a trained BPE's size is known; a given file's only once read
+        vocab_size = (
+            tokenizer.vocab_size
+            if isinstance(tokenizer, TokenizerConfig) and tokenizer.kind == "bpe"
+            else BYTE_VOCAB_SIZE
+        )
+        needed = memory_estimate(config.model, stage.train, vocab_size)
         if needed > available:
             problems.append(
                 Problem(
