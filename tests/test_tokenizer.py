@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, BtRunner, plan_hash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan
@@ -225,3 +227,22 @@ def test_the_fast_held_out_unit_is_derive_unit() -> None:
     for seed in (0, 7, 2**40):
         unit = HeldOutUnit(seed)
         assert all(unit(i) == derive_unit(seed, "heldout", i) for i in [*range(300), 10**9, 2**62])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(st.characters(exclude_categories=("Cs",)), max_size=400),
+    limit=st.integers(16, 64),
+    chunk=st.integers(1, 50),
+)
+def test_pieces_rebuild_the_text_fit_the_limit_and_ignore_read_chunks(
+    text: str, limit: int, chunk: int
+) -> None:
+    from buildtrain.steps.pieces import cut
+
+    raw = text.encode("utf-8")
+    whole = list(cut([raw], limit))
+    assert b"".join(whole) == raw and len(whole) >= 1
+    assert all(len(piece) <= limit for piece in whole)
+    assert all(piece.decode("utf-8") for piece in whole if piece)  # never inside a character
+    assert list(cut([raw[i : i + chunk] for i in range(0, len(raw), chunk)], limit)) == whole
