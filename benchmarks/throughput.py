@@ -231,7 +231,7 @@ def build_data(space: Workspace, plan_hash: str) -> Path:
     plan = load_plan(Store(space.store), plan_hash)
     out = space.path("data-output")
     out.mkdir()
-    data.build(plan.by_label("data:main").to_body(), [], out, NullLog())
+    data.build_from_plan(plan.by_label("data:main").config, [], out, NullLog())
     return out
 
 

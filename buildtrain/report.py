@@ -190,7 +190,7 @@ def ls_text(rows: list[dict[str, Any]]) -> str:
 def verdict_line(verdict: StepVerdict) -> str:
     mark = {"reproduced": "✓", "diverged": "✗", "damaged": "✗", "not compared": "✗"}.get(verdict.status, "-")
     shown = ""
-    for name in ("weights", "data", "eval", "package"):
+    for name in ("weights", "data", "eval", "package", "tokenizer"):
         if verdict.status == "reproduced" and len(verdict.reexecuted.get(name, "")) == 64:
             shown = f"{name} {verdict.reexecuted[name][:12]}"
             break

@@ -34,6 +34,7 @@ from buildtrain.config.schema import (
     NumericsConfig,
     Stage,
     SyntheticConfig,
+    TokenizerConfig,
     TrainConfig,
 )
 
@@ -311,7 +312,22 @@ def datas(draw: st.DrawFn, files: list[str]) -> dict[str, Any]:
             "lines": draw(st.integers(1, 64)),
             "seed": draw(SEEDS),
         },
-        "tokenizer": draw(_choices(DataConfig, "tokenizer")),
+        "format": draw(_choices(DataConfig, "format")),
+        "text_field": draw(st.sampled_from(["text", "content", "body"])),
+        "text_column": draw(st.sampled_from(["text", "content", "body"])),
+        "tokenizer": draw(
+            st.one_of(
+                _choices(DataConfig, "tokenizer"),
+                st.fixed_dictionaries(
+                    {
+                        "kind": st.just("bpe"),
+                        "vocab_size": st.integers(258, 1 << 17),
+                        "min_frequency": st.integers(1, 10),
+                        "end_of_document": st.sampled_from(["<|endoftext|>", "</s>"]),
+                    }
+                ),
+            )
+        ),
         "heldout_fraction": draw(st.floats(min_value=0.0, max_value=0.5, exclude_min=True)),
         "split_block": draw(st.integers(16, 4096)),
         "split_seed": draw(SEEDS),
@@ -375,8 +391,13 @@ class PresetSpec:
 
         def data(table: dict[str, Any]) -> DataConfig:
             files = tuple(str(root / name) for name in table["files"])
-            rest = {k: v for k, v in table.items() if k not in ("files", "synthetic")}
-            return DataConfig(files=files, synthetic=SyntheticConfig(**table["synthetic"]), **rest)
+            rest = {k: v for k, v in table.items() if k not in ("files", "synthetic", "tokenizer")}
+            tokenizer = table["tokenizer"]
+            if isinstance(tokenizer, dict):
+                tokenizer = TokenizerConfig(**tokenizer)
+            return DataConfig(
+                files=files, synthetic=SyntheticConfig(**table["synthetic"]), tokenizer=tokenizer, **rest
+            )
 
         def train(table: dict[str, Any]) -> TrainConfig:
             return TrainConfig(**{**table, "betas": tuple(table["betas"])})
@@ -412,6 +433,8 @@ def preset_specs(draw: st.DrawFn, max_stages: int = 3) -> PresetSpec:
         stages.append(
             {"name": name, "init_from": init_from, "data": draw(datas(list(files))), "train": draw(trains())}
         )
+    for stage in stages:  # a stage keeps the tokenizer of the stage it starts from
+        stage["data"]["tokenizer"] = stages[0]["data"]["tokenizer"]
     values = {
         "name": draw(NAMES),
         "model": draw(models()),
@@ -449,6 +472,12 @@ def micro_specs(draw: st.DrawFn) -> PresetSpec:
         )
         init_from = draw(st.none() | st.sampled_from(names[:index])) if index else None
         stages.append({"name": name, "init_from": init_from, "data": data, "train": train})
+    tokenizer = draw(
+        st.just("bytes")
+        | st.fixed_dictionaries({"kind": st.just("bpe"), "vocab_size": st.integers(258, 320)})
+    )
+    for stage in stages:  # shared: a stage keeps the tokenizer of the stage it starts from
+        stage["data"]["tokenizer"] = tokenizer
     model = draw(models())
     model.update(  # numbers that keep three updates finite (a theta of 5e-324 would not)
         n_layers=draw(st.integers(1, 2)),
@@ -496,11 +525,16 @@ def default_of(cls: type, key: str) -> Any:
     return list(default) if isinstance(default, tuple) else default
 
 
+def _nested(key: str, value: Any) -> bool:
+    """A nested table split key by key (synthetic); a tokenizer table is written whole."""
+    return isinstance(value, dict) and key != "tokenizer"
+
+
 def _sparse(table: dict[str, Any], cls: type, rng: random.Random) -> dict[str, Any]:
     """`table` with some keys that equal their default left out (they resolve alike)."""
     out = {}
     for key, value in table.items():
-        if isinstance(value, dict):
+        if _nested(key, value):
             value = _sparse(value, typing.get_type_hints(cls)[key], rng)
             if value or rng.random() < 0.5:
                 out[key] = value
@@ -514,7 +548,7 @@ def _hoist(tables: list[dict[str, Any]], cls: type, rng: random.Random) -> tuple
     reference = rng.choice(tables)
     top: dict[str, Any] = {}
     for key, value in reference.items():
-        if isinstance(value, dict):
+        if _nested(key, value):
             nested = {k: v for k, v in value.items() if rng.random() < 0.5}
             if nested:
                 top[key] = nested
@@ -524,7 +558,7 @@ def _hoist(tables: list[dict[str, Any]], cls: type, rng: random.Random) -> tuple
     for table in tables:
         override: dict[str, Any] = {}
         for key, value in table.items():
-            if isinstance(value, dict):
+            if _nested(key, value):
                 hoisted = top.get(key, {})
                 sub = {
                     k: v
@@ -545,7 +579,7 @@ def _drop_defaults_without_top(
     """Leave out override keys that equal their default when no stage default hides the default."""
     out = {}
     for key, value in override.items():
-        if isinstance(value, dict):
+        if _nested(key, value):
             hoisted = top.get(key, {})
             sub = {
                 k: v

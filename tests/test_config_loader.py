@@ -39,6 +39,7 @@ from buildtrain.config.schema import (
     ModelConfig,
     NumericsConfig,
     Stage,
+    TokenizerConfig,
     TrainConfig,
 )
 from buildtrain.errors import ConfigError, ExitCode
@@ -326,7 +327,8 @@ def _schema_has(key: str) -> bool:
         if cls is None or part not in attrs.fields_dict(cls):
             return False
         nested = typing.get_type_hints(cls)[part]
-        cls = nested if attrs.has(nested) else None
+        tables = [t for t in typing.get_args(nested) if attrs.has(t)]  # a word or a table
+        cls = nested if attrs.has(nested) else (tables[0] if tables else None)
     return True
 
 
@@ -344,6 +346,7 @@ def test_reference_documents_every_key_of_the_schema() -> None:
         for path, _ in leaves(converter.unstructure(cls())):
             expected.add(".".join([section, *map(str, path)]))
     expected |= {f"stages[].{key}" for key in STAGE_KEYS}
+    expected |= {f"data.tokenizer.{f.name}" for f in attrs.fields(TokenizerConfig)}  # a word or a table
     assert documented == expected
 
 
@@ -352,6 +355,8 @@ def test_reference_defaults_and_choices_are_the_real_ones(tmp_path: Path) -> Non
     preset = write(tmp_path / "p.toml", "")
     for doc in reference():
         if doc.default.startswith("(") or doc.key in ("extends", "stages"):
+            continue
+        if doc.key.startswith("data.tokenizer."):  # keys of a table that exists only when written
             continue
         key = doc.key.replace("stages[]", "stages[0]")
         assert load_preset(preset, [f"{key}={doc.default}"]).config == Config(), doc.key

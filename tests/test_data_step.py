@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from buildtrain.config.schema import END_OF_DOCUMENT, DataConfig, SyntheticConfig
 from buildtrain.errors import StepFailed
 from buildtrain.plan.compile import data_view, tokenizer_description
-from buildtrain.steps import data
+from buildtrain.steps import data, formats
 from buildtrain.steps.seeds import derive_unit
 from buildtrain.store.objects import hash_file
 from buildtrain.store.tensors import tensor_digest
@@ -181,7 +181,7 @@ def test_read_chunk_boundaries_do_not_change_the_tokens(
     (tmp_path / "b.txt").write_bytes(b"some other text\n" * 40)
     sources = in_plan_order([tmp_path / "a.txt", tmp_path / "b.txt"])
     reference, _ = build(files_config(), sources, tmp_path / "reference")
-    monkeypatch.setattr(data, "READ_CHUNK", 7)
+    monkeypatch.setattr(formats, "READ_CHUNK", 7)  # the readers moved to steps/formats.py
     chunked, _ = build(files_config(), sources, tmp_path / "chunked")
     assert chunked == reference
 

@@ -202,8 +202,8 @@ def _choices_for(path: tuple[str | int, ...]) -> tuple[str, ...]:
 
 
 def _hashed_leaves(config: Config) -> list[tuple[tuple[str | int, ...], Any]]:
-    """Every key the run reads: all but paths, the synthetic settings of a files stage, and the
-    thread count under the portable profile."""
+    """Every key the run reads: all but paths, the synthetic settings of a files stage, the text
+    field or column of another format, and the thread count under the portable profile."""
     found = []
     for path, value in leaves(converter.unstructure(config)):
         if path[-1] == "files":
@@ -213,6 +213,11 @@ def _hashed_leaves(config: Config) -> list[tuple[tuple[str | int, ...], Any]]:
             continue
         if path == ("numerics", "threads") and config.numerics.profile == "portable":
             continue
+        if path[0] == "stages" and path[3:] in (("text_field",), ("text_column",)):
+            # read only under their format (jsonl, parquet), and hashed only there
+            wanted = {"text_field": "jsonl", "text_column": "parquet"}[str(path[3])]
+            if config.stages[int(path[1])].data.format != wanted:  # type: ignore[arg-type]
+                continue
         found.append((path, list(value) if isinstance(value, tuple) else value))
     return found
 

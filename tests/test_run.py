@@ -290,13 +290,15 @@ def test_export_copies_a_read_only_package_with_checksums(micro_built, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(destination)
     names = {p.name for p in destination.iterdir()}
-    assert names == {"model.safetensors", "config.json", "tokenizer.json", "eval.json", "BLAKE3SUMS"}
+    assert names == {"model.safetensors", "config.json", "tokenizer.json", "eval.json", "hf", "BLAKE3SUMS"}
     from buildtrain.store.objects import hash_file
 
     for line in (destination / "BLAKE3SUMS").read_text().splitlines():
         digest, name = line.split("  ")
         assert hash_file(destination / name)[0] == digest
     assert not (destination / "model.safetensors").stat().st_mode & stat.S_IWUSR
+    assert not (destination / "hf" / "model.safetensors").stat().st_mode & stat.S_IWUSR
+    assert "hf/config.json" in (destination / "BLAKE3SUMS").read_text()  # the checksums cover hf/
     assert json.loads((destination / "tokenizer.json").read_text())["vocab_size"] == 257
     again = run_bt("export", micro_built[1], str(destination), store=store)
     assert again.returncode == ExitCode.USAGE and "already exists" in again.stderr

@@ -1,9 +1,10 @@
 """The toolchain digest covers exactly the code that computes a step: both ways.
 
 Each test copies the package, edits one module of the copy (a comment is enough: the digest is
-over bytes), and compiles the micro preset against the copy. A module a step kind computes with
-changes the hashes of that kind's steps (and of the steps downstream of them); a module no step
-computes with changes no hash at all.
+over bytes), and compiles the two-stage micro preset with a trained BPE (so the plan holds every
+step kind) against the copy. A module a step kind computes with changes exactly the hashes of
+that kind's steps and of the steps downstream of them; a module no step computes with changes no
+hash at all.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from buildtrain.plan import sources_digest
+from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
 from buildtrain.plan.sources_digest import COMPUTING_ROOTS, computing_modules, module_path
 from buildtrain.store.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 MICRO_STAGES = REPO / "tests" / "presets" / "micro_stages.toml"
+WITH_BPE = ['data.tokenizer={ kind = "bpe", vocab_size = 300 }']
 PRESENTATION = (
     "buildtrain.cli",
     "buildtrain.report",
@@ -39,16 +42,28 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
-def step_hashes(root: Path, store: Store) -> dict[str, str]:
-    """Hashes of the micro preset's steps, with buildtrain's code read from `root`."""
+def compiled(root: Path, store: Store) -> Plan:
+    """The micro preset's plan, with buildtrain's code read from `root`."""
     previous = sources_digest.PACKAGE_ROOT
     sources_digest.PACKAGE_ROOT = root
     sources_digest.clear_cache()  # the copy's files change between calls; a process's do not
     try:
-        plan = plan_preset(MICRO_STAGES, [], store).plan
+        return plan_preset(MICRO_STAGES, WITH_BPE, store).plan
     finally:
         sources_digest.PACKAGE_ROOT = previous
-    return {step.label: step.hash for step in plan.steps}
+
+
+def step_hashes(root: Path, store: Store) -> dict[str, str]:
+    return {step.label: step.hash for step in compiled(root, store).steps}
+
+
+def downstream(plan: Plan, labels: set[str]) -> set[str]:
+    """`labels` and every step that reads one of them, directly or not."""
+    found = set(labels)
+    for step in plan.steps:  # plan order: inputs come first
+        if any(plan.step(h).label in found for h in step.upstream.values()):
+            found.add(step.label)
+    return found
 
 
 def edited(root: Path, module: str) -> Path:
@@ -68,14 +83,14 @@ def all_modules(root: Path) -> list[str]:
     return modules
 
 
-def changed_kinds(root: Path, store: Store, module: str, before: dict[str, str]) -> set[str]:
+def changed_labels(root: Path, store: Store, module: str, before: dict[str, str]) -> set[str]:
     path = edited(root, module)
     original = path.read_bytes()[: -len(b"\n# an edit\n")]
     try:
         after = step_hashes(root, store)
     finally:
         path.write_bytes(original)
-    return {label.split(":")[0] for label in before if before[label] != after[label]}
+    return {label for label in before if before[label] != after[label]}
 
 
 def test_presentation_modules_compute_nothing(package: Path) -> None:
@@ -102,12 +117,12 @@ def test_a_presentation_edit_changes_no_hash(package: Path, tmp_path: Path) -> N
 
 def test_a_computing_edit_changes_the_steps_it_computes(package: Path, tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
-    before = step_hashes(package, store)
+    plan = compiled(package, store)
+    before = {step.label: step.hash for step in plan.steps}
+    assert {step.kind for step in plan.steps} == set(COMPUTING_ROOTS)  # every kind is exercised
     computing = {kind: computing_modules(kind, package) for kind in COMPUTING_ROOTS}
     for module in sorted(set().union(*computing.values())):
-        changed = changed_kinds(package, store, module, before)
         users = {kind for kind, modules in computing.items() if module in modules}
-        # Downstream steps change too, with their inputs' hashes: at least the users change.
-        assert users and users <= changed, (module, users, changed)
-        # The data step is upstream of everything: only its own code changes its hash.
-        assert ("data" in changed) == ("data" in users), (module, users, changed)
+        computed = {step.label for step in plan.steps if step.kind in users}
+        # Exactly the steps it computes, and those downstream of them (through their inputs).
+        assert changed_labels(package, store, module, before) == downstream(plan, computed), module

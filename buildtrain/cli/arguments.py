@@ -87,3 +87,13 @@ def endpoint(text: str) -> str:
     if any(c.isspace() or c in "/@?#" for c in host):
         raise argparse.ArgumentTypeError(f"{host!r} is not a host name or address")
     return text
+
+
+def non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

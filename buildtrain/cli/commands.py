@@ -228,3 +228,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     destination = export_to(store, plan, Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from buildtrain.steps.sample import SampleOptions, sample
+
+    store = store_of(args)
+    options = SampleOptions(
+        prompt=args.prompt,
+        tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+    )
+    print(args.prompt + sample(store, load_plan(store, args.plan), options))
+    return ExitCode.OK

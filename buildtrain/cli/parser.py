@@ -6,7 +6,7 @@ import argparse
 import typing
 
 from buildtrain.cli import commands, queries
-from buildtrain.cli.arguments import add_world_size, positive, thread_count
+from buildtrain.cli.arguments import add_world_size, non_negative, positive, thread_count
 from buildtrain.errors import ExitCode
 
 EPILOG = """\
@@ -263,6 +263,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--experiments", metavar="DIR", help="run records to read (default: $BT_EXPERIMENTS or ./experiments)"
     )
     sub.set_defaults(func=queries.cmd_report)
+
+    sub = command(
+        "sample",
+        "generate text from a built plan's exported weights",
+        "Generate text after PROMPT from the export of a built PLAN, with a key/value cache. The same "
+        "--seed gives the same text; --temperature 0 is greedy.",
+    )
+    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none)")
+    sub.add_argument(
+        "--tokens", type=positive, default=64, metavar="N", help="tokens to generate (default 64)"
+    )
+    sub.add_argument(
+        "--temperature", type=non_negative, default=0.8, metavar="T", help="default 0.8; 0: greedy"
+    )
+    sub.add_argument(
+        "--top-k",
+        type=positive,
+        default=None,
+        metavar="K",
+        help="draw from the K likeliest tokens (default: all)",
+    )
+    sub.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)")
+    sub.set_defaults(func=commands.cmd_sample)
 
     sub = command(
         "gc",

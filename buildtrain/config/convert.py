@@ -7,6 +7,7 @@ Strict about types on purpose: TOML already tells integers, floats, strings and 
 from __future__ import annotations
 
 import math
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -107,6 +108,30 @@ def _table_hook(converter: cattrs.Converter, cls: type) -> Any:
     return structure
 
 
+def _is_str_or_table(cls: Any) -> bool:
+    """`str | SomeTable`: a setting written either as a word or as a table (data.tokenizer)."""
+    args = typing.get_args(cls)
+    return (
+        typing.get_origin(cls) in (typing.Union, types.UnionType)
+        and len(args) == 2
+        and args[0] is str
+        and attrs.has(args[1])
+    )
+
+
+def _str_or_table_hook(converter: cattrs.Converter, cls: Any) -> Any:
+    table = typing.get_args(cls)[1]
+
+    def structure(value: Any, _: type) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a string or a table, got {describe(value)}")
+        return converter.structure(value, table)
+
+    return structure
+
+
 def make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
     # Primitive hooks first: the generated class hooks look them up when they are built.
@@ -116,6 +141,9 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook(bool, _strict_bool)
     converter.register_structure_hook_factory(_is_tuple, lambda cls: _tuple_hook(converter, cls))
     converter.register_structure_hook_factory(attrs.has, lambda cls: _table_hook(converter, cls))
+    converter.register_structure_hook_factory(
+        _is_str_or_table, lambda cls: _str_or_table_hook(converter, cls)
+    )
     return converter
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from buildtrain.config.loader import LoadedPreset
 from buildtrain.config.problems import KeyPath, Problem
 from buildtrain.config.schema import world_size_problem
-from buildtrain.config.shape import memory_estimate
+from buildtrain.config.shape import memory_estimate, planned_vocab_size
 
 GIB = 1 << 30
 
@@ -77,7 +77,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
 
     available = machine_memory()
     for stage in config.stages:
-        needed = memory_estimate(config.model, stage.train)
+        needed = memory_estimate(config.model, stage.train, planned_vocab_size(stage.data))
         if needed > available:
             problems.append(
                 Problem(

@@ -123,6 +123,9 @@ def _absolute_globs(section: Any, base: Path) -> None:
             os.path.normpath(base / os.path.expanduser(item)) if isinstance(item, str) else item
             for item in section["files"]
         ]
+    tokenizer = section.get("tokenizer") if isinstance(section, dict) else None
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):  # relative like files
+        tokenizer["file"] = os.path.normpath(base / os.path.expanduser(tokenizer["file"]))
 
 
 def _extends_of(raw: dict[str, Any], label: str) -> list[str]:

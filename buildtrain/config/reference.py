@@ -98,17 +98,21 @@ def _fields(cls: type, prefix: str, section: str) -> list[KeyDoc]:
         if attrs.has(annotation):  # a nested table: document its keys under its own path
             found.extend(_fields(annotation, key, section))
             continue
+        takes_self = isinstance(field.default, attrs.Factory) and field.default.takes_self  # type: ignore[arg-type]
         found.append(
             KeyDoc(
                 section=section,
                 key=key,
                 type=type_name(annotation),
-                default=toml_value(_default(field)),
+                default="(see description)" if takes_self else toml_value(_default(field)),
                 doc=field.metadata[DOC],
                 choices=choices_of(field) or (),
                 bounds=tuple(str(b) for b in bounds_of(field)),
             )
         )
+        tables = [a for a in typing.get_args(annotation) if attrs.has(a)]
+        if tables:  # a word or a table (data.tokenizer): the table's keys follow
+            found.extend(_fields(tables[0], key, section))
     return found
 
 
@@ -188,7 +192,7 @@ def render() -> str:
                 "| key | type | default | allowed | description |",
                 "|---|---|---|---|---|",
             ]
-        default = doc.default if doc.default.startswith("(") else f"`{doc.default}`"
+        default = doc.default if doc.default.startswith("(") else f"`{doc.default}`".replace("|", "\\|")
         allowed = ", ".join([f"`{c}`" for c in doc.choices] + [f"{b}" for b in doc.bounds])
         description = doc.doc.replace("|", "\\|")
         lines.append(f"| `{doc.key}` | {doc.type} | {default} | {allowed} | {description} |")

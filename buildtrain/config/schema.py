@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from buildtrain.config.checks import at_least, at_most, below, greater_than, one_of, reads, setting
+from buildtrain.config.checks import OneOf, at_least, at_most, below, greater_than, one_of, reads, setting
 
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
@@ -34,6 +34,45 @@ class SyntheticConfig:
 
 
 @attrs.frozen(kw_only=True)
+class TokenizerConfig:
+    """A tokenizer other than bytes: a byte-level BPE trained on the stage's training text, or an
+    existing `tokenizer.json` (hashed by content, never by path)."""
+
+    file: str | None = setting(
+        None, "an existing Hugging Face tokenizer.json, relative to the preset (instead of training one)"
+    )
+    kind: str = setting(
+        attrs.Factory(lambda self: "file" if self.file is not None else "bpe", takes_self=True),
+        "bpe (trained by a tokenizer step; the default) or file (the default when `file` is set)",
+        one_of("bpe", "file"),
+    )
+    vocab_size: int = setting(
+        4096, "tokens in the trained vocabulary, special tokens included", at_least(258)
+    )
+    min_frequency: int = setting(2, "merges seen fewer times than this are not learned", at_least(1))
+    end_of_document: str = setting("<|endoftext|>", "the special token that ends each document")
+
+    @kind.validator
+    @reads("file")
+    def _kind_matches_file(self, _: attrs.Attribute[Any], value: str) -> None:
+        if value == "file" and self.file is None:
+            raise ValueError("is 'file' but no file is given; add data.tokenizer.file = \"tokenizer.json\"")
+        if value == "bpe" and self.file is not None:
+            raise ValueError("is 'bpe' but a file is given; drop kind (a file is used as it is)")
+
+
+class TokenizerChoice(OneOf):
+    """`"bytes"`, or a tokenizer table (whose own fields validate it)."""
+
+    def __call__(self, instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, TokenizerConfig):
+            super().__call__(instance, attribute, value)
+
+
+DATA_FORMATS = ("text", "jsonl", "parquet")
+
+
+@attrs.frozen(kw_only=True)
 class DataConfig:
     """Where the tokens come from and how they are split and sharded."""
 
@@ -44,11 +83,28 @@ class DataConfig:
         (), "paths or globs of text files, relative to the preset that names them"
     )
     synthetic: SyntheticConfig = setting(attrs.Factory(SyntheticConfig), "the built-in corpus")
-    tokenizer: str = setting("bytes", "tokenizer: bytes (256 values + end-of-document)", one_of("bytes"))
+    format: str = setting(
+        "text",
+        "format of the data files: text (one document per file), jsonl or parquet (one per row)",
+        one_of(*DATA_FORMATS),
+    )
+    text_field: str = setting("text", "the key of a JSONL record that holds its text (format = jsonl)")
+    text_column: str = setting("text", "the string column of a Parquet file (format = parquet)")
+    tokenizer: str | TokenizerConfig = setting(
+        "bytes",
+        'bytes (256 values + end-of-document), or a table: { kind = "bpe", vocab_size = N } or '
+        '{ file = "tokenizer.json" }',
+        TokenizerChoice(("bytes",)),
+    )
     heldout_fraction: float = setting(
         0.05, "fraction of split blocks held out for evaluation", greater_than(0.0), at_most(0.5)
     )
-    split_block: int = setting(1024, "tokens per block when assigning train/held-out", at_least(16))
+    split_block: int = setting(
+        1024,
+        "tokens per block when assigning train/held-out (with a BPE or file tokenizer: at most this many "
+        "bytes of text per piece, cut after a newline where one fits, split before tokenizing)",
+        at_least(16),
+    )
     split_seed: int = setting(0, "seed of the train/held-out assignment", at_least(0))
     shard_tokens: int = setting(1 << 20, "tokens per shard file", at_least(1024))
 

@@ -6,7 +6,7 @@ choice of ranks and the model itself agree; a test builds the real model and com
 
 from __future__ import annotations
 
-from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, DataConfig, ModelConfig, TokenizerConfig, TrainConfig
 
 FLOAT32_BYTES = 4
 
@@ -36,14 +36,23 @@ def gradient_vectors(train: TrainConfig) -> int:
     return 2 + max(0, micro_batches - 1).bit_length()
 
 
-def memory_estimate(model: ModelConfig, train: TrainConfig) -> int:
+def memory_estimate(model: ModelConfig, train: TrainConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
     """Bytes for float32 weights, gradients (and the reduction's partial sums), two AdamW moments
     and one micro-batch of activations."""
-    state = parameter_count(model) * FLOAT32_BYTES * (3 + gradient_vectors(train))
+    state = parameter_count(model, vocab_size) * FLOAT32_BYTES * (3 + gradient_vectors(train))
     tokens = train.micro_batch_size * train.seq_len
     per_layer = (
         tokens * (12 * model.dim + 3 * model.ffn_hidden)
         + train.micro_batch_size * model.n_heads * train.seq_len**2 * 2
     )
-    activations = (model.n_layers * per_layer + tokens * BYTE_VOCAB_SIZE * 3) * FLOAT32_BYTES
+    activations = (model.n_layers * per_layer + tokens * vocab_size * 3) * FLOAT32_BYTES
     return state + activations
+
+
+def planned_vocab_size(data: DataConfig) -> int:
+    """The vocabulary a stage will train with, as far as the preset says: a trained BPE's size;
+    bytes otherwise (a given tokenizer file's size is known only once the step reads it)."""
+    tokenizer = data.tokenizer
+    if isinstance(tokenizer, TokenizerConfig) and tokenizer.kind == "bpe":
+        return tokenizer.vocab_size
+    return BYTE_VOCAB_SIZE

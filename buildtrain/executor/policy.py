@@ -13,7 +13,14 @@ from buildtrain.errors import ToolchainMismatch, UsageError
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import Launch
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.plan.toolchain import cpu_facts, differences, fingerprint, hashed_world_size, portable_target
+from buildtrain.plan.toolchain import (
+    cpu_facts,
+    differences,
+    fingerprint,
+    hashed_world_size,
+    library_facts,
+    portable_target,
+)
 
 
 def pinned_threads(plan: Plan) -> int | None:
@@ -44,7 +51,7 @@ def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
     for step in plan.steps:
         current = fingerprint(
             step.kind, settings, threads, hashed_world_size(step.kind, step.config, world_size)
-        )
+        ) | library_facts(step.kind, step.config)
         for line in differences(dict(step.toolchain), current):
             if line not in lines:
                 lines.append(line)

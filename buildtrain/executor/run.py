@@ -90,7 +90,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
     launch = options.launch
     steps = steps_for(plan, options.target)
     if launch.follower:  # node 0 evaluates and exports; this node helps train
-        steps = [step for step in steps if step.kind in ("data", "train")]
+        steps = [step for step in steps if step.kind in ("tokenizer", "data", "train")]
     threads = prepare(plan, options.threads, launch, steps)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
     reporter = Reporter(options.progress, options.log_every)

@@ -86,7 +86,7 @@ def spawn(
             "dtype": settings.dtype,
             "threads": threads,
         },
-        "sources": source_paths(store, plan, step) if step.kind == "data" else [],
+        "sources": source_paths(store, plan, step) if step.kind in ("tokenizer", "data") else [],
         "hooks": {**test_hooks_from_environment(), **job_extra.hooks},
         "watch": job_extra.watch,
         "commit": job_extra.commit,

@@ -148,6 +148,10 @@ def _dispatch(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
 
         return train_step.execute(ctx, out)
     assert out is not None, "only a train step runs on several ranks"
+    if kind == "tokenizer":
+        from buildtrain.steps import tokenizer
+
+        return tokenizer.execute(ctx, out)
     if kind == "data":
         from buildtrain.steps import data
 

@@ -12,17 +12,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, Config, DataConfig
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, Config, DataConfig, TokenizerConfig
+from buildtrain.errors import ConfigError
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.plan.toolchain import fingerprint, hashed_world_size
+from buildtrain.plan.tokenizers import format_view, tokenizer_step, tokenizer_view
+from buildtrain.plan.toolchain import fingerprint, hashed_world_size, library_facts
 from buildtrain.store.sources import SourceFile
 
 # Bump when an evaluation suite changes what it computes; results are cached by this version.
 EVAL_SUITE_VERSIONS = {"heldout": 1}
 
 
-def tokenizer_description(name: str) -> dict[str, Any]:
-    assert name == "bytes", name  # the schema admits only byte-level tokenization so far
+def tokenizer_description(name: str | TokenizerConfig) -> dict[str, Any]:
+    """The byte tokenizer (other tokenizers are described by their tokenizer step's output)."""
+    assert name == "bytes", name
     return {"type": "bytes", "vocab_size": BYTE_VOCAB_SIZE, "end_of_document": END_OF_DOCUMENT}
 
 
@@ -30,6 +33,11 @@ def data_view(data: DataConfig) -> dict[str, Any]:
     """The data config without paths, and without the synthetic settings when they are unused."""
     view = converter.unstructure(data)
     view.pop("files")
+    for key in ("format", "text_field", "text_column"):  # only when they say something (plan hashes)
+        view.pop(key)
+    view.update(format_view(data))
+    if isinstance(data.tokenizer, TokenizerConfig):
+        view["tokenizer"] = tokenizer_view(data.tokenizer)  # no path
     if data.source != "synthetic":
         view.pop("synthetic")
     return view
@@ -49,9 +57,15 @@ def _sources_input(sources: list[SourceFile]) -> list[dict[str, Any]]:
     return [{"blake3": s.blake3, "size": s.size} for s in sorted(sources, key=lambda s: (s.blake3, s.size))]
 
 
-def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]], world_size: int = 1) -> Plan:
+def compile_plan(
+    config: Config,
+    sources: Mapping[str, list[SourceFile]],
+    world_size: int = 1,
+    tokenizer_files: Mapping[str, SourceFile] | None = None,
+) -> Plan:
     """The plan for `config`; `sources` gives the content of each stage's data files, `world_size`
-    the processes that will train (it enters only the hash of an `allreduce` train step)."""
+    the processes that will train (it enters only the hash of an `allreduce` train step),
+    `tokenizer_files` the content of each stage's given tokenizer file."""
     numerics = config.numerics
     view = config_view(config)
     model = converter.unstructure(config.model)
@@ -63,16 +77,23 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]], world_
 
     trained: dict[str, Step] = {}
     data_steps: dict[str, Step] = {}
+    tokenizers: dict[str, Step | None] = {}
     for stage in config.stages:
-        data = add(
-            Step.create(
-                f"data:{stage.name}",
-                "data",
-                {"data": data_view(stage.data), "tokenizer": tokenizer_description(stage.data.tokenizer)},
-                {"sources": _sources_input(list(sources.get(stage.name, [])))},
-                fingerprint("data", numerics),
-            )
+        stage_view = data_view(stage.data)
+        stage_sources = _sources_input(list(sources.get(stage.name, [])))
+        tokenizer = _stage_tokenizer(
+            config, stage.name, stage_view, stage_sources, tokenizers, tokenizer_files
         )
+        tokenizers[stage.name] = tokenizer = add(tokenizer) if tokenizer else None
+        if tokenizer is None:
+            data_config = {"data": stage_view, "tokenizer": tokenizer_description(stage.data.tokenizer)}
+            data_inputs: dict[str, Any] = {"sources": stage_sources}
+            data_toolchain = fingerprint("data", numerics)
+        else:  # the description (vocabulary size, end-of-document id) comes from the tokenizer step
+            data_config = {"data": stage_view}
+            data_inputs = {"sources": stage_sources, "tokenizer": tokenizer.hash}
+            data_toolchain = {**fingerprint("data", numerics), **library_facts("data", data_config)}
+        data = add(Step.create(f"data:{stage.name}", "data", data_config, data_inputs, data_toolchain))
         data_steps[stage.name] = data
         train_config: dict[str, Any] = {"model": model, "train": converter.unstructure(stage.train)}
         if config.eval.every:
@@ -103,6 +124,10 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]], world_
     )
     targets = [evaluation.hash]
     if config.export.enabled:
+        final_tokenizer = tokenizers[final.name]
+        export_inputs = {"weights": trained[final.name].hash, "eval": evaluation.hash}
+        if final_tokenizer is not None:
+            export_inputs["tokenizer"] = final_tokenizer.hash
         export = add(
             Step.create(
                 "export",
@@ -113,11 +138,43 @@ def compile_plan(config: Config, sources: Mapping[str, list[SourceFile]], world_
                     "train": converter.unstructure(final.train),
                     "data": data_view(final.data),
                     "numerics": view["numerics"],
-                    "tokenizer": tokenizer_description(final.data.tokenizer),
+                    "tokenizer": tokenizer_description(final.data.tokenizer)
+                    if final_tokenizer is None
+                    else data_view(final.data)["tokenizer"],
                 },
-                {"weights": trained[final.name].hash, "eval": evaluation.hash},
+                export_inputs,
                 fingerprint("export", numerics),
             )
         )
         targets = [export.hash]
     return Plan.create(config.name, view, tuple(steps.values()), tuple(targets))
+
+
+def _stage_tokenizer(
+    config: Config,
+    name: str,
+    view: dict[str, Any],
+    stage_sources: list[dict[str, Any]],
+    planned: Mapping[str, Step | None],
+    files: Mapping[str, SourceFile] | None,
+) -> Step | None:
+    """A stage's tokenizer step; a stage that starts from another's weights keeps its tokenizer
+    (the ids must mean the same tokens), so it may not ask for a different one."""
+    stage = config.stage(name)
+    if stage.init_from is not None:
+        if stage.data.tokenizer != config.stage(stage.init_from).data.tokenizer:
+            raise ConfigError(
+                [
+                    f"stages.{name}.data.tokenizer: differs from the tokenizer of stage '{stage.init_from}', "
+                    "whose weights it starts from; a stage keeps its parent's tokenizer, so leave it out"
+                ]
+            )
+        return planned[stage.init_from]
+    return tokenizer_step(
+        f"tokenizer:{name}",
+        stage.data,
+        view.get("synthetic"),
+        stage_sources,
+        (files or {}).get(name),
+        config.numerics,
+    )

@@ -20,7 +20,7 @@ from buildtrain.config.convert import converter
 from buildtrain.config.schema import NumericsConfig
 
 PLAN_FORMAT = 1
-STEP_KINDS = ("data", "train", "eval", "export")
+STEP_KINDS = ("tokenizer", "data", "train", "eval", "export")
 
 
 @attrs.frozen(kw_only=True)

@@ -12,6 +12,7 @@ import attrs
 
 from buildtrain.config.loader import LoadedPreset, load_preset
 from buildtrain.config.preflight import preflight
+from buildtrain.config.schema import TokenizerConfig
 from buildtrain.errors import ConfigError
 from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
@@ -50,9 +51,37 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_
             known = locations.setdefault(source.blake3, [])
             if str(source_path.absolute()) not in known:
                 known.append(str(source_path.absolute()))
+    tokenizer_files: dict[str, SourceFile] = {}
+    for index, stage in enumerate(loaded.config.stages):
+        tokenizer = stage.data.tokenizer
+        if stage.init_from is not None and tokenizer != loaded.config.stage(stage.init_from).data.tokenizer:
+            key = ("stages", index, "data", "tokenizer")
+            where = loaded.source_of(key if key in loaded.provenance else key[2:])
+            raise ConfigError(
+                [
+                    f"{where}: stages.{stage.name}.data.tokenizer: differs from the tokenizer of stage "
+                    f"'{stage.init_from}', whose weights it starts from; a stage keeps its parent's "
+                    "tokenizer (the ids must mean the same tokens), so leave it out"
+                ]
+            )
+        if isinstance(tokenizer, TokenizerConfig) and tokenizer.file is not None:
+            path = Path(tokenizer.file)
+            try:
+                tokenizer_files[stage.name] = source = cache.digest_of(path)
+            except OSError as exc:
+                key = ("stages", index, "data", "tokenizer", "file")
+                where = loaded.source_of(key if key in loaded.provenance else key[2:])
+                raise ConfigError(
+                    [
+                        f"{where}: data.tokenizer.file: cannot read {path}: {exc.strerror}; give a tokenizer.json"
+                    ]
+                ) from None
+            known = locations.setdefault(source.blake3, [])
+            if str(path.absolute()) not in known:
+                known.append(str(path.absolute()))
     cache.save()
 
-    plan = compile_plan(loaded.config, sources, world_size)
+    plan = compile_plan(loaded.config, sources, world_size, tokenizer_files)
     save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     save_card(store, plan, store.plan_meta(plan.hash).get("created", "?"))  # what bt ls --metrics reads
     return Planned(

@@ -21,6 +21,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 # Where each step kind's computation starts (see `executor/worker.py`, which dispatches to these).
 COMPUTING_ROOTS: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("buildtrain.steps.tokenizer",),
     "data": ("buildtrain.steps.data",),
     "train": ("buildtrain.steps.train.step",),
     "eval": ("buildtrain.steps.eval",),

@@ -16,6 +16,7 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from buildtrain.config.schema import NumericsConfig
 from buildtrain.plan.sources_digest import source_digest
 
 # Step kinds that never compute with torch only depend on buildtrain's own code.
-TORCH_FREE_KINDS = frozenset({"data", "export"})
+TORCH_FREE_KINDS = frozenset({"tokenizer", "data", "export"})
 
 
 def torch_build() -> str:
@@ -127,6 +128,25 @@ def hashed_world_size(kind: str, step_config: dict[str, Any], world_size: int) -
     if kind == "train" and step_config["train"].get("reduction") == "allreduce":
         return world_size
     return None
+
+
+@functools.cache
+def tokenizers_version() -> str:
+    """The `tokenizers` release: a trained vocabulary and its encoding are that library's numbers."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tokenizers")
+    except metadata.PackageNotFoundError:
+        return "not-installed"
+
+
+def library_facts(kind: str, step_config: Mapping[str, Any]) -> dict[str, str]:
+    """Libraries besides torch whose version changes a step's output: `tokenizers` for a tokenizer
+    step and for a data step that encodes with one (its config then has no byte `tokenizer`)."""
+    if kind == "tokenizer" or (kind == "data" and "tokenizer" not in step_config):
+        return {"tokenizers": tokenizers_version()}
+    return {}
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

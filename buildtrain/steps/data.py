@@ -15,7 +15,7 @@ import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import END_OF_DOCUMENT, SyntheticConfig
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, SyntheticConfig
 from buildtrain.errors import StepFailed
 from buildtrain.steps.seeds import derive_seed, derive_unit
 from buildtrain.store.objects import write_bytes_durably
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 DATA_FORMAT = 1
 DATA_INDEX = "data.json"
-READ_CHUNK = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -36,7 +35,10 @@ class DataSettings:
 
     source: str
     synthetic: SyntheticConfig | None = None
-    tokenizer: str
+    tokenizer: Any  # "bytes", or the settings of the tokenizer step the data step reads
+    format: str = "text"  # the format keys appear only where they say something (plan/tokenizers.py)
+    text_field: str = "text"
+    text_column: str = "text"
     heldout_fraction: float
     split_block: int
     split_seed: int
@@ -57,12 +59,17 @@ class DataStep:
     """A data step's config, typed."""
 
     data: DataSettings
-    tokenizer: TokenizerDescription
+    tokenizer: TokenizerDescription | None = None  # None: a tokenizer step's output describes it
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DataStep:
         """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
         return converter.structure(config, cls)
+
+
+def vocab_size(index: dict[str, Any]) -> int:
+    """The size of the vocabulary a data step's tokens come from, as its `data.json` records it."""
+    return int(index["tokenizer"].get("vocab_size", BYTE_VOCAB_SIZE))
 
 
 class SplitMix64:
@@ -100,14 +107,15 @@ def documents(settings: DataSettings, sources: list[Path]) -> Iterator[Iterator[
         for index in range(synthetic.documents):
             yield iter((arithmetic_document(synthetic.seed, index, synthetic.lines),))
         return
-    for path in sources:
-        yield _chunks(path)
+    from buildtrain.steps.formats import documents as file_documents  # text, JSONL, Parquet
 
-
-def _chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
-        while chunk := handle.read(READ_CHUNK):
-            yield chunk
+    formats = {
+        "format": settings.format,
+        "text_field": settings.text_field,
+        "text_column": settings.text_column,
+    }
+    for _, chunks in file_documents(formats, sources):
+        yield chunks
 
 
 def widen(chunk: bytes) -> bytearray:
@@ -123,8 +131,10 @@ END_OF_DOCUMENT_BYTES = END_OF_DOCUMENT.to_bytes(2, "little")
 class ShardWriter:
     """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
 
-    def __init__(self, folder: Path, split: str, shard_tokens: int) -> None:
-        self.folder, self.split, self.shard_bytes = folder, split, 2 * shard_tokens
+    def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
+        # width 4 (uint32) for vocabularies past 65,536 ids; see steps/tokenized.py
+        self.folder, self.split, self.width = folder, split, width
+        self.shard_bytes = width * shard_tokens
         self.buffer = bytearray()
         self.shards: list[dict[str, Any]] = []
 
@@ -142,9 +152,10 @@ class ShardWriter:
     def _flush(self, raw: bytes) -> None:
         name = f"{self.split}-{len(self.shards):05d}.bin"
         (self.folder / name).write_bytes(raw)
-        count = len(raw) // 2
+        count = len(raw) // self.width
+        dtype = "u16" if self.width == 2 else "u32"
         self.shards.append(
-            {"file": name, "tokens": count, "digest": tensor_digest(name, "u16", [count], raw)}
+            {"file": name, "tokens": count, "digest": tensor_digest(name, dtype, [count], raw)}
         )
 
     @property
@@ -153,11 +164,23 @@ class ShardWriter:
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
-    return build(DataStep.from_config(ctx.step.config), ctx.sources, out, ctx.log)
+    return build_from_plan(ctx.step.config, ctx.sources, out, ctx.log, ctx.inputs.get("tokenizer"))
+
+
+def build_from_plan(
+    config: dict[str, Any], sources: list[Path], out: Path, log: Any, tokenizer: Path | None = None
+) -> dict[str, str]:
+    """A data step's output from its config as the plan holds it (`Step.config`) and, for a BPE
+    or a given tokenizer.json, the tokenizer step's output."""
+    if tokenizer is not None:
+        from buildtrain.steps.tokenized import build_tokenized
+
+        return build_tokenized(config["data"], sources, tokenizer, out, log)
+    return build(DataStep.from_config(config), sources, out, log)
 
 
 def build(step: DataStep, sources: list[Path], out: Path, log: Any) -> dict[str, str]:
-    """Write shards and `data.json` into `out`; return the logical digests of the output."""
+    """Write byte-token shards and `data.json` into `out`; return the logical digests of the output."""
     settings = step.data
     block_size, fraction, split_seed = settings.split_block, settings.heldout_fraction, settings.split_seed
     writers = {split: ShardWriter(out, split, settings.shard_tokens) for split in ("train", "heldout")}

@@ -34,8 +34,7 @@ class EvalStep:
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     import torch
 
-    from buildtrain.config.schema import BYTE_VOCAB_SIZE
-    from buildtrain.steps.data import DATA_INDEX
+    from buildtrain.steps.data import DATA_INDEX, vocab_size
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
     from buildtrain.steps.train.model import Transformer
@@ -50,10 +49,11 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     config = EvalStep.from_config(ctx.step.config)
     numerics = ctx.numerics
     device = torch.device(numerics.device)
-    model = Transformer.build(config.model, BYTE_VOCAB_SIZE, torch.Generator())
+    index = read_json(ctx.inputs["data"] / DATA_INDEX)
+    model = Transformer.build(config.model, vocab_size(index), torch.Generator())
     load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
-    heldout = TokenStream(ctx.inputs["data"], read_json(ctx.inputs["data"] / DATA_INDEX)["splits"]["heldout"])
+    heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
     result = evaluate(model, heldout, config.eval, device, autocast)
     ctx.log.info("eval", **result)

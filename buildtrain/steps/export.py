@@ -4,7 +4,8 @@
     config.json         model, training, data and numerics settings of the final stage
     tokenizer.json      how text becomes tokens
     eval.json           the held-out evaluation of these weights
-    BLAKE3SUMS          `<blake3>  <file>` per file, checkable with b3sum -c
+    hf/                 the same weights and tokenizer for Hugging Face transformers (steps/hf_export.py)
+    BLAKE3SUMS          `<blake3>  <file>` per file (hf/ included), checkable with b3sum -c
 
 `bt export PLAN DEST` copies the package out of the store, read-only.
 """
@@ -27,7 +28,6 @@ from buildtrain.config.schema import ExportConfig
 from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
-from buildtrain.steps.data import TokenizerDescription
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
@@ -42,7 +42,7 @@ class ExportStep:
     describes in config.json, kept exactly as the plan holds them (the package's bytes)."""
 
     export: ExportConfig
-    tokenizer: TokenizerDescription
+    tokenizer: dict[str, Any]  # the byte tokenizer's description, or the tokenizer step's settings
     described: dict[str, Any]
 
     @classmethod
@@ -50,13 +50,15 @@ class ExportStep:
         """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
         return cls(
             export=converter.structure(config["export"], ExportConfig),
-            tokenizer=converter.structure(config["tokenizer"], TokenizerDescription),
+            tokenizer=config["tokenizer"],
             described={k: v for k, v in config.items() if k != "tokenizer"},
         )
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     from buildtrain.steps.eval_cache import EVAL_RESULT
+    from buildtrain.steps.hf_export import HF_FOLDER, write_hf
+    from buildtrain.steps.tokenizer import export_files
 
     config = ExportStep.from_config(ctx.step.config)
     source = final_weights(ctx.inputs["weights"])
@@ -69,10 +71,25 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         tensors = safetensors.torch.load_file(str(source))
         safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(out / WEIGHTS))
     (out / "config.json").write_bytes(canonical_bytes(config.described))
-    (out / "tokenizer.json").write_bytes(canonical_bytes(converter.unstructure(config.tokenizer)))
+    tokenizer_json, description = export_files(ctx.inputs, config.tokenizer)
+    (out / "tokenizer.json").write_bytes(
+        canonical_bytes(config.tokenizer if "tokenizer" not in ctx.inputs else description)
+    )
     shutil.copyfile(ctx.inputs["eval"] / EVAL_RESULT, out / "eval.json")
+    write_hf(
+        out / HF_FOLDER,
+        out / WEIGHTS,
+        config.described["model"],
+        tokenizer_json,
+        description["end_of_document_token"],
+        description["end_of_document"],
+        config.described["train"]["seq_len"],
+        config.export.dtype,
+    )
     lines = [
-        f"{objects.hash_file(path)[0]}  {path.name}\n" for path in sorted(out.iterdir()) if path.is_file()
+        f"{objects.hash_file(path)[0]}  {path.relative_to(out).as_posix()}\n"
+        for path in sorted(out.rglob("*"))
+        if path.is_file()
     ]
     (out / CHECKSUMS).write_text("".join(lines), encoding="utf-8")
     return {"weights": combine(safetensors_digests(out / WEIGHTS)), "package": digest("package", lines)}
@@ -105,8 +122,9 @@ def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
     try:
         package = temporary / "package"
         shutil.copytree(store.output(step.hash), package, ignore=shutil.ignore_patterns(objects.MANIFEST))
-        for path in package.iterdir():
-            os.chmod(path, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        readable = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+        for path in sorted(package.rglob("*"), reverse=True):  # hf/ after its files
+            os.chmod(path, readable | (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH if path.is_dir() else 0))
         if os.path.lexists(destination):
             raise UsageError(f"{destination} appeared while exporting; nothing was written there")
         os.rename(package, destination)

@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 import torch
 
-from buildtrain.config.schema import BYTE_VOCAB_SIZE
 from buildtrain.errors import Interrupted, StepFailed
+from buildtrain.steps.data import vocab_size
 from buildtrain.steps.failures import out_of_memory
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.seeds import derive_seed
@@ -82,7 +82,7 @@ def train(job: TrainJob, log: Any, controls: TrainControls | None = None) -> Tra
     device = torch.device(job.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16")
 
-    model = Transformer.build(job.model, BYTE_VOCAB_SIZE, seeded(cfg.seed, "init"))
+    model = Transformer.build(job.model, vocab_size(job.index), seeded(cfg.seed, "init"))
     if job.init_weights is not None:
         load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
     model.to(device)

@@ -1,0 +1,183 @@
+"""The `hf/` folder of an export: a model and tokenizer that Hugging Face transformers loads offline.
+
+Every model shape the schema admits maps exactly onto a transformers architecture with the same
+computation (no approximation, so logits agree to float rounding):
+
+    norm      mlp     architecture   why this one
+    rmsnorm   swiglu  llama          RMSNorm, RoPE, GQA, gated SiLU MLP: Llama itself
+    rmsnorm   gelu    arcee          Llama's blocks with a plain (non-gated) MLP of any activation
+    layernorm swiglu  stablelm       LayerNorm with bias, full rotary (partial_rotary_factor 1), gated MLP
+    layernorm gelu    starcoder2     LayerNorm with bias, plain MLP; use_bias = false drops linear biases
+
+RoPE: buildtrain rotates interleaved channel pairs (0, 1), (2, 3), ... of a head; transformers
+rotates halves (i, i + head_dim / 2) with the same frequency for pair i. Permuting the output rows
+of the query and key projections per head (even channels first, then odd) turns one into the other
+and leaves every attention score unchanged, because queries and keys are permuted alike.
+
+Torch-free and dtype-agnostic: tensors are read and written as raw little-endian safetensors, only
+renamed and permuted, so the weights are bit-identical to `model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from buildtrain.canonical import canonical_bytes
+from buildtrain.store.objects import write_bytes_durably
+from buildtrain.store.tensors import read_safetensors_header
+
+HF_FOLDER = "hf"
+# (norm, mlp) -> (model_type, architecture class, MLP names: buildtrain -> transformers)
+ARCHITECTURES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
+    ("rmsnorm", "swiglu"): (
+        "llama",
+        "LlamaForCausalLM",
+        {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+    ),
+    ("rmsnorm", "gelu"): ("arcee", "ArceeForCausalLM", {"w1": "up_proj", "w2": "down_proj"}),
+    ("layernorm", "swiglu"): (
+        "stablelm",
+        "StableLmForCausalLM",
+        {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+    ),
+    ("layernorm", "gelu"): ("starcoder2", "Starcoder2ForCausalLM", {"w1": "c_fc", "w2": "c_proj"}),
+}
+NUMPY_OF = {"F32": np.uint32, "BF16": np.uint16, "F16": np.uint16}  # raw bits: permuted, never computed
+
+
+def hf_config(
+    model: dict[str, Any], vocab_size: int, max_positions: int, eod: int, dtype: str
+) -> dict[str, Any]:
+    """config.json for `model` (buildtrain's model config)."""
+    model_type, architecture, _ = ARCHITECTURES[(model["norm"], model["mlp"])]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": model["dim"],
+        "intermediate_size": model["ffn_hidden"],
+        "num_hidden_layers": model["n_layers"],
+        "num_attention_heads": model["n_heads"],
+        "num_key_value_heads": model["n_kv_heads"],
+        "head_dim": model["dim"] // model["n_heads"],
+        "hidden_act": "silu" if model["mlp"] == "swiglu" else "gelu",  # gelu: the exact (erf) form
+        "max_position_embeddings": max_positions,
+        # transformers 5 reads rope_parameters; 4.x read rope_theta (and partial_rotary_factor)
+        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+        "rope_theta": model["rope_theta"],
+        "tie_word_embeddings": model["tie_embeddings"],
+        "bos_token_id": eod,
+        "eos_token_id": eod,
+        "attention_dropout": 0.0,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if model_type in ("llama", "arcee"):
+        config.update(rms_norm_eps=model["norm_eps"], attention_bias=False, mlp_bias=False)
+    elif model_type == "stablelm":
+        config.update(layer_norm_eps=model["norm_eps"], use_qkv_bias=False, qk_layernorm=False)
+        config["rope_parameters"]["partial_rotary_factor"] = config["partial_rotary_factor"] = 1.0
+    else:
+        config.update(norm_epsilon=model["norm_eps"], use_bias=False, sliding_window=None)
+    return config
+
+
+def hf_name(name: str, mlp_names: dict[str, str]) -> str:
+    """A buildtrain tensor name as transformers names it."""
+    parts = name.split(".")
+    if parts[0] == "embedding":
+        return "model.embed_tokens.weight"
+    if parts[0] == "output":
+        return "lm_head.weight"
+    if parts[0] == "norm":
+        return f"model.norm.{parts[1]}"
+    layer, module = parts[1], parts[2]
+    if module == "attention":
+        return f"model.layers.{layer}.self_attn.{parts[3].replace('w', '', 1)}_proj.{parts[4]}"
+    if module == "ffn":
+        return f"model.layers.{layer}.mlp.{mlp_names[parts[3]]}.{parts[4]}"
+    norm = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}[module]
+    return f"model.layers.{layer}.{norm}.{parts[3]}"
+
+
+def rope_halves(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Output rows of a query or key projection, per head: interleaved pairs -> rotate-half order."""
+    width = rows.shape[1]
+    head_dim = rows.shape[0] // heads
+    return rows.reshape(heads, head_dim // 2, 2, width).transpose(0, 2, 1, 3).reshape(heads * head_dim, width)
+
+
+def read_tensors(path: Path) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    """name -> (dtype, shape, raw elements) of a safetensors file."""
+    header, start = read_safetensors_header(path)
+    raw = path.read_bytes()
+    found = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        kind = NUMPY_OF[entry["dtype"]]
+        values = np.frombuffer(
+            raw,
+            dtype=np.dtype(kind).newbyteorder("<"),
+            count=(end - begin) // np.dtype(kind).itemsize,
+            offset=start + begin,
+        )
+        found[name] = (entry["dtype"], entry["shape"], values.reshape(entry["shape"]))
+    return found
+
+
+def write_tensors(path: Path, tensors: dict[str, tuple[str, list[int], np.ndarray]]) -> None:
+    """A safetensors file with tensors in name order: the same input gives the same bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        dtype, shape, values = tensors[name]
+        blob = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    write_bytes_durably(path, struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+
+
+def write_hf(
+    folder: Path,
+    weights: Path,
+    model: dict[str, Any],
+    tokenizer_json: bytes,
+    eod_token: str,
+    eod: int,
+    max_positions: int,
+    dtype: str,
+) -> None:
+    """Write config.json, model.safetensors and the tokenizer files into `folder`."""
+    _, _, mlp_names = ARCHITECTURES[(model["norm"], model["mlp"])]
+    tensors = read_tensors(weights)
+    converted = {}
+    for name, (kind, shape, values) in tensors.items():
+        if name.endswith(("wq.weight", "wk.weight")):
+            heads = model["n_heads"] if name.endswith("wq.weight") else model["n_kv_heads"]
+            values = rope_halves(values, heads)
+        converted[hf_name(name, mlp_names)] = (kind, shape, values)
+    vocab_size = tensors["embedding.weight"][1][0]
+    folder.mkdir()
+    write_tensors(folder / "model.safetensors", converted)
+    write_bytes_durably(
+        folder / "config.json", canonical_bytes(hf_config(model, vocab_size, max_positions, eod, dtype))
+    )
+    write_bytes_durably(folder / "tokenizer.json", tokenizer_json)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eod_token,
+        "eos_token": eod_token,
+        "model_max_length": max_positions,
+        "clean_up_tokenization_spaces": False,
+    }
+    write_bytes_durably(folder / "tokenizer_config.json", canonical_bytes(tokenizer_config))

@@ -1,0 +1,69 @@
+"""`bt sample`: text from a built plan's exported weights.
+
+Reads only the export package (weights, config, and the tokenizer in hf/), each verified against
+its manifest first; the prompt follows an end-of-document token, as every document in training
+did. One thread: the same seed gives the same text on any machine the plan reproduces on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.plan.plan import Plan
+from buildtrain.store.store import Store
+
+
+@attrs.frozen(kw_only=True)
+class SampleOptions:
+    prompt: str = ""
+    tokens: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    temperature: float = attrs.field(default=0.8, validator=attrs.validators.ge(0.0))
+    top_k: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    seed: int = 0
+
+
+def export_folder(store: Store, plan: Plan) -> Path:
+    """The verified export output of a built plan, or a clear refusal."""
+    steps = [step for step in plan.steps if step.kind == "export"]
+    if not steps:
+        raise UsageError(
+            f"plan {plan.hash[:12]} has no export step (export.enabled = false); enable it to sample"
+        )
+    step = steps[0]
+    if not store.has_output(step.hash):
+        raise UsageError(f"plan {plan.hash[:12]} is not built yet; run: bt run {plan.hash[:12]}")
+    problems = store.verify_output(step.hash)
+    if problems:
+        raise CorruptObject(f"the export output {step.hash[:12]} does not verify: {problems[0]}; run bt fsck")
+    return store.output(step.hash)
+
+
+def sample(store: Store, plan: Plan, options: SampleOptions) -> str:
+    """The text generated after `options.prompt` (the prompt itself not included)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from buildtrain.config.convert import converter
+    from buildtrain.config.schema import ModelConfig
+    from buildtrain.steps.train.generate import generate
+    from buildtrain.steps.train.model import Transformer
+    from buildtrain.steps.train.state import load_model
+
+    folder = export_folder(store, plan)
+    torch.set_num_threads(1)
+    config = json.loads((folder / "config.json").read_bytes())
+    hf_config = json.loads((folder / "hf" / "config.json").read_bytes())
+    tokenizer = Tokenizer.from_file(str(folder / "hf" / "tokenizer.json"))
+    model = Transformer.build(
+        converter.structure(config["model"], ModelConfig), hf_config["vocab_size"], torch.Generator()
+    )
+    load_model(model, folder / "model.safetensors")
+    model.eval()
+    end = hf_config["eos_token_id"]
+    prompt = [end, *tokenizer.encode(options.prompt, add_special_tokens=False).ids]
+    ids = generate(model, prompt, options.tokens, options.temperature, options.top_k, options.seed, stop=end)
+    return tokenizer.decode(ids)

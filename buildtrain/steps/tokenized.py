@@ -1,0 +1,113 @@
+"""The data step with a tokenizer step's tokenizer: split the text, encode in batches, write shards.
+
+The text is split into train and held-out pieces exactly as the tokenizer step saw it (`pieces`),
+then encoded a batch of pieces at a time with the library's batch encoder (parallel in Rust,
+without offsets), so memory holds one batch, not the corpus. Encoding a piece does not depend on
+the other pieces of its batch, so the batch size and the thread count cannot change the tokens;
+encoding one batch overlaps reading the next.
+Token ids go into uint16 shards while the vocabulary fits 65,536 ids, uint32 shards beyond.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.errors import StepFailed
+from buildtrain.steps.data import DATA_FORMAT, DATA_INDEX, ShardWriter
+from buildtrain.steps.pieces import Piece, corpus, pieces
+from buildtrain.steps.tokenizer import load
+from buildtrain.store.objects import write_bytes_durably
+
+ENCODE_BATCH_BYTES = 4 << 20  # text per batch encode call: large enough to keep every core busy
+U16_IDS = 1 << 16
+
+
+def token_width(vocab_size: int) -> int:
+    """Bytes per token id in a shard."""
+    return 2 if vocab_size <= U16_IDS else 4
+
+
+def build_tokenized(
+    config: dict[str, Any], sources: list[Path], tokenizer_dir: Path, out: Path, log: Any
+) -> dict[str, str]:
+    """Write shards and `data.json` into `out`; return the logical digests of the output."""
+    tokenizer, description = load(tokenizer_dir)
+    width = token_width(description["vocab_size"])
+    dtype = np.uint16 if width == 2 else np.uint32
+    end_of_document = description["end_of_document"]
+    writers = {s: ShardWriter(out, s, config["shard_tokens"], width) for s in ("train", "heldout")}
+    counts = {"documents": 0, "pieces": 0}
+    batch: list[Piece] = []
+    batch_bytes = 0
+
+    def write(batch: list[Piece], encodings: list[Any]) -> None:
+        ids: dict[bool, list[int]] = {False: [], True: []}
+        for piece, encoding in zip(batch, encodings, strict=True):
+            ids[piece.held_out].extend(encoding.ids)
+            if piece.last:
+                ids[piece.held_out].append(end_of_document)
+                counts["documents"] += 1
+        for held_out, split in ((False, "train"), (True, "heldout")):
+            if ids[held_out]:
+                writers[split].write(np.array(ids[held_out], dtype=dtype).tobytes())
+        counts["pieces"] += len(batch)
+        log.info("data_progress", documents=counts["documents"], blocks=counts["pieces"])
+
+    # The library releases the GIL while it encodes: batch k is encoded in a helper thread while
+    # this one reads and cuts the text of batch k + 1. Results are written in batch order.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending: tuple[list[Piece], Future[Any]] | None = None
+
+        def submit(batch: list[Piece]) -> None:
+            nonlocal pending
+            texts = [piece.text for piece in batch]
+            future = pool.submit(tokenizer.encode_batch_fast, texts, add_special_tokens=False)
+            if pending is not None:
+                write(pending[0], pending[1].result())
+            pending = (batch, future)
+
+        for piece in pieces(config, corpus(config, sources)):
+            batch.append(piece)
+            batch_bytes += len(piece.text)
+            if batch_bytes >= ENCODE_BATCH_BYTES:
+                submit(batch)
+                batch, batch_bytes = [], 0
+        if batch:
+            submit(batch)
+        if pending is not None:
+            write(pending[0], pending[1].result())
+    for writer in writers.values():
+        writer.close()
+
+    for split, writer in writers.items():
+        if writer.tokens < 2:
+            raise StepFailed(
+                f"the {split} split is empty: the corpus has {counts['pieces']} pieces of at most "
+                f"{config['split_block']} bytes; use more data, a smaller data.split_block, or another "
+                "data.heldout_fraction"
+            )
+    index: dict[str, Any] = {
+        "format": DATA_FORMAT,
+        "tokenizer": description,
+        "documents": counts["documents"],
+        "splits": {s: {"tokens": w.tokens, "shards": w.shards} for s, w in writers.items()},
+    }
+    if width != 2:
+        for split in index["splits"].values():
+            split["dtype"] = "u32"  # only when wide: uint16 indexes keep their meaning
+    write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
+    digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
+    digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
+    log.info(
+        "data_built",
+        documents=counts["documents"],
+        train_tokens=writers["train"].tokens,
+        heldout_tokens=writers["heldout"].tokens,
+        blocks=counts["pieces"],
+    )
+    return digests
