@@ -95,17 +95,23 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     return {"weights": combine(safetensors_digests(out / WEIGHTS)), "package": digest("package", lines)}
 
 
-def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
-    """Copy a built plan's export package to `destination` (default ./export/NAME-HASH), read-only."""
+def built_export(store: Store, plan: Plan, wanted_for: str = "") -> Path:
+    """The export output of a built plan, re-hashed against its manifest; else a clear refusal."""
     steps = [step for step in plan.steps if step.kind == "export"]
     if not steps:
-        raise UsageError(f"plan {plan.hash[:12]} has no export step (export.enabled = false)")
+        raise UsageError(f"plan {plan.hash[:12]} has no export step (export.enabled = false){wanted_for}")
     step = steps[0]
     if not store.has_output(step.hash):
         raise UsageError(f"plan {plan.hash[:12]} is not built yet; run: bt run {plan.hash[:12]}")
     problems = store.verify_output(step.hash)
     if problems:
         raise CorruptObject(f"the export output {step.hash[:12]} does not verify: {problems[0]}; run bt fsck")
+    return store.output(step.hash)
+
+
+def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
+    """Copy a built plan's export package to `destination` (default ./export/NAME-HASH), read-only."""
+    output = built_export(store, plan)
     if destination is None:
         # The plan's name was checked to be a safe file name when it was loaded; check again here,
         # where it becomes a path, so that no name can place the export outside ./export.
@@ -121,7 +127,7 @@ def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
     temporary = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
     try:
         package = temporary / "package"
-        shutil.copytree(store.output(step.hash), package, ignore=shutil.ignore_patterns(objects.MANIFEST))
+        shutil.copytree(output, package, ignore=shutil.ignore_patterns(objects.MANIFEST))
         readable = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
         for path in sorted(package.rglob("*"), reverse=True):  # hf/ after its files
             os.chmod(path, readable | (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH if path.is_dir() else 0))

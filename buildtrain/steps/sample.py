@@ -8,12 +8,11 @@ did. One thread: the same seed gives the same text on any machine the plan repro
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import attrs
 
-from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.plan import Plan
+from buildtrain.steps.export import built_export
 from buildtrain.store.store import Store
 
 
@@ -24,22 +23,6 @@ class SampleOptions:
     temperature: float = attrs.field(default=0.8, validator=attrs.validators.ge(0.0))
     top_k: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     seed: int = 0
-
-
-def export_folder(store: Store, plan: Plan) -> Path:
-    """The verified export output of a built plan, or a clear refusal."""
-    steps = [step for step in plan.steps if step.kind == "export"]
-    if not steps:
-        raise UsageError(
-            f"plan {plan.hash[:12]} has no export step (export.enabled = false); enable it to sample"
-        )
-    step = steps[0]
-    if not store.has_output(step.hash):
-        raise UsageError(f"plan {plan.hash[:12]} is not built yet; run: bt run {plan.hash[:12]}")
-    problems = store.verify_output(step.hash)
-    if problems:
-        raise CorruptObject(f"the export output {step.hash[:12]} does not verify: {problems[0]}; run bt fsck")
-    return store.output(step.hash)
 
 
 def sample(store: Store, plan: Plan, options: SampleOptions) -> str:
@@ -53,7 +36,7 @@ def sample(store: Store, plan: Plan, options: SampleOptions) -> str:
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import load_model
 
-    folder = export_folder(store, plan)
+    folder = built_export(store, plan, "; enable it to sample")
     torch.set_num_threads(1)
     config = json.loads((folder / "config.json").read_bytes())
     hf_config = json.loads((folder / "hf" / "config.json").read_bytes())
