@@ -17,6 +17,7 @@ from buildtrain.errors import StepFailed
 from buildtrain.plan.compile import data_view, tokenizer_description
 from buildtrain.steps import data, formats
 from buildtrain.steps.seeds import derive_unit
+from buildtrain.steps.text import arithmetic_document
 from buildtrain.store.objects import hash_file
 from buildtrain.store.tensors import tensor_digest
 
@@ -119,7 +120,7 @@ def test_synthetic_build_is_deterministic(tmp_path: Path) -> None:
 def test_synthetic_tokens_are_the_documents_plus_end_of_document(tmp_path: Path) -> None:
     config = synthetic()
     _, index = build(config, [], tmp_path)
-    documents = [data.arithmetic_document(3, i, 4) for i in range(60)]
+    documents = [arithmetic_document(3, i, 4) for i in range(60)]
     assert all(document.count(b"\n") == 4 and b"+" in document for document in documents)
     assert reassemble(tmp_path, index, config) == expected_tokens(documents)
     assert index["documents"] == 60
@@ -209,7 +210,7 @@ def test_shards_hold_at_most_shard_tokens_and_are_described_exactly(tmp_path: Pa
 def test_train_plus_heldout_is_every_token(tmp_path: Path) -> None:
     config = synthetic()
     _, index = build(config, [], tmp_path)
-    total = sum(len(data.arithmetic_document(3, i, 4)) + 1 for i in range(60))
+    total = sum(len(arithmetic_document(3, i, 4)) + 1 for i in range(60))
     train, heldout = index["splits"]["train"]["tokens"], index["splits"]["heldout"]["tokens"]
     assert train + heldout == total
     assert 0 < heldout < train

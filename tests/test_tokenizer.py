@@ -19,7 +19,8 @@ from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
 from buildtrain.steps import tokenizer as tokenizer_step
-from buildtrain.steps.pieces import corpus, pieces
+from buildtrain.steps.pieces import pieces
+from buildtrain.steps.text import TextSettings, corpus
 from buildtrain.store.store import Store
 
 MICRO_BPE = REPO / "tests" / "presets" / "micro_bpe.toml"
@@ -42,9 +43,12 @@ WORDS = [
     "over",
     "time",
 ]
-TEXT_CONFIG = {"source": "files", "format": "jsonl", "text_field": "text", "split_block": 128}
-TEXT_CONFIG |= {"heldout_fraction": 0.2, "split_seed": 0}
-BPE = {"kind": "bpe", "vocab_size": 320, "min_frequency": 2, "end_of_document": "<|endoftext|>"}
+TEXT_VIEW = {"source": "files", "format": "jsonl", "text_field": "text", "split_block": 128}
+TEXT_VIEW |= {"heldout_fraction": 0.2, "split_seed": 0}
+TEXT_CONFIG = TextSettings.from_config(TEXT_VIEW)
+BPE = tokenizer_step.TokenizerSettings(
+    kind="bpe", vocab_size=320, min_frequency=2, end_of_document="<|endoftext|>"
+)
 
 
 def write_corpus(folder: Path, documents: int = 300, seed: int = 0) -> Path:
@@ -186,7 +190,7 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
     from tokenizers import AddedToken
 
     from buildtrain.canonical import canonical_bytes
-    from buildtrain.steps.data import DATA_INDEX
+    from buildtrain.steps.data import DATA_INDEX, DataSettings
     from buildtrain.steps.tokenized import build_tokenized
     from buildtrain.steps.train.batches import TokenStream
 
@@ -204,7 +208,7 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
     path.write_text("".join(json.dumps({"text": f"ab WIDE c{i}"}) + "\n" for i in range(200)))
     out = tmp_path / "out"
     out.mkdir()
-    config = {**TEXT_CONFIG, "split_block": 16, "shard_tokens": 1024}
+    config = DataSettings(**{**TEXT_VIEW, "split_block": 16, "shard_tokens": 1024, "tokenizer": {}})
 
     class Log:
         def info(self, *_: object, **__: object) -> None: ...

@@ -7,7 +7,6 @@ how the plan lists them, so neither file names nor locations influence the token
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,8 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, SyntheticConfig
 from buildtrain.errors import StepFailed
-from buildtrain.steps.seeds import derive_seed, derive_unit
+from buildtrain.steps.seeds import derive_unit
+from buildtrain.steps.text import TextSettings, corpus
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
@@ -43,6 +43,10 @@ class DataSettings:
     split_block: int
     split_seed: int
     shard_tokens: int
+
+    @property
+    def text(self) -> TextSettings:
+        return TextSettings.from_config(converter.unstructure(self))
 
 
 @attrs.frozen(kw_only=True)
@@ -70,52 +74,6 @@ class DataStep:
 def vocab_size(index: dict[str, Any]) -> int:
     """The size of the vocabulary a data step's tokens come from, as its `data.json` records it."""
     return int(index["tokenizer"].get("vocab_size", BYTE_VOCAB_SIZE))
-
-
-class SplitMix64:
-    """A tiny, fully specified PRNG for the synthetic corpus (stable across Python versions)."""
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed & 0xFFFFFFFFFFFFFFFF
-
-    def next(self) -> int:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        return z ^ (z >> 31)
-
-    def below(self, bound: int) -> int:
-        return self.next() % bound
-
-
-def arithmetic_document(seed: int, index: int, lines: int) -> bytes:
-    """`lines` additions like `417+38=455`, one per line: structure a small model learns quickly."""
-    rng = SplitMix64(derive_seed(seed, "synthetic-arithmetic", index))
-    rows = []
-    for _ in range(lines):
-        a, b = rng.below(10 ** (1 + rng.below(3))), rng.below(10 ** (1 + rng.below(3)))
-        rows.append(f"{a}+{b}={a + b}\n")
-    return "".join(rows).encode("ascii")
-
-
-def documents(settings: DataSettings, sources: list[Path]) -> Iterator[Iterator[bytes]]:
-    """Each document as an iterator of byte chunks."""
-    if settings.source == "synthetic":
-        synthetic = settings.synthetic
-        assert synthetic is not None, "the plan keeps the synthetic settings of a synthetic source"
-        for index in range(synthetic.documents):
-            yield iter((arithmetic_document(synthetic.seed, index, synthetic.lines),))
-        return
-    from buildtrain.steps.formats import documents as file_documents  # text, JSONL, Parquet
-
-    formats = {
-        "format": settings.format,
-        "text_field": settings.text_field,
-        "text_column": settings.text_column,
-    }
-    for _, chunks in file_documents(formats, sources):
-        yield chunks
 
 
 def widen(chunk: bytes) -> bytearray:
@@ -175,7 +133,7 @@ def build_from_plan(
     if tokenizer is not None:
         from buildtrain.steps.tokenized import build_tokenized
 
-        return build_tokenized(config["data"], sources, tokenizer, out, log)
+        return build_tokenized(DataStep.from_config(config).data, sources, tokenizer, out, log)
     return build(DataStep.from_config(config), sources, out, log)
 
 
@@ -206,7 +164,7 @@ def build(step: DataStep, sources: list[Path], out: Path, log: Any) -> dict[str,
                 route(block)
                 block = bytearray()
 
-    for document in documents(settings, sources):
+    for _, document in corpus(settings.text, sources):
         for chunk in document:
             append(widen(chunk))
         append(END_OF_DOCUMENT_BYTES)

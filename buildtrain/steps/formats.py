@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from buildtrain.errors import StepFailed
+
+if TYPE_CHECKING:
+    from buildtrain.steps.text import TextSettings
 
 READ_CHUNK = 1 << 20
 PARQUET_BATCH_ROWS = 4096  # rows per record batch: a few MB of text at most
@@ -27,17 +30,16 @@ def text_chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-def documents(config: dict[str, Any], sources: list[Path]) -> Iterator[tuple[str, Iterator[bytes]]]:
+def documents(text: TextSettings, sources: list[Path]) -> Iterator[tuple[str, Iterator[bytes]]]:
     """(where, chunks) per document of every source file, in plan order. `where` names the file (and
     the line or row group) for error messages; it never reaches a hash."""
-    format = config.get("format", "text")  # absent from data configs planned before formats existed
     for path in sources:
-        if format == "text":
+        if text.format == "text":
             yield str(path), text_chunks(path)
-        elif format == "jsonl":
-            yield from jsonl_documents(path, config.get("text_field", "text"))
+        elif text.format == "jsonl":
+            yield from jsonl_documents(path, text.text_field)
         else:
-            yield from parquet_documents(path, config.get("text_column", "text"))
+            yield from parquet_documents(path, text.text_column)
 
 
 def _utf8(text: str, where: str, key: str) -> bytes:

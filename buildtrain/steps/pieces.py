@@ -12,8 +12,6 @@ split of its last piece. The assignment depends on the text alone, never on the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Any
 
 import attrs
 import blake3
@@ -21,6 +19,7 @@ import blake3
 from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import StepFailed
 from buildtrain.steps.seeds import MASK_63, derive_unit
+from buildtrain.steps.text import TextSettings
 
 
 @attrs.frozen
@@ -54,10 +53,10 @@ def cut(chunks: Iterable[bytes], limit: int) -> Iterator[bytes]:
         yield buffer
 
 
-def pieces(config: dict[str, Any], documents: Iterable[tuple[str, Iterable[bytes]]]) -> Iterator[Piece]:
+def pieces(text: TextSettings, documents: Iterable[tuple[str, Iterable[bytes]]]) -> Iterator[Piece]:
     """Every piece of the corpus, in order, with its split."""
-    limit, fraction = config["split_block"], config["heldout_fraction"]
-    unit = HeldOutUnit(config["split_seed"])
+    limit, fraction = text.split_block, text.heldout_fraction
+    unit = HeldOutUnit(text.split_seed)
     index = 0
     for where, chunks in documents:
         previous: bytes | None = None
@@ -100,18 +99,3 @@ def _piece(raw: bytes, where: str, offset: int, held_out: bool, last: bool) -> P
             '(data.tokenizer = "bytes" reads any bytes)'
         ) from None
     return Piece(text=text, held_out=held_out, last=last)
-
-
-def corpus(config: dict[str, Any], sources: list[Path]) -> Iterator[tuple[str, Iterable[bytes]]]:
-    """(where, chunks) of every document: the synthetic corpus, or the data files in plan order."""
-    if config["source"] == "synthetic":
-        from buildtrain.steps.data import arithmetic_document
-
-        synthetic = config["synthetic"]
-        for index in range(synthetic["documents"]):
-            text = arithmetic_document(synthetic["seed"], index, synthetic["lines"])
-            yield f"synthetic document {index}", (text,)
-        return
-    from buildtrain.steps.formats import documents
-
-    yield from documents(config, sources)

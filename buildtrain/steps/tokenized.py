@@ -18,8 +18,9 @@ import numpy as np
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
-from buildtrain.steps.data import DATA_FORMAT, DATA_INDEX, ShardWriter
-from buildtrain.steps.pieces import Piece, corpus, pieces
+from buildtrain.steps.data import DATA_FORMAT, DATA_INDEX, DataSettings, ShardWriter
+from buildtrain.steps.pieces import Piece, pieces
+from buildtrain.steps.text import corpus
 from buildtrain.steps.tokenizer import load
 from buildtrain.store.objects import write_bytes_durably
 
@@ -33,14 +34,14 @@ def token_width(vocab_size: int) -> int:
 
 
 def build_tokenized(
-    config: dict[str, Any], sources: list[Path], tokenizer_dir: Path, out: Path, log: Any
+    settings: DataSettings, sources: list[Path], tokenizer_dir: Path, out: Path, log: Any
 ) -> dict[str, str]:
     """Write shards and `data.json` into `out`; return the logical digests of the output."""
     tokenizer, description = load(tokenizer_dir)
     width = token_width(description["vocab_size"])
     dtype = np.uint16 if width == 2 else np.uint32
     end_of_document = description["end_of_document"]
-    writers = {s: ShardWriter(out, s, config["shard_tokens"], width) for s in ("train", "heldout")}
+    writers = {s: ShardWriter(out, s, settings.shard_tokens, width) for s in ("train", "heldout")}
     counts = {"documents": 0, "pieces": 0}
     batch: list[Piece] = []
     batch_bytes = 0
@@ -71,7 +72,8 @@ def build_tokenized(
                 write(pending[0], pending[1].result())
             pending = (batch, future)
 
-        for piece in pieces(config, corpus(config, sources)):
+        text = settings.text
+        for piece in pieces(text, corpus(text, sources)):
             batch.append(piece)
             batch_bytes += len(piece.text)
             if batch_bytes >= ENCODE_BATCH_BYTES:
@@ -88,7 +90,7 @@ def build_tokenized(
         if writer.tokens < 2:
             raise StepFailed(
                 f"the {split} split is empty: the corpus has {counts['pieces']} pieces of at most "
-                f"{config['split_block']} bytes; use more data, a smaller data.split_block, or another "
+                f"{settings.split_block} bytes; use more data, a smaller data.split_block, or another "
                 "data.heldout_fraction"
             )
     index: dict[str, Any] = {

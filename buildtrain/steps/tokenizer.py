@@ -13,30 +13,62 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.config.convert import converter
 from buildtrain.errors import StepFailed
-from buildtrain.steps.pieces import corpus, pieces
+from buildtrain.steps.pieces import pieces
+from buildtrain.steps.text import TextSettings, corpus
 from buildtrain.store.objects import hash_file, write_bytes_durably
+
+if TYPE_CHECKING:
+    from buildtrain.steps.context import StepContext
 
 TOKENIZER = "tokenizer.json"
 DESCRIPTION = "description.json"
 TRAIN_BATCH = 1024  # pieces handed to the trainer at a time
 
 
-def execute(ctx: Any, out: Path) -> dict[str, str]:
-    config = ctx.step.config["tokenizer"]
-    if config["kind"] == "file":
+@attrs.frozen(kw_only=True)
+class TokenizerSettings:
+    """A tokenizer step's settings as the plan holds them (`plan/tokenizers.tokenizer_view`): a
+    given file has no vocabulary size or frequency of its own to set."""
+
+    kind: str
+    end_of_document: str
+    vocab_size: int | None = None
+    min_frequency: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TokenizerStep:
+    """A tokenizer step's config, typed: the tokenizer, and the text a BPE is trained on."""
+
+    tokenizer: TokenizerSettings
+    text: TextSettings | None = None  # None for a given file
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TokenizerStep:
+        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
+        return converter.structure(config, cls)
+
+
+def execute(ctx: StepContext, out: Path) -> dict[str, str]:
+    step = TokenizerStep.from_config(ctx.step.config)
+    settings = step.tokenizer
+    if step.text is None:
         (source,) = ctx.sources
         raw = source.read_bytes()  # once: the bytes checked are the bytes stored
-        tokenizer = load_given(source, raw, config["end_of_document"])
+        tokenizer = load_given(source, raw, settings.end_of_document)
     else:
-        tokenizer = train_bpe(ctx.step.config["text"], ctx.sources, config)
+        tokenizer = train_bpe(step.text, ctx.sources, settings)
         raw = tokenizer.to_str().encode("utf-8")
         ctx.log.info("tokenizer_trained", vocab_size=tokenizer.get_vocab_size(with_added_tokens=True))
     write_bytes_durably(out / TOKENIZER, raw)
-    description = describe(tokenizer, config["kind"], config["end_of_document"])
+    description = describe(tokenizer, settings.kind, settings.end_of_document)
     write_bytes_durably(out / DESCRIPTION, canonical_bytes(description))
     return {"tokenizer": digest("tokenizer", {"file": hash_file(out / TOKENIZER)[0], **description})}
 
@@ -51,15 +83,15 @@ def new_bpe() -> Any:
     return tokenizer
 
 
-def train_bpe(text: dict[str, Any], sources: list[Path], config: dict[str, Any]) -> Any:
+def train_bpe(text: TextSettings, sources: list[Path], settings: TokenizerSettings) -> Any:
     """Train on the train split's pieces of the corpus, in corpus order."""
     from tokenizers import pre_tokenizers, trainers
 
     tokenizer = new_bpe()
     trainer = trainers.BpeTrainer(
-        vocab_size=config["vocab_size"],
-        min_frequency=config["min_frequency"],
-        special_tokens=[config["end_of_document"]],  # id 0
+        vocab_size=settings.vocab_size,
+        min_frequency=settings.min_frequency,
+        special_tokens=[settings.end_of_document],  # id 0
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -67,7 +99,7 @@ def train_bpe(text: dict[str, Any], sources: list[Path], config: dict[str, Any])
     return tokenizer
 
 
-def _train_batches(text: dict[str, Any], sources: list[Path]) -> Iterator[list[str]]:
+def _train_batches(text: TextSettings, sources: list[Path]) -> Iterator[list[str]]:
     batch: list[str] = []
     for piece in pieces(text, corpus(text, sources)):
         if not piece.held_out:

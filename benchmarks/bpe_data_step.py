@@ -15,7 +15,7 @@ Prints wall time, throughput (MB of text per second), the ratio (goal: data step
 library's throughput) and each process's peak resident memory (goal: the data step's bounded,
 independent of corpus size; the library's holds the corpus and its ids).
 
-Run: python benchmarks/tokenize.py [--sizes 25,100] (MB of JSONL)
+Run: python benchmarks/bpe_data_step.py [--sizes 25,100] (MB of JSONL)
 """
 
 from __future__ import annotations

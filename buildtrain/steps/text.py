@@ -1,0 +1,79 @@
+"""The text a data or tokenizer step reads: the built-in synthetic corpus, or data files in plan
+order, each document as (where, chunks of bytes). `where` names the file (and line or row group)
+for error messages and never reaches a hash. Needs no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import SyntheticConfig
+from buildtrain.steps.seeds import derive_seed
+
+
+@attrs.frozen(kw_only=True)
+class TextSettings:
+    """What chooses a step's text and its train/held-out split, as the plan's step config holds it
+    (the format keys appear only where they say something: `plan/tokenizers.py`)."""
+
+    source: str
+    synthetic: SyntheticConfig | None = None
+    format: str = "text"
+    text_field: str = "text"
+    text_column: str = "text"
+    split_block: int
+    heldout_fraction: float
+    split_seed: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TextSettings:
+        """From a data section or a tokenizer step's text view: the keys this class has."""
+        names = {field.name for field in attrs.fields(cls)}
+        return converter.structure({k: v for k, v in config.items() if k in names}, cls)
+
+
+class SplitMix64:
+    """A tiny, fully specified PRNG for the synthetic corpus (stable across Python versions)."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed & 0xFFFFFFFFFFFFFFFF
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        return z ^ (z >> 31)
+
+    def below(self, bound: int) -> int:
+        return self.next() % bound
+
+
+def arithmetic_document(seed: int, index: int, lines: int) -> bytes:
+    """`lines` additions like `417+38=455`, one per line: structure a small model learns quickly."""
+    rng = SplitMix64(derive_seed(seed, "synthetic-arithmetic", index))
+    rows = []
+    for _ in range(lines):
+        a, b = rng.below(10 ** (1 + rng.below(3))), rng.below(10 ** (1 + rng.below(3)))
+        rows.append(f"{a}+{b}={a + b}\n")
+    return "".join(rows).encode("ascii")
+
+
+def corpus(text: TextSettings, sources: list[Path]) -> Iterator[tuple[str, Iterable[bytes]]]:
+    """(where, chunks) of every document: the synthetic corpus, or the data files in plan order."""
+    if text.source == "synthetic":
+        synthetic = text.synthetic
+        assert synthetic is not None, "the plan keeps the synthetic settings of a synthetic source"
+        for index in range(synthetic.documents):
+            yield (
+                f"synthetic document {index}",
+                (arithmetic_document(synthetic.seed, index, synthetic.lines),),
+            )
+        return
+    from buildtrain.steps.formats import documents  # text, JSONL, Parquet
+
+    yield from documents(text, sources)
