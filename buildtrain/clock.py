@@ -15,6 +15,11 @@ def iso_seconds(moment: datetime.datetime | None = None) -> str:
     return (moment or utc_now()).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def iso_micro(moment: datetime.datetime | None = None) -> str:
+    """`2026-11-23T17:05:09.123456Z`: events in run records."""
+    return (moment or utc_now()).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def compact(moment: datetime.datetime | None = None) -> str:
     """`20261123T170509Z`: run record folder names, which sort by time."""
     return (moment or utc_now()).strftime("%Y%m%dT%H%M%SZ")

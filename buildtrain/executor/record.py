@@ -32,7 +32,6 @@ class RunRecord:
         self.steps: list[dict[str, Any]] = []
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        self._events = logs.writing_to(self._write_line)
 
     @classmethod
     def create(
@@ -67,7 +66,7 @@ class RunRecord:
 
     def event(self, event: str, **fields: Any) -> None:
         """An executor event, rendered like the step processes' lines (`logs.py`)."""
-        self._events.info(event, **fields)
+        self._write_line(logs.event_line(event, **fields))
 
     def _write_line(self, line: str) -> None:
         self._log.write(line + "\n")
