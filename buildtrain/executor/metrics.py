@@ -25,14 +25,15 @@ TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
 EVAL_SCALARS = ("loss", "bits_per_token", "perplexity")
 
 
-def step_metrics_path(store_root: Path, step_hash: str) -> Path:
-    return store_root / "metrics" / "steps" / f"{step_hash}.json"
+def step_metrics_path(store_root: Path | str, step_hash: str) -> str:
+    """A plain string: a table asks for thousands of these, and `os.path` is cheaper than Path."""
+    return os.path.join(store_root, "metrics", "steps", step_hash + ".json")
 
 
 def read_step_metrics(store_root: Path, step_hash: str) -> dict[str, Any] | None:
     """The summary of a built step, or None when absent or unreadable (a blank, never an error)."""
-    try:  # plain strings: a table asks this thousands of times
-        with open(os.path.join(store_root, "metrics", "steps", step_hash + ".json"), "rb") as file:
+    try:
+        with open(step_metrics_path(store_root, step_hash), "rb") as file:
             body = json.loads(file.read())
     except (OSError, ValueError):
         return None
@@ -95,7 +96,7 @@ class MetricsCollector:
             }
         if seen["eval"]:
             body["eval"] = seen["eval"]
-        path = step_metrics_path(self.store_root, result["hash"])
+        path = Path(step_metrics_path(self.store_root, result["hash"]))
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_durably(path, json.dumps(body, indent=1, sort_keys=True).encode())

@@ -14,15 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import attrs
-import blake3
 
 from buildtrain.plan.diff import flatten
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import load_plan
+from buildtrain.store.objects import framed, unframed, write_bytes_durably
 from buildtrain.store.store import Store
 
 CARD_FORMAT = 1
@@ -54,13 +54,10 @@ def save_card(store: Store, plan: Plan, created: str) -> Card:
         "steps": [[s.label, s.kind, s.hash] for s in plan.steps],
     }
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    path = card_path(store, plan.hash)
+    path = Path(card_path(store, plan.hash))
     with contextlib.suppress(OSError):  # a read-only store: computed again next time
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".card.")
-        with os.fdopen(fd, "wb") as file:
-            file.write(blake3.blake3(raw).hexdigest().encode() + b"\n" + raw)
-        os.replace(temporary, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_durably(path, framed(raw), durable=False)
     return _card(body)
 
 
@@ -68,8 +65,8 @@ def read_card(store: Store, plan_hash: str) -> Card | None:
     """The stored card of a plan, or None when it is absent, damaged or another plan's."""
     try:
         with open(card_path(store, plan_hash), "rb") as file:
-            seal, _, raw = file.read().partition(b"\n")
-        if blake3.blake3(raw).hexdigest().encode() != seal:
+            raw = unframed(file.read())
+        if raw is None:
             return None
         body = json.loads(raw)
         if body.get("format") != CARD_FORMAT or body.get("plan") != plan_hash:

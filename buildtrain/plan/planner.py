@@ -82,8 +82,8 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_
     cache.save()
 
     plan = compile_plan(loaded.config, sources, world_size, tokenizer_files)
-    save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
-    save_card(store, plan, store.plan_meta(plan.hash).get("created", "?"))  # what bt ls --metrics reads
+    record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
+    save_card(store, plan, record["created"])  # what bt ls --metrics reads
     return Planned(
         plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
     )

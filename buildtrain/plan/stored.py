@@ -13,8 +13,9 @@ from buildtrain.plan.plan import Plan
 from buildtrain.store.store import Store
 
 
-def save_plan(store: Store, plan: Plan, **meta: Any) -> None:
-    store.save_plan(plan.hash, canonical_bytes(plan.to_body()), **meta)
+def save_plan(store: Store, plan: Plan, **meta: Any) -> dict[str, Any]:
+    """Store the plan's canonical bytes; returns its metadata record (when and from where)."""
+    return store.save_plan(plan.hash, canonical_bytes(plan.to_body()), **meta)
 
 
 def load_plan(store: Store, ref: str) -> Plan:

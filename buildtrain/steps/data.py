@@ -173,31 +173,50 @@ def build(step: DataStep, sources: list[Path], out: Path, log: Any) -> dict[str,
             log.info("data_progress", documents=document_count, blocks=block_index)
     if block:
         route(block)
+    return finish(
+        out,
+        writers,
+        tokenizer=converter.unstructure(step.tokenizer),
+        documents=document_count,
+        blocks=block_index,
+        units=f"{block_index} blocks of {block_size} tokens",
+        log=log,
+    )
+
+
+def finish(
+    out: Path,
+    writers: dict[str, ShardWriter],
+    *,
+    tokenizer: dict[str, Any],
+    documents: int,
+    blocks: int,
+    units: str,
+    log: Any,
+) -> dict[str, str]:
+    """Close the shards, refuse an empty split (`units` says what the corpus was cut into), write
+    `data.json` and return the output's logical digests: the end of every data step."""
     for writer in writers.values():
         writer.close()
-
     for split, writer in writers.items():
         if writer.tokens < 2:
             raise StepFailed(
-                f"the {split} split is empty: the corpus has {block_index} blocks of {block_size} tokens; "
+                f"the {split} split is empty: the corpus has {units}; "
                 "use more data, a smaller data.split_block, or another data.heldout_fraction"
             )
-    index = {
-        "format": DATA_FORMAT,
-        "tokenizer": converter.unstructure(step.tokenizer),
-        "documents": document_count,
-        "splits": {
-            split: {"tokens": writer.tokens, "shards": writer.shards} for split, writer in writers.items()
-        },
-    }
+    splits: dict[str, Any] = {s: {"tokens": w.tokens, "shards": w.shards} for s, w in writers.items()}
+    for writer, split in zip(writers.values(), splits.values(), strict=True):
+        if writer.width != 2:
+            split["dtype"] = "u32"  # only when wide: uint16 indexes keep their meaning
+    index = {"format": DATA_FORMAT, "tokenizer": tokenizer, "documents": documents, "splits": splits}
     write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
     digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
-    digests["data"] = digest("data", {split: [s["digest"] for s in w.shards] for split, w in writers.items()})
+    digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
     log.info(
         "data_built",
-        documents=document_count,
+        documents=documents,
         train_tokens=writers["train"].tokens,
         heldout_tokens=writers["heldout"].tokens,
-        blocks=block_index,
+        blocks=blocks,
     )
     return digests

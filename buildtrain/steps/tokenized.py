@@ -16,13 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.errors import StepFailed
-from buildtrain.steps.data import DATA_FORMAT, DATA_INDEX, DataSettings, ShardWriter
+from buildtrain.steps.data import DataSettings, ShardWriter, finish
 from buildtrain.steps.pieces import Piece, pieces
 from buildtrain.steps.text import corpus
 from buildtrain.steps.tokenizer import load
-from buildtrain.store.objects import write_bytes_durably
 
 ENCODE_BATCH_BYTES = 4 << 20  # text per batch encode call: large enough to keep every core busy
 U16_IDS = 1 << 16
@@ -83,33 +80,12 @@ def build_tokenized(
             submit(batch)
         if pending is not None:
             write(pending[0], pending[1].result())
-    for writer in writers.values():
-        writer.close()
-
-    for split, writer in writers.items():
-        if writer.tokens < 2:
-            raise StepFailed(
-                f"the {split} split is empty: the corpus has {counts['pieces']} pieces of at most "
-                f"{settings.split_block} bytes; use more data, a smaller data.split_block, or another "
-                "data.heldout_fraction"
-            )
-    index: dict[str, Any] = {
-        "format": DATA_FORMAT,
-        "tokenizer": description,
-        "documents": counts["documents"],
-        "splits": {s: {"tokens": w.tokens, "shards": w.shards} for s, w in writers.items()},
-    }
-    if width != 2:
-        for split in index["splits"].values():
-            split["dtype"] = "u32"  # only when wide: uint16 indexes keep their meaning
-    write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
-    digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
-    digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
-    log.info(
-        "data_built",
+    return finish(
+        out,
+        writers,
+        tokenizer=description,
         documents=counts["documents"],
-        train_tokens=writers["train"].tokens,
-        heldout_tokens=writers["heldout"].tokens,
         blocks=counts["pieces"],
+        units=f"{counts['pieces']} pieces of at most {settings.split_block} bytes",
+        log=log,
     )
-    return digests

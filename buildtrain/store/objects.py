@@ -57,15 +57,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_durably(path: Path, data: bytes) -> None:
-    """Write a file next to its final name, fsync it, rename it into place, fsync the folder."""
+def write_bytes_durably(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write a file next to its final name, fsync it, rename it into place, fsync the folder.
+    `durable=False` (caches, recomputed when lost) keeps the atomic rename and skips the fsyncs."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(temporary, "wb") as handle:
         handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(temporary, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def framed(body: bytes) -> bytes:
+    """A cache file's bytes: the blake3 of the body, a newline, the body. Checking raw bytes is
+    C-speed, so a cache read thousands of times is still checked on every read."""
+    return blake3.blake3(body).hexdigest().encode() + b"\n" + body
+
+
+def unframed(data: bytes) -> bytes | None:
+    """The body of `framed` bytes; None when the digest line does not match the body."""
+    claimed, _, body = data.partition(b"\n")
+    return body if claimed == blake3.blake3(body).hexdigest().encode() else None
 
 
 def _entries(root: Path) -> Iterator[tuple[str, Path]]:

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import blake3
 
-from buildtrain.store.objects import hash_file, write_bytes_durably
+from buildtrain.store.objects import framed, hash_file, unframed, write_bytes_durably
 
 CACHE_FORMAT = 3  # 3: ctime in the key
 RACY_SECONDS = 2.0
@@ -53,11 +52,9 @@ class StatCache:
             self._load()
 
     def _load(self) -> None:
-        # Layout: the blake3 of the body, a newline, the body (JSON). Checking the raw bytes is
-        # cheap even for a cache of many thousand files.
         try:
-            claimed, _, raw = self.path.read_bytes().partition(b"\n")
-            if claimed.decode() != blake3.blake3(raw).hexdigest():
+            raw = unframed(self.path.read_bytes())  # the body under its own digest line
+            if raw is None:
                 raise ValueError("digest mismatch")
             body = json.loads(raw)
             if body.get("format") != CACHE_FORMAT:
@@ -101,7 +98,7 @@ class StatCache:
                 if self._set_aside is None:
                     return
                 self._set_aside(self.path)
-            write_bytes_durably(self.path, blake3.blake3(raw).hexdigest().encode() + b"\n" + raw)
+            write_bytes_durably(self.path, framed(raw))
         except OSError:
             return
         self.dirty = False

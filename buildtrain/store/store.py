@@ -58,7 +58,7 @@ class Store:
 
     # -- plans ------------------------------------------------------------------------------------
 
-    def save_plan(self, plan_hash: str, raw: bytes, **meta: Any) -> None:
+    def save_plan(self, plan_hash: str, raw: bytes, **meta: Any) -> dict[str, Any]:
         """Store a plan's canonical bytes under its hash (replacing a damaged copy) and its sealed
         metadata. The caller computed the hash from `raw` (`plan.stored.save_plan`); the store
         keeps bytes and never interprets them.
@@ -80,6 +80,7 @@ class Store:
         except OSError:
             if not self._holds(path, raw):
                 raise
+        return record
 
     @staticmethod
     def _holds(path: Path, raw: bytes) -> bool:
