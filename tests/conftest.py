@@ -82,7 +82,10 @@ def summaries(experiments: Path) -> list[dict]:
     """summary.json of every run record, oldest first."""
     import json
 
-    return [json.loads(p.read_text()) for p in sorted(experiments.glob("*/summary.json"))]
+    # By when each was written: folder names sort by the second a run started, and the records
+    # of a fast batch of plans (a null build of a sweep) can share that second.
+    written = sorted(experiments.glob("*/summary.json"), key=lambda p: (p.stat().st_mtime_ns, p.parent.name))
+    return [json.loads(p.read_text()) for p in written]
 
 
 def actions(summary: dict) -> dict[str, str]:

@@ -73,20 +73,18 @@ def _parse_steps(text: str | None) -> tuple[int, ...]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from buildtrain.plan.planner import plan_preset
-    from buildtrain.plan.sweep import plan_sweep
+    from buildtrain.plan.sweep import SweepPlans, plan_sweep
     from buildtrain.report import plan_summary
 
     store = store_of(args)
-    sweep = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes)
-    if sweep is not None:  # one hash per point on stdout; what the points share on stderr
+    planned = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes)
+    if isinstance(planned, SweepPlans):  # one hash per point on stdout; what they share on stderr
         from buildtrain.views.sweep import sweep_summary
 
-        print("\n".join(point.planned.plan.hash for point in sweep.points), flush=True)
+        print("\n".join(point.planned.plan.hash for point in planned.points), flush=True)
         if not args.quiet:
-            err(sweep_summary(store, sweep))
+            err(sweep_summary(store, planned))
         return ExitCode.OK
-    planned = plan_preset(args.preset, args.set, store, args.nproc * args.nnodes)
     print(planned.plan.hash, flush=True)
     if not args.quiet:
         err(plan_summary(store, planned.plan))

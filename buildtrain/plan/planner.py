@@ -32,7 +32,11 @@ class Planned:
 
 def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_size: int = 1) -> Planned:
     overrides = list(overrides)
-    loaded = load_preset(path, overrides)
+    return plan_loaded(load_preset(path, overrides), overrides, store, world_size)
+
+
+def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_size: int = 1) -> Planned:
+    """`plan_preset` for a preset already loaded (with `overrides`, which the metadata records)."""
     source_paths, problems = preflight(loaded, world_size)
     if problems:
         raise ConfigError(problems)

@@ -18,9 +18,8 @@ import attrs
 
 from buildtrain.errors import UsageError
 from buildtrain.plan.plan import Plan
-from buildtrain.plan.planner import plan_preset
 from buildtrain.plan.stored import load_plan
-from buildtrain.plan.sweep import load_sweep_plans, plan_sweep
+from buildtrain.plan.sweep import SweepPlans, load_sweep_plans, plan_sweep
 from buildtrain.store.store import HEX, Store
 
 
@@ -90,10 +89,9 @@ def _resolve_one(
     if ref == "-":
         return [Target(load_plan(store, r), 0) for r in _hash_lines(stdin.read(), "stdin")]
     if is_preset(ref):
-        sweep = plan_sweep(ref, overrides, axes, store, world_size)
-        if sweep is not None:
-            return [Target(p.planned.plan, p.planned.threads) for p in sweep.points]
-        planned = plan_preset(ref, overrides, store, world_size)
+        planned = plan_sweep(ref, overrides, axes, store, world_size)
+        if isinstance(planned, SweepPlans):
+            return [Target(p.planned.plan, p.planned.threads) for p in planned.points]
         return [Target(planned.plan, planned.threads)]
     if Path(ref).is_file():
         try:

@@ -23,7 +23,7 @@ from buildtrain.config.convert import describe
 from buildtrain.config.loader import load_preset
 from buildtrain.config.overrides import parse_key_path, parse_value
 from buildtrain.errors import ConfigError, UsageError
-from buildtrain.plan.planner import Planned, plan_preset
+from buildtrain.plan.planner import Planned, plan_loaded
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.store import Store
 
@@ -181,8 +181,9 @@ def plan_sweep(
     axis_texts: Sequence[str],
     store: Store,
     world_size: int = 1,
-) -> SweepPlans | None:
-    """Plan every point of the sweep the preset declares and `--sweep` adds; None without axes.
+) -> SweepPlans | Planned:
+    """Plan every point of the sweep the preset declares and `--sweep` adds; a preset without
+    axes is planned as its one point (each preset is loaded and validated once).
 
     Every point is validated before any is stored, so a bad axis value leaves nothing half-written.
     """
@@ -191,19 +192,23 @@ def plan_sweep(
     declared = table_axes(loaded.sweep, str(loaded.path)) if loaded.sweep is not None else []
     axes = merge_axes(declared, given)
     if not axes:
-        return None
+        return plan_loaded(loaded, list(overrides), store, world_size)
     size = 1
     for axis in axes:
         size *= len(axis.values)
     if size > MAX_POINTS:
         raise UsageError(f"the sweep has {size} points, more than {MAX_POINTS}; give fewer values")
-    points = grid(axes)
-    for assignments in points:  # validate all first: a bad value fails before anything is stored
+    points = []
+    for assignments in grid(axes):  # validate all first: a bad value fails before anything is stored
         try:
-            load_preset(path, [*overrides, *assignments])
+            points.append(
+                (assignments, [*overrides, *assignments], load_preset(path, [*overrides, *assignments]))
+            )
         except ConfigError as exc:
             raise ConfigError([_as_sweep(line) for line in exc.problems]) from None
-    planned = [Point(a, plan_preset(path, [*overrides, *a], store, world_size)) for a in points]
+    planned = [
+        Point(a, plan_loaded(point, all_overrides, store, world_size)) for a, all_overrides, point in points
+    ]
     pairs = [(p.assignments, p.planned.plan.hash) for p in planned]
     result = SweepPlans(hash=sweep_hash(axes, pairs), axes=axes, points=tuple(planned))
     save_sweep(store, result)
