@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from buildtrain.config.schema import END_OF_DOCUMENT, DataConfig, SyntheticConfig
 from buildtrain.errors import StepFailed
-from buildtrain.plan.compile import data_view, tokenizer_description
+from buildtrain.kinds.data import byte_tokenizer, data_view
 from buildtrain.steps import data, formats
 from buildtrain.steps.seeds import derive_unit
 from buildtrain.steps.text import arithmetic_document
@@ -36,7 +36,7 @@ class FakeLog:
 def spec_of(config: DataConfig) -> data.DataStep:
     """The data step's config as the plan holds it, typed as the step types it."""
     return data.DataStep.from_config(
-        {"data": data_view(config), "tokenizer": tokenizer_description(config.tokenizer)}
+        {"data": data_view(config), "tokenizer": byte_tokenizer()}
     )
 
 

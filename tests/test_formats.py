@@ -18,7 +18,7 @@ from test_data_step import FakeLog
 
 from buildtrain.config.schema import DataConfig, TokenizerConfig
 from buildtrain.errors import StepFailed
-from buildtrain.plan.compile import data_view, tokenizer_description
+from buildtrain.kinds.data import byte_tokenizer, data_view
 from buildtrain.steps import data, tokenizer
 from buildtrain.store.objects import write_bytes_durably
 
@@ -38,7 +38,7 @@ def spec(format: str, tokenized: bool) -> dict[str, Any]:
     config = DataConfig(**COMMON, format=format, tokenizer=TokenizerConfig() if tokenized else "bytes")
     view = data_view(config)
     return {
-        "config": {"data": view} if tokenized else {"data": view, "tokenizer": tokenizer_description("bytes")}
+        "config": {"data": view} if tokenized else {"data": view, "tokenizer": byte_tokenizer()}
     }
 
 
@@ -109,7 +109,7 @@ def failure(tmp_path: Path, format: str, paths: list[Path], **extra: Any) -> str
     view = {**spec(format, False)["config"]["data"], **extra}
     with pytest.raises(StepFailed) as caught:
         data.build_from_plan(
-            {"data": view, "tokenizer": tokenizer_description("bytes")},
+            {"data": view, "tokenizer": byte_tokenizer()},
             paths,
             tmp_path,
             FakeLog(),

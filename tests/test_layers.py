@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("buildtrain.errors", "buildtrain.canonical", "buildtrain.clock", "buildtrain.__init__")),
     ("store", ("buildtrain.store",)),
     ("config", ("buildtrain.config",)),
-    ("plan", ("buildtrain.plan",)),
+    ("plan", ("buildtrain.plan", "buildtrain.kinds")),
     ("steps", ("buildtrain.steps",)),
     ("executor", ("buildtrain.executor",)),
     ("verify", ("buildtrain.verify",)),

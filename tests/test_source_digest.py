@@ -17,7 +17,8 @@ import pytest
 from buildtrain.plan import sources_digest
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
-from buildtrain.plan.sources_digest import COMPUTING_ROOTS, computing_modules, module_path
+from buildtrain.kinds import KINDS
+from buildtrain.plan.sources_digest import computing_modules, module_path
 from buildtrain.store.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,14 +95,14 @@ def changed_labels(root: Path, store: Store, module: str, before: dict[str, str]
 
 
 def test_presentation_modules_compute_nothing(package: Path) -> None:
-    computing = {m for kind in COMPUTING_ROOTS for m in computing_modules(kind, package)}
+    computing = {m for kind in KINDS for m in computing_modules(kind, package)}
     assert computing.isdisjoint(PRESENTATION)
 
 
 def test_a_presentation_edit_changes_no_hash(package: Path, tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     before = step_hashes(package, store)
-    computing = {m for kind in COMPUTING_ROOTS for m in computing_modules(kind, package)}
+    computing = {m for kind in KINDS for m in computing_modules(kind, package)}
     outside = [m for m in all_modules(package) if m not in computing]
     assert set(PRESENTATION) <= set(outside)
     # All at once: had any of them entered a digest, some hash would change.
@@ -119,8 +120,8 @@ def test_a_computing_edit_changes_the_steps_it_computes(package: Path, tmp_path:
     store = Store(tmp_path / "store")
     plan = compiled(package, store)
     before = {step.label: step.hash for step in plan.steps}
-    assert {step.kind for step in plan.steps} == set(COMPUTING_ROOTS)  # every kind is exercised
-    computing = {kind: computing_modules(kind, package) for kind in COMPUTING_ROOTS}
+    assert {step.kind for step in plan.steps} == set(KINDS)  # every kind is exercised
+    computing = {kind: computing_modules(kind, package) for kind in KINDS}
     for module in sorted(set().union(*computing.values())):
         users = {kind for kind, modules in computing.items() if module in modules}
         computed = {step.label for step in plan.steps if step.kind in users}

@@ -62,15 +62,12 @@ class MetricsCollector:
             seen["train"].append(line)
             self.writer.scalars(line["step"], _scalars(label, line, TRAIN_SCALARS))
         elif kind == "eval":
-            # During training an eval line carries the step; the eval step's own has none.
-            at = (
-                line.get("step")
-                if isinstance(line.get("step"), int)
-                else max(self._last_step.values(), default=0)
-            )
-            prefix = f"{label}/heldout" if label.startswith("train") else label
+            # During training an eval line carries the update; an evaluation step's own has none.
+            during_training = isinstance(line.get("step"), int)
+            at = line["step"] if during_training else max(self._last_step.values(), default=0)
+            prefix = f"{label}/heldout" if during_training else label
             self.writer.scalars(at, _scalars(prefix, line, EVAL_SCALARS))
-            if not label.startswith("train"):
+            if not during_training:
                 seen["eval"] = {k: line[k] for k in EVAL_SCALARS if isinstance(line.get(k), (int, float))}
 
     def step_finished(self, result: dict[str, Any], kind: str) -> None:

@@ -4,6 +4,7 @@ signals and error events to the error that `bt` reports."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -11,6 +12,18 @@ import attrs
 from buildtrain.errors import CorruptObject, ExitCode, Interrupted, StepFailed
 from buildtrain.executor.launch import RankFailure
 from buildtrain.plan.plan import Plan, Step
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    """What building one step of a run came to, as the run record and the summary keep it."""
+
+    label: str
+    hash: str
+    action: str = attrs.field(validator=attrs.validators.in_(("executed", "cached", "joined")))
+    detail: str = ""  # why it was a cache hit ("built by another run", ...)
+    duration_s: float = 0.0
+    digests: Mapping[str, str] = attrs.Factory(dict)  # of its sealed output (none where joined)
 
 
 @attrs.frozen

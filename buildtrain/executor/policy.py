@@ -7,20 +7,13 @@ import os
 
 import attrs
 
-from buildtrain.config.convert import converter
-from buildtrain.config.schema import ModelConfig, NumericsConfig, TrainConfig, world_size_problem
+from buildtrain.config.schema import NumericsConfig
 from buildtrain.errors import ToolchainMismatch, UsageError
 from buildtrain.executor import numerics
 from buildtrain.executor.launch import Launch
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.plan.toolchain import (
-    cpu_facts,
-    differences,
-    fingerprint,
-    hashed_world_size,
-    library_facts,
-    portable_target,
-)
+from buildtrain.plan.toolchain import cpu_facts, differences, portable_target
 
 
 def pinned_threads(plan: Plan) -> int | None:
@@ -49,9 +42,7 @@ def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
     settings = plan.numerics
     lines: list[str] = []
     for step in plan.steps:
-        current = fingerprint(
-            step.kind, settings, threads, hashed_world_size(step.kind, step.config, world_size)
-        ) | library_facts(step.kind, step.config)
+        current = kind_of(step.kind).toolchain(step.config, settings, world_size, threads)
         for line in differences(dict(step.toolchain), current):
             if line not in lines:
                 lines.append(line)
@@ -73,13 +64,12 @@ def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
 
 
 def check_world_size(steps: list[Step], world_size: int) -> None:
-    """Every train step must share its micro-batches evenly among the processes (exit 2)."""
+    """Every step that runs on ranks must share its work evenly among the processes (exit 2)."""
     problems = []
     for step in steps:
-        if step.kind == "train":
-            problem = world_size_problem(converter.structure(step.config["train"], TrainConfig), world_size)
-            if problem is not None:
-                problems.append(f"{step.label}: train.micro_batch_size: {problem}")
+        problem = kind_of(step.kind).world_size_problem(step.config, world_size)
+        if problem is not None:
+            problems.append(f"{step.label}: {problem}")
     if problems:
         raise UsageError("\n  ".join(problems))
 
@@ -88,25 +78,23 @@ MEMORY_FOR_RANKS = 0.8  # the share of the machine's memory the ranks of one ste
 
 
 def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Launch) -> Launch:
-    """The processes a step runs on: `launch` as given, except that a portable train step given
-    one process shares its `threads` cores out as single-threaded ranks (see `numerics`);
-    `--threads 1` keeps it on one."""
-    if step.kind != "train" or launch.world_size > 1:
+    """The processes a step runs on: `launch` as given, except that a portable step that can run
+    on ranks, given one process, shares its `threads` cores out as single-threaded ranks (see
+    `numerics`); `--threads 1` keeps it on one."""
+    kind = kind_of(step.kind)
+    if not kind.ranks or launch.world_size > 1:
         return launch
     if not numerics.portable_cpu(settings.profile, settings.device) or threads == 1:
         return launch
-    train = converter.structure(step.config["train"], TrainConfig)
-    if train.reduction != "invariant":
-        return launch  # the world size of an allreduce plan is fixed by its hash
-    # Only once a train step computes: the preset loader is not on the path of a null build.
+    budget = kind.rank_budget(step.config)
+    if budget is None:
+        return launch
+    # Only once a step computes: the preset loader is not on the path of a null build.
     from buildtrain.config.preflight import machine_memory
-    from buildtrain.config.shape import memory_estimate, parameter_count
 
-    model = converter.structure(step.config["model"], ModelConfig)
-    flop = 6 * parameter_count(model) * train.batch_size * train.seq_len * train.steps
     # Every rank holds the whole model and optimizer: no more ranks than the memory holds.
-    fitting = max(1, int(machine_memory() * MEMORY_FOR_RANKS) // memory_estimate(model, train))
-    nproc = numerics.portable_ranks(min(threads, fitting), train.batch_size // train.micro_batch_size, flop)
+    fitting = max(1, int(machine_memory() * MEMORY_FOR_RANKS) // budget.rank_memory)
+    nproc = numerics.portable_ranks(min(threads, fitting), budget.micro_batches, budget.flop)
     return attrs.evolve(launch, nproc=nproc)
 
 

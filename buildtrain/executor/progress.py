@@ -26,7 +26,8 @@ class Reporter:
     def step(self, label: str, status: str, detail: str = "") -> None:
         self.say(f"  {label:<16} {status}{'  ' + detail if detail else ''}")
 
-    def train_started(self, label: str) -> None:
+    def progress_started(self, label: str) -> None:
+        """A step that reports updates (a train step) runs: a progress bar on a terminal."""
         self._label = label
         if not self.progress_bar:
             return
@@ -77,7 +78,7 @@ class Reporter:
                 f"grad {line['grad_norm']:.3f}  {line['tokens_per_s']:,.0f} tok/s",
             )
 
-    def train_finished(self) -> None:
+    def progress_finished(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

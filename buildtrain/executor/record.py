@@ -15,9 +15,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from buildtrain import clock
 from buildtrain.executor import logs
 from buildtrain.executor.metrics import MetricsCollector
+from buildtrain.executor.outcome import StepResult
 from buildtrain.plan.plan import Plan
 from buildtrain.store.objects import write_bytes_durably
 
@@ -29,7 +32,7 @@ class RunRecord:
         self.folder = folder
         self.plan = plan
         self.metrics = MetricsCollector(folder, store_root)  # TensorBoard scalars, step summaries
-        self.steps: list[dict[str, Any]] = []
+        self.steps: list[StepResult] = []
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
@@ -81,10 +84,9 @@ class RunRecord:
             self._metrics.flush()
             self.metrics.event(line)
 
-    def step_result(self, **result: Any) -> None:
+    def step_result(self, result: StepResult) -> None:
         self.steps.append(result)
-        kinds = {step.hash: step.kind for step in self.plan.steps}
-        self.metrics.step_finished(result, kinds.get(result.get("hash", ""), "?"))
+        self.metrics.step_finished(attrs.asdict(result), self.plan.step(result.hash).kind)
 
     def close(self, outcome: str, exit_code: int, duration: float) -> None:
         summary = {
@@ -94,10 +96,10 @@ class RunRecord:
             "outcome": outcome,
             "exit_code": exit_code,
             "duration_s": round(duration, 3),
-            "executed": sum(s["action"] == "executed" for s in self.steps),
-            "cached": sum(s["action"] == "cached" for s in self.steps),
-            "joined": sum(s["action"] == "joined" for s in self.steps),  # trained with node 0
-            "steps": self.steps,
+            "executed": sum(s.action == "executed" for s in self.steps),
+            "cached": sum(s.action == "cached" for s in self.steps),
+            "joined": sum(s.action == "joined" for s in self.steps),  # trained with node 0
+            "steps": [attrs.asdict(s) for s in self.steps],
             "pid": os.getpid(),
         }
         write_bytes_durably(self.folder / "summary.json", json.dumps(summary, indent=2).encode())

@@ -23,12 +23,13 @@ import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, UsageError
 from buildtrain.executor import numerics
-from buildtrain.executor.build import build_step, join_step
+from buildtrain.executor.build import Builder
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch
 from buildtrain.executor.policy import pinned_threads, prepare
 from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
 
@@ -44,6 +45,15 @@ class RunOptions:
     launch: Launch = SINGLE_PROCESS  # processes for the train steps (torchrun when more than one)
 
 
+def with_inputs(steps: list[Step], wanted: set[str]) -> list[Step]:
+    """The steps of `steps` (in plan order) whose hash is in `wanted`, and their transitive inputs."""
+    wanted = set(wanted)
+    for step in reversed(steps):
+        if step.hash in wanted:
+            wanted.update(step.upstream.values())
+    return [step for step in steps if step.hash in wanted]
+
+
 def steps_for(plan: Plan, target: str | None) -> list[Step]:
     """All steps, or the target step and its transitive inputs, in plan order."""
     if target is None:
@@ -53,10 +63,7 @@ def steps_for(plan: Plan, target: str | None) -> list[Step]:
     except KeyError:
         labels = ", ".join(step.label for step in plan.steps)
         raise UsageError(f"plan {plan.hash[:12]} has no step '{target}'; its steps are: {labels}") from None
-    for step in reversed(plan.steps):
-        if step.hash in wanted:
-            wanted.update(step.upstream.values())
-    return [step for step in plan.steps if step.hash in wanted]
+    return with_inputs(list(plan.steps), wanted)
 
 
 @contextlib.contextmanager
@@ -89,49 +96,30 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
     started = time.perf_counter()
     launch = options.launch
     steps = steps_for(plan, options.target)
-    if launch.follower:  # node 0 evaluates and exports; this node helps train
-        steps = [step for step in steps if step.kind in ("tokenizer", "data", "train")]
+    if launch.follower:  # node 0 builds the rest; this node helps with the steps on ranks
+        steps = with_inputs(steps, {step.hash for step in steps if kind_of(step.kind).ranks})
     threads = prepare(plan, options.threads, launch, steps)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
     reporter = Reporter(options.progress, options.log_every)
-    settings = plan.numerics
-    per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
-    if launch.world_size > 1:
-        layout = f"{launch.world_size} processes x {per_process} threads"
-    elif per_process != threads:
-        layout = f"{threads} cores, one thread per process"
-    else:
-        layout = f"{threads} threads"
-    node = f", node {launch.node_rank} of {launch.nnodes}" if launch.nnodes > 1 else ""
-    reporter.say(
-        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {layout}{node}) -> {record.folder}"
-    )
-    record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid(), **attrs.asdict(launch))
-    cores = os.cpu_count() or 1
-    if launch.nproc * per_process > cores and any(step.kind == "train" for step in steps):
-        fix = (
-            "this native plan pins its thread count: plan it with fewer numerics.threads"
-            if pinned_threads(plan) is not None
-            else f"--threads {max(1, cores // launch.nproc)} fits"
-        )
-        reporter.say(
-            f"note: {launch.nproc} processes x {threads} threads exceed this machine's {cores} cores, "
-            f"which slows training; {fix}"
-        )
+    _announce(plan, steps, threads, launch, record, reporter)
     outcome, code = "failed", int(ExitCode.FAILED)
     # Steps of one numerics environment share a process (and the plans of a sweep, when `shared`).
     processes = shared if shared is not None else StepProcesses()
+    builder = Builder(
+        store=store,
+        plan=plan,
+        threads=threads,
+        record=record,
+        reporter=reporter,
+        launch=launch,
+        wait=options.wait,
+        processes=processes,
+    )
     try:
         with signals_interrupt(plan):
             for step in steps:
-                if launch.follower and step.kind == "train":
-                    record.step_result(**join_step(store, plan, step, threads, record, reporter, launch))
-                    continue
-                record.step_result(
-                    **build_step(
-                        store, plan, step, threads, record, reporter, options.wait, launch, processes
-                    )
-                )
+                joins = launch.follower and kind_of(step.kind).ranks
+                record.step_result(builder.join(step) if joins else builder.build(step))
         outcome, code = "done", int(ExitCode.OK)
     except KeyboardInterrupt:  # SIGINT where no handler of ours was installed (another thread)
         outcome, code = "interrupted", int(ExitCode.INTERRUPTED)
@@ -148,7 +136,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
         duration = time.perf_counter() - started
         record.close(outcome, code, duration)
         if outcome == "done":
-            counts = collections.Counter(s["action"] for s in record.steps)
+            counts = collections.Counter(s.action for s in record.steps)
             done = ", ".join(
                 f"{counts[action]} {action}"
                 for action in ("executed", "joined", "cached")
@@ -156,3 +144,33 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
             )
             reporter.say(f"done in {duration:.1f}s: {done}; record: {record.folder}")
     return code
+
+
+def _announce(
+    plan: Plan, steps: list[Step], threads: int, launch: Launch, record: RunRecord, reporter: Reporter
+) -> None:
+    """Say what runs where, and warn when the processes ask for more cores than the machine has."""
+    settings = plan.numerics
+    per_process = numerics.intra_op_threads(settings.profile, settings.device, threads)
+    if launch.world_size > 1:
+        layout = f"{launch.world_size} processes x {per_process} threads"
+    elif per_process != threads:
+        layout = f"{threads} cores, one thread per process"
+    else:
+        layout = f"{threads} threads"
+    node = f", node {launch.node_rank} of {launch.nnodes}" if launch.nnodes > 1 else ""
+    reporter.say(
+        f"bt run {plan.hash[:12]} '{plan.name}' ({len(steps)} steps, {layout}{node}) -> {record.folder}"
+    )
+    record.event("run_started", plan=plan.hash, threads=threads, pid=os.getpid(), **attrs.asdict(launch))
+    cores = os.cpu_count() or 1
+    if launch.nproc * per_process > cores and any(kind_of(step.kind).ranks for step in steps):
+        fix = (
+            "this native plan pins its thread count: plan it with fewer numerics.threads"
+            if pinned_threads(plan) is not None
+            else f"--threads {max(1, cores // launch.nproc)} fits"
+        )
+        reporter.say(
+            f"note: {launch.nproc} processes x {threads} threads exceed this machine's {cores} cores, "
+            f"which slows training; {fix}"
+        )

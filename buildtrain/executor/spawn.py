@@ -20,6 +20,7 @@ from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_
 from buildtrain.executor.outcome import Outcome
 from buildtrain.executor.policy import step_launch
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.sources import SourceFile, locate
 from buildtrain.store.store import Store
@@ -74,6 +75,7 @@ def spawn(
     """Run one step in a worker process (one of `processes`, shared with other steps, when given),
     or a train step on `launch.world_size` ranks."""
     settings = plan.numerics
+    kind = kind_of(step.kind)
     launch = step_launch(settings, step, threads, launch)
     job = {
         "store": str(store.root),
@@ -86,7 +88,7 @@ def spawn(
             "dtype": settings.dtype,
             "threads": threads,
         },
-        "sources": source_paths(store, plan, step) if step.kind in ("tokenizer", "data") else [],
+        "sources": source_paths(store, plan, step) if kind.reads_sources else [],
         "hooks": {**test_hooks_from_environment(), **job_extra.hooks},
         "watch": job_extra.watch,
         "commit": job_extra.commit,
@@ -103,7 +105,7 @@ def spawn(
     # the executor never imports verification.
     module = "buildtrain.verify.worker" if job_extra.watch else "buildtrain.executor.worker"
     worker = [sys.executable, "-m", module, "--job", str(job_path)]
-    distributed = step.kind == "train" and launch.world_size > 1
+    distributed = kind.ranks and launch.world_size > 1
     launcher_log = store.tmp / f"torchrun-{name}.log"
     shared = None
     if distributed:

@@ -20,6 +20,7 @@ calls `main` here with an observer factory: the executor never imports verify.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -34,20 +35,19 @@ from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
 from buildtrain.executor import logs, numerics
 from buildtrain.executor.launch import die_with_parent
 from buildtrain.executor.processes import JOB_EXIT
+from buildtrain.kinds import kind_of
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.failures import out_of_memory
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.steps.context import StepContext
     from buildtrain.steps.train.controls import TrainControls
     from buildtrain.steps.train.observer import Observer
 
 # Makes the observer of a train step's rank 0 from the job and the logger (None: the job has none).
 ObserverFactory = Callable[[dict[str, Any], Any], "Observer | None"]
 
-TORCH_STEPS = ("train", "eval")
 # The numerics this process applied when it imported torch (a serving worker runs several steps).
 APPLIED: dict[str, tuple[str, str, int]] = {}
 
@@ -63,8 +63,9 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
     plan = load_plan(store, job["plan"])
     step = plan.step(job["step"])
     log = log.bind(label=step.label)
+    kind = kind_of(step.kind)
 
-    if step.kind in TORCH_STEPS or (step.kind == "export" and _casts(step.config)):
+    if kind.needs_torch(step.config):
         settings = job["numerics"]
         wanted = (settings["profile"], settings["device"], settings["threads"])
         if APPLIED.get("settings") != wanted:  # the first computing step of this process
@@ -77,7 +78,7 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
 
     controls = None
     lead = True
-    if step.kind == "train":
+    if kind.ranks:
         controls = _train_controls(job, log, observer)
         lead = controls.ranks.lead
         controls.ranks.agree_on(step.hash, step.label)
@@ -89,37 +90,29 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
         store=store,
         plan=plan,
         step=step,
-        # The other ranks receive their starting weights from rank 0 and only read the data.
-        inputs=verified_inputs(store, step, only=None if lead else ("data",)),
+        inputs=verified_inputs(store, step, only=None if lead else kind.rank_inputs),
         sources=[Path(p) for p in job.get("sources", [])],
         log=log,
         controls=controls,
     )
+    computation = importlib.import_module(kind.computes)
     if not lead:  # trains in step with rank 0, which alone writes checkpoints and the output
-        _dispatch(ctx, None)
+        computation.execute(ctx, None)
         log.info("rank_done")
         return ExitCode.OK
     out = store.new_temp(step.label.replace(":", "-"))
     try:
-        digests = _dispatch(ctx, out)
+        digests = computation.execute(ctx, out)
         if digests is None:
             log.info("stopped_early")
             return ExitCode.OK
         if job.get("commit", True):
             objects.publish(out, store.output(step.hash), digests)
-            if step.kind == "train":
-                objects.remove_tree(store.work_dir(step.hash))
+            objects.remove_tree(store.work_dir(step.hash))  # its checkpoints are in the output now
         log.info("step_done", digests=digests)
         return ExitCode.OK
     finally:
         objects.remove_tree(out)
-
-
-def _casts(export_config: dict[str, Any]) -> bool:
-    """An export that casts the weights needs torch (and so the numerics environment)."""
-    from buildtrain.steps.export import ExportStep
-
-    return ExportStep.from_config(export_config).export.dtype != "float32"
 
 
 def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | None) -> TrainControls:
@@ -141,33 +134,9 @@ def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | N
     return TrainControls(stop=stop, observer=Observers(*observers), ranks=ranks)
 
 
-def _dispatch(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
-    kind = ctx.step.kind
-    if kind == "train":
-        from buildtrain.steps.train import step as train_step
-
-        return train_step.execute(ctx, out)
-    assert out is not None, "only a train step runs on several ranks"
-    if kind == "tokenizer":
-        from buildtrain.steps import tokenizer
-
-        return tokenizer.execute(ctx, out)
-    if kind == "data":
-        from buildtrain.steps import data
-
-        return data.execute(ctx, out)
-    if kind == "eval":
-        from buildtrain.steps import eval as eval_step
-
-        return eval_step.execute(ctx, out)
-    from buildtrain.steps import export
-
-    return export.execute(ctx, out)
-
-
 def _kept(job: dict[str, Any]) -> str:
-    """What survives a failed write: only a train step has checkpoints to fall back on."""
-    if job.get("kind") == "train":
+    """What survives a failed write: only a step that checkpoints has something to fall back on."""
+    if kind_of(job["kind"]).resumable:
         return (
             "nothing partial was published and the newest checkpoint (if any) is intact; free space, then "
             "bt run again"

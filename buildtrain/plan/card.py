@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import flatten
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import load_plan
@@ -36,8 +37,10 @@ class Card:
     config: dict[str, Any]  # flattened: `stages[0].train.lr` -> 0.003
     steps: tuple[tuple[str, str, str], ...]  # (label, kind, hash) in plan order
 
-    def of_kind(self, kind: str) -> list[tuple[str, str, str]]:
-        return [step for step in self.steps if step[1] == kind]
+    def summarizing(self, what: str) -> list[tuple[str, str, str]]:
+        """The steps whose kind's metrics summary holds `what` ("training", "evaluation")."""
+        # A card read back may name a kind this bt lacks.
+        return [step for step in self.steps if getattr(KINDS.get(step[1]), "summary", None) == what]
 
 
 def card_path(store: Store, plan_hash: str) -> str:

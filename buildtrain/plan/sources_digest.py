@@ -4,7 +4,7 @@ digest of exactly the modules that can change that kind's outputs.
 Those are the kind's computing module, the numerics environment its process runs under, and every
 buildtrain module they import, directly or not (imports are read from the source, function-local
 ones included, without importing anything). Presentation code (the CLI, progress, reports, help
-texts, verification) is never reached from them, so improving a message keeps every cached step,
+texts, verification, the kinds' descriptions) is never reached from them, so improving a message keeps every cached step,
 while a change to anything a step computes with changes that kind's hash and no other.
 """
 
@@ -19,14 +19,6 @@ import blake3
 PACKAGE = "buildtrain"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
-# Where each step kind's computation starts (see `executor/worker.py`, which dispatches to these).
-COMPUTING_ROOTS: dict[str, tuple[str, ...]] = {
-    "tokenizer": ("buildtrain.steps.tokenizer",),
-    "data": ("buildtrain.steps.data",),
-    "train": ("buildtrain.steps.train.step",),
-    "eval": ("buildtrain.steps.eval",),
-    "export": ("buildtrain.steps.export",),
-}
 # Every step process applies the numerics environment before it imports torch.
 SHARED_ROOTS = ("buildtrain.executor.numerics",)
 
@@ -74,8 +66,16 @@ def closure(root: Path, starts: tuple[str, ...]) -> list[str]:
     return sorted(seen)
 
 
+def computing_root(kind: str) -> str:
+    """Where a kind's computation starts: the module its kind names (`kinds/`), which the
+    executor's worker runs."""
+    from buildtrain.kinds import kind_of  # the kinds' toolchains read this module
+
+    return kind_of(kind).computes
+
+
 def computing_modules(kind: str, root: Path | None = None) -> list[str]:
-    return closure(root or PACKAGE_ROOT, COMPUTING_ROOTS[kind] + SHARED_ROOTS)
+    return closure(root or PACKAGE_ROOT, (computing_root(kind), *SHARED_ROOTS))
 
 
 @functools.cache

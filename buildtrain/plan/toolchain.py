@@ -23,9 +23,6 @@ from typing import Any
 from buildtrain.config.schema import NumericsConfig
 from buildtrain.plan.sources_digest import source_digest
 
-# Step kinds that never compute with torch only depend on buildtrain's own code.
-TORCH_FREE_KINDS = frozenset({"tokenizer", "data", "export"})
-
 
 def torch_build() -> str:
     """The installed torch release, build tag and commit (`2.13.0+cpu@cf30153c4c13`).
@@ -98,22 +95,28 @@ def resolved_threads(numerics: NumericsConfig) -> int:
 
 
 def fingerprint(
-    kind: str, numerics: NumericsConfig, threads: int | None = None, world_size: int | None = None
+    kind: str,
+    numerics: NumericsConfig,
+    *,
+    torch: bool,
+    threads: int | None = None,
+    world_size: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The toolchain part of a step's hash, for a step of `kind` under `numerics`.
+    """The toolchain part of a step's hash, for a step of `kind` under `numerics`; a kind that
+    computes without `torch` depends only on buildtrain's own code (its kind says which).
 
     `threads` overrides the thread count a native plan pins (the executor checks a machine with
-    the count the plan will run at). `world_size` is given for a train step whose reduction
-    depends on it (`allreduce`); the `invariant` reduction gives the same bits at any world size.
+    the count the plan will run at). `world_size` is given where a step's result depends on it;
+    `extra`: numerics settings the kind's bits depend on beyond the profile.
     """
     facts: dict[str, Any] = {"buildtrain": source_digest(kind)}
-    if kind in TORCH_FREE_KINDS:
+    if not torch:
         return facts
     if world_size is not None:
         facts["world_size"] = world_size
     facts.update(torch=torch_build(), device=numerics.device, dtype=numerics.dtype, profile=numerics.profile)
-    if kind == "train" and numerics.compile:
-        facts["compile"] = True  # only when set: an eager plan keeps the fingerprint it had
+    facts.update(extra or {})
     if numerics.device == "cuda":
         facts.update(cuda_facts())
     if numerics.profile == "portable":
@@ -121,13 +124,6 @@ def fingerprint(
     else:
         facts.update(cpu_facts(), threads=threads or resolved_threads(numerics))
     return facts
-
-
-def hashed_world_size(kind: str, step_config: dict[str, Any], world_size: int) -> int | None:
-    """The world size a step's fingerprint records: only a train step reducing with `allreduce`."""
-    if kind == "train" and step_config["train"].get("reduction") == "allreduce":
-        return world_size
-    return None
 
 
 @functools.cache
@@ -139,14 +135,6 @@ def tokenizers_version() -> str:
         return metadata.version("tokenizers")
     except metadata.PackageNotFoundError:
         return "not-installed"
-
-
-def library_facts(kind: str, step_config: Mapping[str, Any]) -> dict[str, str]:
-    """Libraries besides torch whose version changes a step's output: `tokenizers` for a tokenizer
-    step and for a data step that encodes with one (its config then has no byte `tokenizer`)."""
-    if kind == "tokenizer" or (kind == "data" and "tokenizer" not in step_config):
-        return {"tokenizers": tokenizers_version()}
-    return {}
 
 
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -157,6 +157,12 @@ def sealed_digests(root: Path) -> dict[str, str]:
     return read_manifest(root)["digests"]
 
 
+def sealed_files(root: Path) -> dict[str, str]:
+    """The blake3 of every file the manifest of a sealed folder lists, by relative path (true of
+    the bytes on disk once `verify` found no problem)."""
+    return {name: entry["blake3"] for name, entry in read_manifest(root)["files"].items()}
+
+
 def verify(root: Path, *, contents: bool = True) -> list[str]:
     """Problems with a sealed directory: an empty list means it is complete and intact.
 

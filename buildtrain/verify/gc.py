@@ -21,8 +21,8 @@ from pathlib import Path
 import attrs
 
 from buildtrain.errors import BuildtrainError
+from buildtrain.kinds import kind_of
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.eval_cache import key_of_output
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -91,13 +91,13 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
             for path in (store.plans / f"{plan_hash}.json", store.plans / f"{plan_hash}.meta.json"):
                 objects.remove_tree(path)
 
-    referenced: set[str] = set()
+    referenced: dict[str, str] = {}  # step hash -> its kind
     damaged_plans: list[str] = []
     for plan_hash in store.plan_hashes():
         if dry_run and plan_hash in report.dropped:
             continue
         try:
-            referenced.update(step.hash for step in load_plan(store, plan_hash).steps)
+            referenced.update((step.hash, step.kind) for step in load_plan(store, plan_hash).steps)
         except BuildtrainError:
             damaged_plans.append(plan_hash)
     if damaged_plans:
@@ -129,7 +129,9 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
             p for p in _listing(store.root / "metrics" / "steps", "*.json") if p.stem not in referenced
         ]
     if not damaged_plans:
-        kept_evals = {key_of_output(p) for p in outputs if p.name in referenced}
+        kept_evals = {
+            key for p in outputs if p.name in referenced for key in kind_of(referenced[p.name]).references(p)
+        }
         doomed += [p for p in _listing(store.evals, "*.json") if p.stem not in kept_evals]
 
     for path in doomed:

@@ -59,27 +59,6 @@ def run_train(
     return read_report(report), resumed
 
 
-def train_steps(step: Step) -> int:
-    return int(step.config["train"]["steps"])
-
-
-def foreign(step: Step, recorded_output: Path) -> str | None:
-    """Why a recorded train output is not this step's own, if it is not: its checkpoints carry
-    the hash of the step that wrote them, and its result the number of updates."""
-    try:
-        result = json.loads((recorded_output / "result.json").read_bytes())
-        if result.get("steps") != train_steps(step):
-            return f"it records {result.get('steps')} updates, the step has {train_steps(step)}"
-        for name in result["checkpoints"]:
-            state = json.loads((recorded_output / "checkpoints" / name / TRAIN_STATE).read_bytes())
-            if state.get("step_hash") != step.hash:
-                found = str(state.get("step_hash"))[:12]
-                return f"checkpoints/{name} was written by step {found}, not {step.hash[:12]}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"its result or checkpoints cannot be read ({exc})"
-    return None
-
-
 def describe(divergence: dict[str, Any]) -> str:
     lines = [f"diverged at step {divergence['step']} ({', '.join(divergence['fields'])})"]
     if divergence.get("tensors"):

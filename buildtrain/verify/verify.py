@@ -17,23 +17,25 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from buildtrain.errors import UsageError
 from buildtrain.executor.outcome import raise_for_status
 from buildtrain.executor.policy import pinned_threads, prepare
 from buildtrain.executor.run import RunOptions, run_plan
 from buildtrain.executor.spawn import StepJob, run_isolated
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import save_plan
 from buildtrain.store import objects
 from buildtrain.store.store import Store
-from buildtrain.verify.train_check import describe, foreign, ranges, run_train, train_steps
+from buildtrain.verify.train_check import describe, ranges, run_train
 from buildtrain.verify.verdicts import StepVerdict, Verification, VerifyOptions
 
 
-def _compare(recorded: dict[str, str], reexecuted: dict[str, str]) -> list[str]:
+def _compare(recorded: Mapping[str, object], reexecuted: Mapping[str, object]) -> list[str]:
     return sorted(
         name for name in set(recorded) | set(reexecuted) if recorded.get(name) != reexecuted.get(name)
     )
@@ -78,7 +80,7 @@ def verify_plan(
     if options.resume_at:
         mode.append(f"hard kill and resume at {','.join(map(str, options.resume_at))}")
     if options.steps:
-        longest = max((train_steps(step) for step in plan.steps if step.kind == "train"), default=0)
+        longest = max((kind_of(step.kind).updates(step.config) for step in plan.steps), default=0)
         if options.steps >= longest:
             mode.append(
                 f"--steps {options.steps} covers every update of every train stage ({longest} at most)"
@@ -116,87 +118,97 @@ def _verify_step(
     options: VerifyOptions,
     failed: set[str],
 ) -> StepVerdict:
+    kind = kind_of(step.kind)
     recorded_output = store.output(step.hash)
-    problems = objects.verify(recorded_output)
-    if not problems and step.kind == "train":
-        not_own = foreign(step, recorded_output)
-        problems = [f"it is not this step's output: {not_own}"] if not_own else []
+    problems = objects.verify(recorded_output) or kind.output_problems(
+        step.hash, recorded_output, step.config
+    )
     if problems:
-        return StepVerdict(
-            step.label, step.kind, "damaged", detail=f"the recorded output is damaged: {problems[0]}"
+        what = (
+            problems[0] if problems[0].startswith("it ") else f"the recorded output is damaged: {problems[0]}"
         )
+        return StepVerdict(step.label, step.kind, "damaged", detail=what)
     recorded = objects.sealed_digests(recorded_output)
     if set(step.upstream.values()) & failed:
         return StepVerdict(step.label, step.kind, "skipped", recorded, detail="an input did not reproduce")
     if options.steps:
-        if step.kind in ("eval", "export"):
+        if not kind.spot_checked:
             return StepVerdict(
                 step.label, step.kind, "skipped", recorded, detail="spot check (--steps) covers training only"
             )
         for upstream in step.upstream.values():  # spot checks start from the recorded inputs
             if not scratch.has_output(upstream):
                 objects.link_tree(store.output(upstream), scratch.output(upstream))
-
     extra = ""
-    if step.kind == "train":
-        total = train_steps(step)
-        # A spot check as long as the stage is the full check of the stage (and says so).
-        limit = options.steps if options.steps and options.steps < total else None
-        if options.steps and limit is None:
-            extra = f"(--steps {options.steps} clamped to the stage's {total})"
-        report_path = scratch.root / f"watch-{step.hash[:16]}.json"
-        report, resumed = run_train(
-            scratch, plan, step, threads, recorded_output, options, report_path, limit
-        )
-        if resumed:
-            extra = f"{extra} (killed and resumed at {','.join(map(str, resumed))})".strip()
-        if report is not None and report.get("diverged"):
-            return StepVerdict(
-                step.label, step.kind, "diverged", recorded, detail=describe(report), divergence=report
-            )
-        wanted = list(range(1, (limit or total) + 1))
-        compared = report.get("compared") if report is not None else None
-        if compared != wanted:
-            missing = sorted(set(wanted) - set(compared or []))
-            why = "no comparison report" if report is None else f"updates {ranges(missing)} were not compared"
-            return StepVerdict(
-                step.label, step.kind, "not compared", recorded, detail=f"{why}; nothing is claimed for them"
-            )
-        if limit is not None:
-            return StepVerdict(
-                step.label,
-                step.kind,
-                "reproduced",
-                recorded,
-                {},
-                detail=f"first {limit} steps match the recorded trace {extra}".strip(),
-            )
-        extra = f"all {total} steps match the recorded trace {extra}".strip()
+    if kind.verify_by_updates:
+        verdict, extra = _watched(scratch, plan, step, threads, recorded_output, recorded, options)
+        if verdict is not None:
+            return verdict
     else:
         raise_for_status(step, run_isolated(scratch, plan, step, threads, StepJob()), plan)
+    return _compare_outputs(step, recorded_output, scratch.output(step.hash), extra)
 
-    if not scratch.has_output(step.hash):
-        return StepVerdict(
-            step.label, step.kind, "not compared", recorded, detail="the re-execution published no output"
-        )
-    reexecuted = objects.sealed_digests(scratch.output(step.hash))
+
+def _watched(
+    scratch: Store,
+    plan: Plan,
+    step: Step,
+    threads: int,
+    recorded_output: Path,
+    recorded: dict[str, str],
+    options: VerifyOptions,
+) -> tuple[StepVerdict | None, str]:
+    """Re-execute a step under the watcher, update by update: a verdict when it diverged, was
+    not compared in full or was a spot check; else (None, what to add to the final verdict)."""
+    total = kind_of(step.kind).updates(step.config)
+    # A spot check as long as the stage is the full check of the stage (and says so).
+    limit = options.steps if options.steps and options.steps < total else None
+    extra = (
+        f"(--steps {options.steps} clamped to the stage's {total})" if options.steps and limit is None else ""
+    )
+    report_path = scratch.root / f"watch-{step.hash[:16]}.json"
+    report, resumed = run_train(scratch, plan, step, threads, recorded_output, options, report_path, limit)
+    if resumed:
+        extra = f"{extra} (killed and resumed at {','.join(map(str, resumed))})".strip()
+
+    def verdict(status: str, detail: str, **more: Any) -> StepVerdict:
+        return StepVerdict(step.label, step.kind, status, recorded, detail=detail, **more)
+
+    if report is not None and report.get("diverged"):
+        return verdict("diverged", describe(report), divergence=report), extra
+    wanted = list(range(1, (limit or total) + 1))
+    compared = report.get("compared") if report is not None else None
+    if compared != wanted:
+        missing = sorted(set(wanted) - set(compared or []))
+        why = "no comparison report" if report is None else f"updates {ranges(missing)} were not compared"
+        return verdict("not compared", f"{why}; nothing is claimed for them"), extra
+    if limit is not None:
+        return verdict("reproduced", f"first {limit} steps match the recorded trace {extra}".strip()), extra
+    return None, f"all {total} steps match the recorded trace {extra}".strip()
+
+
+def _compare_outputs(step: Step, recorded_output: Path, reexecuted_output: Path, extra: str) -> StepVerdict:
+    """The re-executed output against the recorded one: every declared digest, and every file's
+    bytes (a recorded output re-sealed after an edit keeps its declared digests: the recorded files
+    were re-hashed against its manifest before anything was compared)."""
+    recorded = objects.sealed_digests(recorded_output)
+
+    def verdict(status: str, detail: str, reexecuted: dict[str, str] | None = None) -> StepVerdict:
+        return StepVerdict(step.label, step.kind, status, recorded, reexecuted or {}, detail=detail)
+
+    if not (reexecuted_output / objects.MANIFEST).is_file():
+        return verdict("not compared", "the re-execution published no output")
+    reexecuted = objects.sealed_digests(reexecuted_output)
     if not recorded or not reexecuted:
-        return StepVerdict(
-            step.label,
-            step.kind,
-            "not compared",
-            recorded,
-            reexecuted,
-            detail="an output declares no digests to compare",
-        )
+        return verdict("not compared", "an output declares no digests to compare", reexecuted)
     differing = _compare(recorded, reexecuted)
     if differing:
-        return StepVerdict(
-            step.label,
-            step.kind,
+        return verdict("diverged", f"digests differ: {', '.join(differing[:5])}", reexecuted)
+    files = _compare(objects.sealed_files(recorded_output), objects.sealed_files(reexecuted_output))
+    if files:
+        return verdict(
             "diverged",
-            recorded,
+            f"files differ although their declared digests agree (edited and re-sealed?): {', '.join(files[:5])}",
             reexecuted,
-            detail=f"digests differ: {', '.join(differing[:5])}",
         )
-    return StepVerdict(step.label, step.kind, "reproduced", recorded, reexecuted, detail=extra)
+    return verdict("reproduced", extra, reexecuted)

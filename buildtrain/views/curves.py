@@ -64,7 +64,7 @@ def plan_curve(store: Store, card: Card, label: str) -> Curve:
     evals: list[tuple[int, float]] = []
     boundaries: list[int] = []
     offset = 0
-    for index, (_, _, step_hash) in enumerate(card.of_kind("train")):
+    for index, (_, _, step_hash) in enumerate(card.summarizing("training")):
         if index:
             boundaries.append(offset)
         last = 0

@@ -34,10 +34,10 @@ def plan_results(store: Store, card: Card) -> dict[str, Any]:
     per token, wall time (the sum over the executions that built its steps), build status."""
     built = [_built(store, h) for _, _, h in card.steps]
     summaries = {h: read_step_metrics(store.root, h) for _, _, h in card.steps}
-    trains = card.of_kind("train")
+    trains = card.summarizing("training")
     last = summaries.get(trains[-1][2]) if trains else None
     train = (last or {}).get("train") or {}
-    evals = card.of_kind("eval")
+    evals = card.summarizing("evaluation")
     result = eval_result(store, evals[-1][2]) if evals and built[card.steps.index(evals[-1])] else None
     walls = [s["wall_s"] for s in summaries.values() if s and isinstance(s.get("wall_s"), (int, float))]
     count = sum(built)

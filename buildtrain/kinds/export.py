@@ -1,0 +1,53 @@
+"""The export kind: an immutable package of the final weights, config, tokenizer, evaluation and
+checksums, with a Hugging Face copy. Needs torch only to cast the weights to another dtype (a cast
+is exact, so its bits depend on buildtrain's code alone)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import Stage
+from buildtrain.kinds.data import byte_tokenizer, data_view
+from buildtrain.kinds.kind import StepKind
+from buildtrain.plan.plan import Step
+
+if TYPE_CHECKING:
+    from buildtrain.kinds.planning import Planning
+
+
+class ExportKind(StepKind):
+    name = "export"
+    computes = "buildtrain.steps.export"
+    spot_checked = False  # a spot check (--steps) covers training only
+
+    def needs_torch(self, config: Mapping[str, Any]) -> bool:
+        return config["export"]["dtype"] != "float32"  # casting the weights
+
+    def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
+        config = planning.config
+        if not config.export.enabled:
+            return None
+        final = config.final_stage
+        tokenizer = planning.planned("tokenizer", final.name)
+        inputs = {
+            "weights": planning.required("train", final.name).hash,
+            "eval": planning.required("eval").hash,
+        }
+        if tokenizer is not None:
+            inputs["tokenizer"] = tokenizer.hash
+        view = data_view(final.data)
+        step_config = {
+            "export": converter.unstructure(config.export),
+            "model": converter.unstructure(config.model),
+            "train": converter.unstructure(final.train),
+            "data": view,
+            "numerics": planning.view["numerics"],
+            "tokenizer": byte_tokenizer() if tokenizer is None else view["tokenizer"],
+        }
+        toolchain = self.toolchain(step_config, config.numerics)
+        return Step.create(self.name, self.name, step_config, inputs, toolchain)
+
+
+KIND = ExportKind()

@@ -1,0 +1,129 @@
+"""What a kind of step is: the one protocol every step kind implements, once, in its own module.
+
+The planner, the executor, `bt verify`, `bt fsck`, `bt gc` and the views ask a step's kind what to
+do with it; none of them tests a kind's name. A kind says:
+
+- how it enters a plan (`plan`: its config slice, its inputs, its toolchain), once per stage or once
+  per plan, in registry order;
+- what enters its hash besides its config and inputs (`toolchain`: buildtrain's own computing code,
+  and torch's build and numerics where it computes with torch);
+- where its computation starts (`computes`: a module with `execute(ctx, out)`, which is also the
+  root of its code hash);
+- what it needs to run (`reads_sources`, `needs_torch`, `ranks`: several processes as one step);
+- how `bt verify` compares it (`verify_by_updates`: watched update by update, else re-executed and
+  its digests compared; `spot_checked`: whether a `--steps N` spot check re-executes it);
+- what the store holds for it besides its sealed output (`output_problems`, `references`: what fsck
+  checks and what gc keeps).
+
+Torch-free and cheap to import: `bt plan` and a null build load every kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+
+from buildtrain.config.schema import NumericsConfig
+from buildtrain.plan.toolchain import fingerprint
+
+if TYPE_CHECKING:
+    from buildtrain.config.schema import Stage
+    from buildtrain.kinds.planning import Planning
+    from buildtrain.plan.plan import Step
+
+
+class StepKind:
+    """The defaults of a kind that computes without torch, on one process, once per plan."""
+
+    name: ClassVar[str]
+    computes: ClassVar[str]  # the module whose `execute(ctx, out)` computes an output of this kind
+    per_stage: ClassVar[bool] = False  # planned once for each stage (else once per plan, after them)
+    torch_toolchain: ClassVar[bool] = False  # computes with torch: its build and numerics enter the hash
+    reads_sources: ClassVar[bool] = False  # data files are located by content before it runs
+    ranks: ClassVar[bool] = False  # may run on several processes as one step (with their controls)
+    rank_inputs: ClassVar[tuple[str, ...]] = ()  # what ranks other than the lead read (it sends the rest)
+    resumable: ClassVar[bool] = False  # keeps checkpoints in its work folder and resumes from them
+    verify_by_updates: ClassVar[bool] = False  # verify watches it update by update
+    spot_checked: ClassVar[bool] = True  # `bt verify --steps N` re-executes it (else: skipped)
+    summary: ClassVar[str | None] = None  # what its metrics summary holds: "training", "evaluation"
+    # Where set, its computing module's `complete_from_store(store, step)` may complete a step from
+    # what the store holds, without a process; the run says why in these words.
+    completes_from_store: ClassVar[str | None] = None
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
+        """This kind's step for `stage` (None for a kind planned once per plan), or None."""
+        raise NotImplementedError
+
+    def toolchain(
+        self,
+        config: Mapping[str, Any],
+        numerics: NumericsConfig,
+        world_size: int = 1,
+        threads: int | None = None,
+    ) -> dict[str, Any]:
+        """The toolchain part of a step's hash: what the planner records and what the executor
+        checks this machine against (`threads`: the count a native plan will run at)."""
+        facts = fingerprint(
+            self.name,
+            numerics,
+            torch=self.torch_toolchain,
+            threads=threads,
+            world_size=self.hashed_world_size(config, world_size),
+            extra=self.numerics_facts(numerics),
+        )
+        return {**facts, **self.library_facts(config)}
+
+    def hashed_world_size(self, config: Mapping[str, Any], world_size: int) -> int | None:
+        """The world size the hash records: only where the result depends on it."""
+        return None
+
+    def numerics_facts(self, numerics: NumericsConfig) -> dict[str, Any]:
+        """Numerics settings beyond the profile that change this kind's bits (only when set)."""
+        return {}
+
+    def library_facts(self, config: Mapping[str, Any]) -> dict[str, str]:
+        """Libraries besides torch whose version changes this kind's output."""
+        return {}
+
+    # -- running --------------------------------------------------------------------------------
+
+    def needs_torch(self, config: Mapping[str, Any]) -> bool:
+        """Whether its process applies the numerics environment and imports torch."""
+        return self.torch_toolchain
+
+    def world_size_problem(self, config: Mapping[str, Any], world_size: int) -> str | None:
+        """Why this step cannot share its work among `world_size` processes, if it cannot."""
+        return None
+
+    def rank_budget(self, config: Mapping[str, Any]) -> RankBudget | None:
+        """How many single-threaded ranks a portable step could use, or None (runs on one)."""
+        return None
+
+    # -- verify, fsck, gc -------------------------------------------------------------------------
+
+    def updates(self, config: Mapping[str, Any]) -> int:
+        """How many updates verify compares one by one (kinds verified by updates)."""
+        return 0
+
+    def output_problems(self, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
+        """What makes a sealed output of this step (`step_hash`, `config`) not its own, beyond
+        its seal."""
+        return []
+
+    def references(self, output: Path) -> list[str]:
+        """Evaluation cache keys this output names (gc keeps those entries)."""
+        return []
+
+
+@attrs.frozen(kw_only=True)
+class RankBudget:
+    """What decides how many ranks a step can use."""
+
+    micro_batches: int  # micro-batches per update, shared out among the ranks
+    flop: int  # the step's work: too little is not worth another process
+    rank_memory: int  # bytes one rank takes (each holds the whole model and optimizer)

@@ -1,0 +1,51 @@
+"""What a kind sees while the planner compiles a config: the config, the content of the files it
+reads, and the steps planned so far, by kind and stage.
+
+Each kind's `plan` reads its own slice of the config from here and adds its step; a step asks for
+its inputs by kind (`planned("data", stage)`), so the DAG is wired by what each kind consumes,
+never by the planner knowing who follows whom.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from buildtrain.config.schema import Config
+from buildtrain.plan.plan import Step
+from buildtrain.store.sources import SourceFile
+
+
+@attrs.define(kw_only=True)
+class Planning:
+    config: Config
+    view: Mapping[str, Any]  # the config as the plan hash records it (no paths)
+    sources: Mapping[str, list[SourceFile]]  # each stage's data files, by content
+    tokenizer_files: Mapping[str, SourceFile]  # each stage's given tokenizer file, by content
+    world_size: int  # processes that will train (hashed only where a result depends on it)
+    steps: dict[str, Step] = attrs.Factory(dict)  # by hash, in plan order
+    _by_kind: dict[tuple[str, str | None], Step | None] = attrs.Factory(dict)
+
+    def add(self, kind: str, stage: str | None, step: Step | None) -> Step | None:
+        """Record `kind`'s step for `stage` (None: none); identical work is one step."""
+        if step is not None:
+            step = self.steps.setdefault(step.hash, step)
+        self._by_kind[(kind, stage)] = step
+        return step
+
+    def planned(self, kind: str, stage: str | None = None) -> Step | None:
+        """The step `kind` planned for `stage` (None: its plan-wide step), if any."""
+        return self._by_kind.get((kind, stage))
+
+    def required(self, kind: str, stage: str | None = None) -> Step:
+        step = self.planned(kind, stage)
+        assert step is not None, f"a {kind} step is planned before its consumers ({stage})"
+        return step
+
+    def sources_input(self, stage: str) -> list[dict[str, Any]]:
+        """A stage's data files as a step input: (blake3, size) sorted by digest, which is also
+        the order the data step reads them in, so renaming or moving a file changes nothing."""
+        files = sorted(self.sources.get(stage, []), key=lambda s: (s.blake3, s.size))
+        return [{"blake3": s.blake3, "size": s.size} for s in files]

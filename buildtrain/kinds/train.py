@@ -1,0 +1,93 @@
+"""The train kind: one stage's training, from its data step's shards and, for a later stage, its
+parent's final weights. Computes with torch; may run on several ranks as one step; `bt verify`
+compares it update by update against the recorded trace."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import ModelConfig, NumericsConfig, Stage, TrainConfig, world_size_problem
+from buildtrain.kinds.kind import RankBudget, StepKind
+from buildtrain.plan.plan import Step
+
+if TYPE_CHECKING:
+    from buildtrain.kinds.planning import Planning
+
+
+class TrainKind(StepKind):
+    name = "train"
+    computes = "buildtrain.steps.train.step"
+    per_stage = True
+    torch_toolchain = True
+    ranks = True
+    rank_inputs = ("data",)  # the other ranks receive their starting weights from rank 0
+    resumable = True
+    verify_by_updates = True
+    summary = "training"
+
+    def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
+        assert stage is not None
+        config = planning.config
+        step_config: dict[str, Any] = {
+            "model": converter.unstructure(config.model),
+            "train": converter.unstructure(stage.train),
+        }
+        if config.eval.every:
+            step_config["eval"] = converter.unstructure(config.eval)
+        parent = planning.required(self.name, stage.init_from).hash if stage.init_from else None
+        inputs = {"data": planning.required("data", stage.name).hash, "init": parent}
+        toolchain = self.toolchain(step_config, config.numerics, planning.world_size)
+        return Step.create(f"{self.name}:{stage.name}", self.name, step_config, inputs, toolchain)
+
+    def hashed_world_size(self, config: Mapping[str, Any], world_size: int) -> int | None:
+        # The invariant reduction gives the same bits at any world size; allreduce does not.
+        return world_size if config["train"].get("reduction") == "allreduce" else None
+
+    def numerics_facts(self, numerics: NumericsConfig) -> dict[str, Any]:
+        return {"compile": True} if numerics.compile else {}  # only when set: eager plans keep theirs
+
+    def world_size_problem(self, config: Mapping[str, Any], world_size: int) -> str | None:
+        problem = world_size_problem(converter.structure(config["train"], TrainConfig), world_size)
+        return None if problem is None else f"train.micro_batch_size: {problem}"
+
+    def rank_budget(self, config: Mapping[str, Any]) -> RankBudget | None:
+        train = converter.structure(config["train"], TrainConfig)
+        if train.reduction != "invariant":
+            return None  # the world size of an allreduce plan is fixed by its hash
+        from buildtrain.config.shape import memory_estimate, parameter_count  # only when it computes
+
+        model = converter.structure(config["model"], ModelConfig)
+        return RankBudget(
+            micro_batches=train.batch_size // train.micro_batch_size,
+            flop=6 * parameter_count(model) * train.batch_size * train.seq_len * train.steps,
+            rank_memory=memory_estimate(model, train),
+        )
+
+    def updates(self, config: Mapping[str, Any]) -> int:
+        return int(config["train"]["steps"])
+
+    def output_problems(self, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
+        """A recorded train output is this step's own when its result records the step's number
+        of updates and every checkpoint in it carries the step's hash."""
+        from buildtrain.steps.train.identity import TRAIN_STATE  # (moves below: torch-free fact)
+
+        updates = self.updates(config)
+        try:
+            result = json.loads((output / "result.json").read_bytes())
+            if result.get("steps") != updates:
+                return [f"it records {result.get('steps')} updates, the step has {updates}"]
+            for name in result["checkpoints"]:
+                state = json.loads((output / "checkpoints" / name / TRAIN_STATE).read_bytes())
+                if state.get("step_hash") != step_hash:
+                    found = str(state.get("step_hash"))[:12]
+                    return [f"checkpoints/{name} was written by step {found}, not {step_hash[:12]}"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return [f"its result or checkpoints cannot be read ({exc})"]
+        return []
+
+
+KIND = TrainKind()
