@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
@@ -190,10 +191,10 @@ def ls_text(rows: list[dict[str, Any]]) -> str:
 def verdict_line(verdict: StepVerdict) -> str:
     mark = {"reproduced": "✓", "diverged": "✗", "damaged": "✗", "not compared": "✗"}.get(verdict.status, "-")
     shown = ""
-    for name in ("weights", "data", "eval", "package", "tokenizer"):
-        if verdict.status == "reproduced" and len(verdict.reexecuted.get(name, "")) == 64:
-            shown = f"{name} {verdict.reexecuted[name][:12]}"
-            break
+    kind = KINDS.get(verdict.kind)
+    name = (kind.headline if kind is not None else None) or min(verdict.reexecuted, default="")
+    if verdict.status == "reproduced" and len(verdict.reexecuted.get(name, "")) == 64:
+        shown = f"{name} {verdict.reexecuted[name][:12]}"
     return f"  {mark} {verdict.label:<16} {verdict.status:<10} {shown}  {verdict.detail}".rstrip()
 
 

@@ -17,7 +17,7 @@ from buildtrain.executor.outcome import StepResult, raise_for_status
 from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
-from buildtrain.executor.spawn import StepJob, spawn
+from buildtrain.executor.spawn import spawn
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
@@ -118,9 +118,8 @@ class Builder:
                 self.threads,
                 lock_fd,
                 on_event,
-                StepJob(),
-                self.launch,
-                self.processes,
+                launch=self.launch,
+                processes=self.processes,
             )
         finally:
             self.reporter.progress_finished()
@@ -175,8 +174,7 @@ class Builder:
                 self.threads,
                 lock_fd,
                 self.record.forward,
-                StepJob(),
-                self.launch,
+                launch=self.launch,
             )
         raise_for_status(step, outcome, self.plan)
         marker.parent.mkdir(parents=True, exist_ok=True)

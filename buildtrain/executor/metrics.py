@@ -55,13 +55,13 @@ class MetricsCollector:
         label = line.get("label")
         if not isinstance(label, str):
             return
-        kind = line.get("event")
+        event = line.get("event")
         seen = self._steps.setdefault(label, {"train": [], "eval": None})
-        if kind == "train_step" and isinstance(line.get("step"), int):
+        if event == "train_step" and isinstance(line.get("step"), int):
             self._last_step[label] = line["step"]
             seen["train"].append(line)
             self.writer.scalars(line["step"], _scalars(label, line, TRAIN_SCALARS))
-        elif kind == "eval":
+        elif event == "eval":
             # During training an eval line carries the update; an evaluation step's own has none.
             during_training = isinstance(line.get("step"), int)
             at = line["step"] if during_training else max(self._last_step.values(), default=0)

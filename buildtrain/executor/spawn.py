@@ -8,18 +8,20 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 
 from buildtrain.errors import ExitCode, StepFailed
 from buildtrain.executor import numerics
 from buildtrain.executor.faults import test_hooks_from_environment
+from buildtrain.executor.job import PLAIN_RUN, Job, JobNumerics, JobOptions
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_with_parent, root_cause
 from buildtrain.executor.outcome import Outcome
 from buildtrain.executor.policy import step_launch
-from buildtrain.executor.processes import JOB_EXIT, StepProcesses
+from buildtrain.executor.processes import JOB_EXIT, StepProcesses, Worker
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.sources import SourceFile, locate
@@ -27,15 +29,6 @@ from buildtrain.store.store import Store
 
 # Lines of torchrun's own log kept in the run record when a distributed step fails.
 LAUNCHER_LOG_LINES = 40
-
-
-@attrs.frozen(kw_only=True)
-class StepJob:
-    """Extra settings for one step process (used by `bt verify`)."""
-
-    hooks: dict[str, Any] = attrs.Factory(dict)
-    watch: dict[str, Any] | None = None
-    commit: bool = True
 
 
 def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
@@ -67,73 +60,98 @@ def spawn(
     step: Step,
     threads: int,
     lock_fd: int,
-    on_event: Any,
-    job_extra: StepJob,
+    on_event: Callable[[dict[str, Any]], None],
+    options: JobOptions = PLAIN_RUN,
     launch: Launch = SINGLE_PROCESS,
     processes: StepProcesses | None = None,
 ) -> Outcome:
     """Run one step in a worker process (one of `processes`, shared with other steps, when given),
-    or a train step on `launch.world_size` ranks."""
+    or a step that runs on ranks on `launch.world_size` of them."""
     settings = plan.numerics
-    kind = kind_of(step.kind)
     launch = step_launch(settings, step, threads, launch)
-    job = {
-        "store": str(store.root),
-        "plan": plan.hash,
-        "step": step.hash,
-        "kind": step.kind,
-        "numerics": {
-            "profile": settings.profile,
-            "device": settings.device,
-            "dtype": settings.dtype,
-            "threads": threads,
-        },
-        "sources": source_paths(store, plan, step) if kind.reads_sources else [],
-        "hooks": {**test_hooks_from_environment(), **job_extra.hooks},
-        "watch": job_extra.watch,
-        "commit": job_extra.commit,
-    }
-    store.tmp.mkdir(parents=True, exist_ok=True)
-    name = f"{step.hash[:16]}-{os.getpid()}"
-    job_path = store.tmp / f"job-{name}.json"
-    job_path.write_text(json.dumps(job), encoding="utf-8")
-    env = {
-        **os.environ,
-        **numerics.environment(settings.profile, settings.device, threads),
-    }
+    distributed = kind_of(step.kind).ranks and launch.world_size > 1
+    job_path = _write_job(store, plan, step, threads, options)
+    launcher_log = job_path.with_name(f"torchrun-{job_path.stem}.log")
+    env = {**os.environ, **numerics.environment(settings.profile, settings.device, threads)}
     # A watched job (bt verify) runs in verify's entry point, which hands this worker its watcher:
     # the executor never imports verification.
-    module = "buildtrain.verify.worker" if job_extra.watch else "buildtrain.executor.worker"
+    module = "buildtrain.verify.worker" if options.watch else "buildtrain.executor.worker"
     worker = [sys.executable, "-m", module, "--job", str(job_path)]
-    distributed = kind.ranks and launch.world_size > 1
-    launcher_log = store.tmp / f"torchrun-{name}.log"
-    shared = None
-    if distributed:
-        process, events_fd = _start_torchrun(launch, worker, env, lock_fd, launcher_log)
-        events = os.fdopen(events_fd, encoding="utf-8", errors="replace")
-    elif processes is not None:
-        shared = processes.submit(env, job_path, lock_fd)
-        process, events = shared.process, shared.events
-    else:
-        events_fd, write_fd = os.pipe()
-        process = subprocess.Popen(
-            [*worker, "--events-fd", str(write_fd)], env=env, pass_fds=(write_fd, lock_fd)
-        )
-        os.close(write_fd)
-        events = os.fdopen(events_fd, encoding="utf-8", errors="replace")
+    failure = None
+    try:
+        if distributed:
+            process, events_fd = _start_torchrun(launch, worker, env, lock_fd, launcher_log)
+            running = Running(process, os.fdopen(events_fd, encoding="utf-8", errors="replace"))
+        elif processes is not None:
+            shared = processes.submit(env, job_path, lock_fd)
+            running = Running(shared.process, shared.events, shared)
+        else:
+            running = _start_worker(worker, env, lock_fd)
+        status, errors, interrupted = _follow(running, on_event, processes)
+        if distributed and status != 0:
+            failure = _torchrun_failure(launcher_log, status, on_event, errors, launch)
+            status = failure.status if failure is not None else status
+    finally:
+        job_path.unlink(missing_ok=True)
+        launcher_log.unlink(missing_ok=True)
+    return Outcome(status, errors, interrupted, failure, launch.world_size if distributed else 1)
+
+
+@attrs.frozen
+class Running:
+    """A started step process: the process, the stream of its JSON events, and the shared worker
+    it is, if it is one (which reports the end of each step by an event, not by exiting)."""
+
+    process: subprocess.Popen[bytes]
+    events: TextIO
+    shared: Worker | None = None  # a shared worker, which stays alive after the step
+
+
+def _write_job(store: Store, plan: Plan, step: Step, threads: int, options: JobOptions) -> Path:
+    settings = plan.numerics
+    job = Job(
+        store=str(store.root),
+        plan=plan.hash,
+        step=step.hash,
+        kind=step.kind,
+        numerics=JobNumerics(
+            profile=settings.profile, device=settings.device, dtype=settings.dtype, threads=threads
+        ),
+        sources=tuple(source_paths(store, plan, step)) if kind_of(step.kind).reads_sources else (),
+        options=attrs.evolve(options, hooks={**test_hooks_from_environment(), **options.hooks}),
+    )
+    store.tmp.mkdir(parents=True, exist_ok=True)
+    path = store.tmp / f"job-{step.hash[:16]}-{os.getpid()}.json"
+    job.write(path)
+    return path
+
+
+def _start_worker(worker: list[str], env: dict[str, str], lock_fd: int) -> Running:
+    """A worker process of its own, its events arriving on a pipe."""
+    events_fd, write_fd = os.pipe()
+    process = subprocess.Popen([*worker, "--events-fd", str(write_fd)], env=env, pass_fds=(write_fd, lock_fd))
+    os.close(write_fd)
+    return Running(process, os.fdopen(events_fd, encoding="utf-8", errors="replace"))
+
+
+def _follow(
+    running: Running, on_event: Callable[[dict[str, Any]], None], processes: StepProcesses | None
+) -> tuple[int, list[dict[str, Any]], bool]:
+    """Forward the step's events until it ends, and this run's SIGINT/SIGTERM to it as SIGTERM
+    (it finishes its update and checkpoints); (exit status, error events, whether signalled)."""
+    process = running.process
     interrupted: list[int] = []
 
     def forward(number: int, _: object) -> None:
         interrupted.append(number)
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)  # the step finishes its update and checkpoints
+            process.send_signal(signal.SIGTERM)
 
     previous = {n: signal.signal(n, forward) for n in (signal.SIGINT, signal.SIGTERM)}
     errors: list[dict[str, Any]] = []
-    failure: RankFailure | None = None
+    status = None
     try:
-        status = None
-        for raw in events:
+        for raw in running.events:
             try:
                 line = json.loads(raw)
             except ValueError:
@@ -145,23 +163,17 @@ def spawn(
             if line.get("level") in ("error", "critical"):
                 errors.append(line)
             on_event(line)
-        if shared is None:
-            events.close()
+        if running.shared is None:
+            running.events.close()
             status = process.wait()
         elif status != ExitCode.OK:  # failed, or died (no job_exit): not used again
             assert processes is not None
-            processes.discard(shared)
+            processes.discard(running.shared)
             status = process.returncode if status is None else status
-        if distributed and status != 0:
-            failure = _torchrun_failure(launcher_log, status, on_event, errors, launch)
-            status = failure.status if failure is not None else status
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-        job_path.unlink(missing_ok=True)
-        launcher_log.unlink(missing_ok=True)
-    world_size = launch.world_size if distributed else 1
-    return Outcome(status, errors, bool(interrupted), failure, world_size)
+    return int(status), errors, bool(interrupted)
 
 
 def _start_torchrun(
@@ -207,9 +219,9 @@ def _torchrun_failure(
 
 
 def run_isolated(
-    store: Store, plan: Plan, step: Step, threads: int, job: StepJob, launch: Launch = SINGLE_PROCESS
+    store: Store, plan: Plan, step: Step, threads: int, options: JobOptions, launch: Launch = SINGLE_PROCESS
 ) -> Outcome:
     """One step in a fresh process (or a train step's ranks), holding its lock in `store`, its
     events discarded: how `bt verify` re-executes a step in its scratch store."""
     with store.lock(step.hash) as lock_fd:
-        return spawn(store, plan, step, threads, lock_fd, lambda _: None, job, launch)
+        return spawn(store, plan, step, threads, lock_fd, lambda _: None, options, launch)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import signal
 import socket
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
 from buildtrain.executor import logs, numerics
+from buildtrain.executor.job import Job
 from buildtrain.executor.launch import die_with_parent
 from buildtrain.executor.processes import JOB_EXIT
 from buildtrain.kinds import kind_of
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from buildtrain.steps.train.observer import Observer
 
 # Makes the observer of a train step's rank 0 from the job and the logger (None: the job has none).
-ObserverFactory = Callable[[dict[str, Any], Any], "Observer | None"]
+ObserverFactory = Callable[[Job, Any], "Observer | None"]
 
 # The numerics this process applied when it imported torch (a serving worker runs several steps).
 APPLIED: dict[str, tuple[str, str, int]] = {}
@@ -56,25 +56,25 @@ def _interrupt_now(number: int, _: object) -> None:
     raise Interrupted(f"stopped by {signal.Signals(number).name}")
 
 
-def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = None) -> int:
+def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
     from buildtrain.steps.context import StepContext, verified_inputs
 
-    store = Store(Path(job["store"]))
-    plan = load_plan(store, job["plan"])
-    step = plan.step(job["step"])
+    store = Store(Path(job.store))
+    plan = load_plan(store, job.plan)
+    step = plan.step(job.step)
     log = log.bind(label=step.label)
     kind = kind_of(step.kind)
 
     if kind.needs_torch(step.config):
-        settings = job["numerics"]
-        wanted = (settings["profile"], settings["device"], settings["threads"])
+        settings = job.numerics
+        wanted = (settings.profile, settings.device, settings.threads)
         if APPLIED.get("settings") != wanted:  # the first computing step of this process
             numerics.check_before_import(*wanted)
             import torch  # only now: the numerics environment is in place
 
             applied = numerics.apply_after_import(torch, *wanted)
             APPLIED["settings"] = wanted
-            log.info("numerics_applied", profile=settings["profile"], **applied)
+            log.info("numerics_applied", profile=settings.profile, **applied)
 
     controls = None
     lead = True
@@ -91,7 +91,7 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
         plan=plan,
         step=step,
         inputs=verified_inputs(store, step, only=None if lead else kind.rank_inputs),
-        sources=[Path(p) for p in job.get("sources", [])],
+        sources=[Path(p) for p in job.sources],
         log=log,
         controls=controls,
     )
@@ -106,7 +106,7 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
         if digests is None:
             log.info("stopped_early")
             return ExitCode.OK
-        if job.get("commit", True):
+        if job.options.commit:
             objects.publish(out, store.output(step.hash), digests)
             objects.remove_tree(store.work_dir(step.hash))  # its checkpoints are in the output now
         log.info("step_done", digests=digests)
@@ -115,28 +115,28 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
         objects.remove_tree(out)
 
 
-def _train_controls(job: dict[str, Any], log: Any, observer: ObserverFactory | None) -> TrainControls:
+def _train_controls(job: Job, log: Any, observer: ObserverFactory | None) -> TrainControls:
     """The stop request, faults, observer and ranks of a train step process."""
     from buildtrain.steps.train.controls import StopRequest, TrainControls
     from buildtrain.steps.train.faults import FaultPlan, Faults
     from buildtrain.steps.train.observer import Observers
     from buildtrain.steps.train.ranks import Ranks
 
-    ranks = Ranks.from_environment(job["numerics"]["device"])
+    ranks = Ranks.from_environment(job.numerics.device)
     if ranks.world > 1:
         log.info("rank_started", pid=os.getpid())
     stop = StopRequest()
     stop.install()
-    observers = [Faults(FaultPlan.from_job(job.get("hooks", {})), ranks.rank, log)]
+    observers = [Faults(FaultPlan.from_job(dict(job.options.hooks)), ranks.rank, log)]
     watcher = observer(job, log) if observer is not None and ranks.lead else None
     if watcher is not None:
         observers.append(watcher)
     return TrainControls(stop=stop, observer=Observers(*observers), ranks=ranks)
 
 
-def _kept(job: dict[str, Any]) -> str:
+def _kept(job: Job) -> str:
     """What survives a failed write: only a step that checkpoints has something to fall back on."""
-    if kind_of(job["kind"]).resumable:
+    if kind_of(job.kind).resumable:
         return (
             "nothing partial was published and the newest checkpoint (if any) is intact; free space, then "
             "bt run again"
@@ -144,7 +144,7 @@ def _kept(job: dict[str, Any]) -> str:
     return "nothing partial was published; free space, then bt run again"
 
 
-def run_job(job: dict[str, Any], log: Any, observer: ObserverFactory | None = None) -> int:
+def run_job(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
     """Execute one job; every failure becomes an event and an exit status, never a traceback."""
     try:
         return execute(job, log, observer)
@@ -190,7 +190,7 @@ def serve(control_fd: int, log: Any, observer: ObserverFactory | None = None) ->
         if not message:
             return ExitCode.OK
         try:
-            code = run_job(json.loads(Path(os.fsdecode(message)).read_text(encoding="utf-8")), log, observer)
+            code = run_job(Job.read(Path(os.fsdecode(message))), log, observer)
         finally:
             for fd in fds:
                 os.close(fd)  # the step's lock: held while its step ran
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None, observer: ObserverFactory | None = None)
     try:
         if args.serve is not None:
             return serve(args.serve, log, observer)
-        return run_job(json.loads(Path(args.job).read_text(encoding="utf-8")), log, observer)
+        return run_job(Job.read(Path(args.job)), log, observer)
     finally:
         stream.flush()
 

@@ -40,6 +40,7 @@ def data_view(data: DataConfig) -> dict[str, Any]:
 class DataKind(StepKind):
     name = "data"
     computes = "buildtrain.steps.data"
+    headline = "data"
     per_stage = True
     reads_sources = True
 

@@ -22,6 +22,7 @@ EVAL_SUITE_VERSIONS = {"heldout": 1}
 class EvalKind(StepKind):
     name = "eval"
     computes = "buildtrain.steps.eval"
+    headline = "eval"
     torch_toolchain = True
     spot_checked = False  # a spot check (--steps) covers training only
     summary = "evaluation"

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 class ExportKind(StepKind):
     name = "export"
     computes = "buildtrain.steps.export"
+    headline = "weights"
+    package = True
     spot_checked = False  # a spot check (--steps) covers training only
 
     def needs_torch(self, config: Mapping[str, Any]) -> bool:

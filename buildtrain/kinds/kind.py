@@ -48,6 +48,8 @@ class StepKind:
     resumable: ClassVar[bool] = False  # keeps checkpoints in its work folder and resumes from them
     verify_by_updates: ClassVar[bool] = False  # verify watches it update by update
     spot_checked: ClassVar[bool] = True  # `bt verify --steps N` re-executes it (else: skipped)
+    package: ClassVar[bool] = False  # its output is what `bt export` copies out and `bt sample` loads
+    headline: ClassVar[str | None] = None  # the digest that stands for its output (bt verify shows it)
     summary: ClassVar[str | None] = None  # what its metrics summary holds: "training", "evaluation"
     # Where set, its computing module's `complete_from_store(store, step)` may complete a step from
     # what the store holds, without a process; the run says why in these words.

@@ -61,6 +61,7 @@ def text_view(data: DataConfig, synthetic: dict[str, Any] | None) -> dict[str, A
 class TokenizerKind(StepKind):
     name = "tokenizer"
     computes = "buildtrain.steps.tokenizer"
+    headline = "tokenizer"
     per_stage = True
     reads_sources = True
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class TrainKind(StepKind):
     name = "train"
     computes = "buildtrain.steps.train.step"
+    headline = "weights"
     per_stage = True
     torch_toolchain = True
     ranks = True

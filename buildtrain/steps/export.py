@@ -26,6 +26,7 @@ from buildtrain.config.checks import name_problem
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ExportConfig
 from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
@@ -97,7 +98,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
 
 def built_export(store: Store, plan: Plan, wanted_for: str = "") -> Path:
     """The export output of a built plan, re-hashed against its manifest; else a clear refusal."""
-    steps = [step for step in plan.steps if step.kind == "export"]
+    steps = [step for step in plan.steps if kind_of(step.kind).package]
     if not steps:
         raise UsageError(f"plan {plan.hash[:12]} has no export step (export.enabled = false){wanted_for}")
     step = steps[0]

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from buildtrain.executor.job import JobOptions
 from buildtrain.executor.outcome import raise_for_status
-from buildtrain.executor.spawn import StepJob, run_isolated
+from buildtrain.executor.spawn import run_isolated
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
 from buildtrain.verify.verdicts import VerifyOptions
@@ -46,7 +47,7 @@ def run_train(
     pending = [n for n in options.resume_at if limit is None or n < limit]
     resumed: list[int] = []
     while True:
-        job = StepJob(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
+        job = JobOptions(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
         outcome = run_isolated(scratch, plan, step, threads, job, options.launch)
         diverged = (read_report(report) or {}).get("diverged")
         if outcome.status == RESUMED_KILL_STATUS and pending:  # killed on purpose after a checkpoint

@@ -23,11 +23,17 @@ class VerifyOptions:
     launch: Launch = SINGLE_PROCESS  # re-execute the train steps at this world size
 
 
-@attrs.define
+# What a step's re-execution came to: reproduced bit for bit; diverged from the recorded build;
+# not compared (a comparison it stands for was not made: fails closed); damaged (the recorded output
+# does not verify or is another step's); skipped (an input did not reproduce, or a spot check).
+STATUSES = ("reproduced", "diverged", "not compared", "damaged", "skipped")
+
+
+@attrs.frozen
 class StepVerdict:
     label: str
     kind: str
-    status: str  # reproduced, diverged, not compared, damaged, skipped
+    status: str = attrs.field(validator=attrs.validators.in_(STATUSES))
     recorded: dict[str, str] = attrs.Factory(dict)
     reexecuted: dict[str, str] = attrs.Factory(dict)
     detail: str = ""

@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.errors import UsageError
+from buildtrain.executor.job import JobOptions
 from buildtrain.executor.outcome import raise_for_status
 from buildtrain.executor.policy import pinned_threads, prepare
 from buildtrain.executor.run import RunOptions, run_plan
-from buildtrain.executor.spawn import StepJob, run_isolated
+from buildtrain.executor.spawn import run_isolated
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import save_plan
@@ -74,21 +75,9 @@ def verify_plan(
     scratch_root = Path(tempfile.mkdtemp(prefix="bt-verify-"))
     scratch = Store(scratch_root / "store")
     save_plan(scratch, plan, **store.plan_meta(plan.hash))
-    mode = [f"threads {threads}"]
-    if launch.world_size > 1:
-        mode.insert(0, f"train steps on {launch.world_size} processes")
-    if options.resume_at:
-        mode.append(f"hard kill and resume at {','.join(map(str, options.resume_at))}")
-    if options.steps:
-        longest = max((kind_of(step.kind).updates(step.config) for step in plan.steps), default=0)
-        if options.steps >= longest:
-            mode.append(
-                f"--steps {options.steps} covers every update of every train stage ({longest} at most)"
-            )
-        else:
-            mode.append(f"first {options.steps} steps of each train stage")
     notify(
-        f"bt verify {plan.hash[:12]} '{plan.name}': re-executing {len(plan.steps)} steps in isolation ({'; '.join(mode)})"
+        f"bt verify {plan.hash[:12]} '{plan.name}': re-executing {len(plan.steps)} steps in isolation "
+        f"({'; '.join(_mode(plan, threads, options))})"
     )
 
     verdicts: list[StepVerdict] = []
@@ -107,6 +96,24 @@ def verify_plan(
             shutil.rmtree(scratch_root, ignore_errors=True)
 
     return Verification(plan, verdicts, threads, launch.world_size, options)
+
+
+def _mode(plan: Plan, threads: int, options: VerifyOptions) -> list[str]:
+    """How the re-execution differs from a plain build, in words."""
+    mode = [f"threads {threads}"]
+    if options.launch.world_size > 1:
+        mode.insert(0, f"train steps on {options.launch.world_size} processes")
+    if options.resume_at:
+        mode.append(f"hard kill and resume at {','.join(map(str, options.resume_at))}")
+    if options.steps:
+        longest = max((kind_of(step.kind).updates(step.config) for step in plan.steps), default=0)
+        if options.steps >= longest:
+            mode.append(
+                f"--steps {options.steps} covers every update of every train stage ({longest} at most)"
+            )
+        else:
+            mode.append(f"first {options.steps} steps of each train stage")
+    return mode
 
 
 def _verify_step(
@@ -145,7 +152,7 @@ def _verify_step(
         if verdict is not None:
             return verdict
     else:
-        raise_for_status(step, run_isolated(scratch, plan, step, threads, StepJob()), plan)
+        raise_for_status(step, run_isolated(scratch, plan, step, threads, JobOptions()), plan)
     return _compare_outputs(step, recorded_output, scratch.output(step.hash), extra)
 
 

@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Any
 from buildtrain.executor import worker
 
 if TYPE_CHECKING:
+    from buildtrain.executor.job import Job
     from buildtrain.verify.watch import Watcher
 
 
-def watcher_for(job: dict[str, Any], log: Any) -> Watcher | None:
+def watcher_for(job: Job, log: Any) -> Watcher | None:
     """The watcher a job asks for, if any. Called once the worker has applied the numerics
     environment and imported torch, which the watcher needs (so not imported above)."""
-    if not job.get("watch"):
+    if not job.options.watch:
         return None
     from buildtrain.verify.watch import Watcher
 
-    return Watcher.from_job(job["watch"], log)
+    return Watcher.from_job(job.options.watch, log)
 
 
 def main(argv: list[str] | None = None) -> int:
