@@ -191,15 +191,16 @@ def test_non_finite_loss_fails_cleanly_naming_the_step(tmp_path):
 
 def test_plan_for_another_toolchain_is_refused(tmp_path, monkeypatch):
     from buildtrain.config.loader import load_preset
+    from buildtrain.kinds import kind as kinds
     from buildtrain.plan import compile as compiler
 
-    real = compiler.fingerprint
+    real = kinds.fingerprint
 
-    def elsewhere(kind, numerics, threads=None, world_size=None):
-        facts = real(kind, numerics, threads, world_size)
+    def elsewhere(kind, numerics, **options):
+        facts = real(kind, numerics, **options)
         return {**facts, "torch": "0.0.1+elsewhere"} if "torch" in facts else facts
 
-    monkeypatch.setattr(compiler, "fingerprint", elsewhere)
+    monkeypatch.setattr(kinds, "fingerprint", elsewhere)
     foreign = compiler.compile_plan(load_preset(MICRO).config, {})
     store = Store(tmp_path / ".bt")
     save_plan(store, foreign)

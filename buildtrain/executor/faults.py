@@ -42,3 +42,27 @@ def test_hooks_from_environment() -> dict[str, Any]:
         if value:
             hooks[name] = value not in ("0", "false") if kind is bool else kind(value)  # type: ignore[operator]
     return hooks
+
+
+# The module whose import, inside `import torch`, sends this process SIGTERM (tests only): a signal
+# that lands in the middle of a library's import, deterministically.
+SIGNAL_IN_IMPORT = "BT_TEST_SIGNAL_IN_IMPORT"
+
+
+def signal_inside_import_for_tests() -> None:
+    """Where `BT_TEST_SIGNAL_IN_IMPORT` names a module (e.g. `torch.nn`), SIGTERM this process
+    when that module is first imported."""
+    target = os.environ.get(SIGNAL_IN_IMPORT)
+    if not target:
+        return
+    import importlib.abc
+    import signal
+    import sys
+
+    class SignalOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target_module: Any = None) -> None:
+            if name == target and self in sys.meta_path:
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    sys.meta_path.insert(0, SignalOnImport())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
 import signal
 import sys
@@ -20,16 +21,20 @@ import attrs
 from buildtrain.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
+PARENT_PID = "BT_PARENT_PID"  # the pid of the bt process that started a worker
 # Seconds torchrun waits for every node to join before it gives up (its own default is 600).
 DEFAULT_RDZV_TIMEOUT = 120
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Linux: if the parent is killed outright, take this process down with it, so no orphan
     keeps training (and writing) behind a new `bt run`'s back. Both torchrun and every worker
-    call it, so the chain bt -> torchrun -> ranks falls together."""
+    call it, so the chain bt -> torchrun -> ranks falls together. A parent that died before this
+    call (it cannot signal any more) is noticed by `parent`, its pid as it was at the start."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
 
 
 @attrs.frozen(kw_only=True)

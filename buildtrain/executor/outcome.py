@@ -40,6 +40,8 @@ class Outcome:
 def raise_for_status(step: Step, outcome: Outcome, plan: Plan) -> None:
     status, failure = outcome.status, outcome.failure
     if status == ExitCode.OK:
+        if outcome.interrupted:  # it finished before the forwarded signal could stop it
+            raise Interrupted(f"stopped after {step.label} completed; resume with: bt run {plan.hash}")
         return
     # Asked to stop: a rank or worker that exits otherwise was cut short by the signal (torchrun
     # itself exits 1 when it is signalled), and the checkpoint it wrote is what resume starts from.

@@ -3,6 +3,7 @@ ranks; forwarding their JSON events and the run's signals; collecting how they e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,7 +19,14 @@ from buildtrain.errors import ExitCode, StepFailed
 from buildtrain.executor import numerics
 from buildtrain.executor.faults import test_hooks_from_environment
 from buildtrain.executor.job import PLAIN_RUN, Job, JobNumerics, JobOptions
-from buildtrain.executor.launch import SINGLE_PROCESS, Launch, RankFailure, die_with_parent, root_cause
+from buildtrain.executor.launch import (
+    PARENT_PID,
+    SINGLE_PROCESS,
+    Launch,
+    RankFailure,
+    die_with_parent,
+    root_cause,
+)
 from buildtrain.executor.outcome import Outcome
 from buildtrain.executor.policy import step_launch
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses, Worker
@@ -73,6 +81,8 @@ def spawn(
     job_path = _write_job(store, plan, step, threads, options)
     launcher_log = job_path.with_name(f"torchrun-{job_path.stem}.log")
     env = {**os.environ, **numerics.environment(settings.profile, settings.device, threads)}
+    if not distributed:  # a worker started by this process (torchrun's ranks have torchrun above)
+        env[PARENT_PID] = str(os.getpid())
     # A watched job (bt verify) runs in verify's entry point, which hands this worker its watcher:
     # the executor never imports verification.
     module = "buildtrain.verify.worker" if options.watch else "buildtrain.executor.worker"
@@ -190,7 +200,7 @@ def _start_torchrun(
             stdout=subprocess.PIPE,
             stderr=stderr,
             pass_fds=(lock_fd,),  # torchrun holds the step lock for its ranks
-            preexec_fn=die_with_parent,
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
     assert process.stdout is not None
     events_fd = os.dup(process.stdout.fileno())

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
 from buildtrain.executor import logs, numerics
-from buildtrain.executor.job import Job
-from buildtrain.executor.launch import die_with_parent
+from buildtrain.executor.faults import signal_inside_import_for_tests
+from buildtrain.executor.job import Job, JobNumerics
+from buildtrain.executor.launch import PARENT_PID, die_with_parent
 from buildtrain.executor.processes import JOB_EXIT
 from buildtrain.kinds import kind_of
 from buildtrain.plan.stored import load_plan
@@ -42,7 +43,7 @@ from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.steps.train.controls import TrainControls
+    from buildtrain.steps.train.controls import StopRequest, TrainControls
     from buildtrain.steps.train.observer import Observer
 
 # Makes the observer of a train step's rank 0 from the job and the logger (None: the job has none).
@@ -58,31 +59,30 @@ def _interrupt_now(number: int, _: object) -> None:
 
 def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
     from buildtrain.steps.context import StepContext, verified_inputs
+    from buildtrain.steps.train.controls import StopRequest
 
+    # Until the step computes, a signal is only remembered: a handler that raised inside `import
+    # torch` lands in a library's import machinery, where it was swallowed (the step trained on)
+    # or left a half-imported module behind (a traceback), in 8 of 25 trials.
+    stop = StopRequest()
+    stop.install()
     store = Store(Path(job.store))
     plan = load_plan(store, job.plan)
     step = plan.step(job.step)
     log = log.bind(label=step.label)
     kind = kind_of(step.kind)
-
     if kind.needs_torch(step.config):
-        settings = job.numerics
-        wanted = (settings.profile, settings.device, settings.threads)
-        if APPLIED.get("settings") != wanted:  # the first computing step of this process
-            numerics.check_before_import(*wanted)
-            import torch  # only now: the numerics environment is in place
-
-            applied = numerics.apply_after_import(torch, *wanted)
-            APPLIED["settings"] = wanted
-            log.info("numerics_applied", profile=settings.profile, **applied)
+        _import_torch(job.numerics, log)
 
     controls = None
     lead = True
-    if kind.ranks:
-        controls = _train_controls(job, log, observer)
+    if kind.ranks:  # the loop reads the stop request between updates
+        controls = _train_controls(job, log, observer, stop)
         lead = controls.ranks.lead
         controls.ranks.agree_on(step.hash, step.label)
     else:
+        if stop.signal_name is not None:
+            raise Interrupted(f"stopped by {stop.signal_name} before {step.label} began; nothing was written")
         signal.signal(signal.SIGTERM, _interrupt_now)
         signal.signal(signal.SIGINT, _interrupt_now)
 
@@ -115,9 +115,24 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         objects.remove_tree(out)
 
 
-def _train_controls(job: Job, log: Any, observer: ObserverFactory | None) -> TrainControls:
+def _import_torch(settings: JobNumerics, log: Any) -> None:
+    """Import torch under the job's numerics environment, once per process (a serving worker runs
+    several steps of one environment)."""
+    wanted = (settings.profile, settings.device, settings.threads)
+    if APPLIED.get("settings") == wanted:
+        return
+    numerics.check_before_import(*wanted)
+    signal_inside_import_for_tests()
+    import torch  # only now: the numerics environment is in place
+
+    applied = numerics.apply_after_import(torch, *wanted)
+    APPLIED["settings"] = wanted
+    log.info("numerics_applied", profile=settings.profile, **applied)
+
+
+def _train_controls(job: Job, log: Any, observer: ObserverFactory | None, stop: StopRequest) -> TrainControls:
     """The stop request, faults, observer and ranks of a train step process."""
-    from buildtrain.steps.train.controls import StopRequest, TrainControls
+    from buildtrain.steps.train.controls import TrainControls
     from buildtrain.steps.train.faults import FaultPlan, Faults
     from buildtrain.steps.train.observer import Observers
     from buildtrain.steps.train.ranks import Ranks
@@ -125,8 +140,6 @@ def _train_controls(job: Job, log: Any, observer: ObserverFactory | None) -> Tra
     ranks = Ranks.from_environment(job.numerics.device)
     if ranks.world > 1:
         log.info("rank_started", pid=os.getpid())
-    stop = StopRequest()
-    stop.install()
     observers = [Faults(FaultPlan.from_job(dict(job.options.hooks)), ranks.rank, log)]
     watcher = observer(job, log) if observer is not None and ranks.lead else None
     if watcher is not None:
@@ -134,9 +147,9 @@ def _train_controls(job: Job, log: Any, observer: ObserverFactory | None) -> Tra
     return TrainControls(stop=stop, observer=Observers(*observers), ranks=ranks)
 
 
-def _kept(job: Job) -> str:
+def _kept(job: Job | None) -> str:
     """What survives a failed write: only a step that checkpoints has something to fall back on."""
-    if kind_of(job.kind).resumable:
+    if job is not None and kind_of(job.kind).resumable:
         return (
             "nothing partial was published and the newest checkpoint (if any) is intact; free space, then "
             "bt run again"
@@ -144,9 +157,12 @@ def _kept(job: Job) -> str:
     return "nothing partial was published; free space, then bt run again"
 
 
-def run_job(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
-    """Execute one job; every failure becomes an event and an exit status, never a traceback."""
+def run_job(path: Path, log: Any, observer: ObserverFactory | None = None) -> int:
+    """Execute the job at `path`; every failure becomes an event and an exit status, never a
+    traceback."""
+    job = None
     try:
+        job = Job.read(path)
         return execute(job, log, observer)
     except Interrupted as exc:
         log.warning("interrupted", message=str(exc))
@@ -190,7 +206,7 @@ def serve(control_fd: int, log: Any, observer: ObserverFactory | None = None) ->
         if not message:
             return ExitCode.OK
         try:
-            code = run_job(Job.read(Path(os.fsdecode(message))), log, observer)
+            code = run_job(Path(os.fsdecode(message)), log, observer)
         finally:
             for fd in fds:
                 os.close(fd)  # the step's lock: held while its step ran
@@ -209,23 +225,45 @@ def main(argv: list[str] | None = None, observer: ObserverFactory | None = None)
         "--events-fd", type=int, required=True, help="pipe for JSON event lines (1 under torchrun)"
     )
     args = parser.parse_args(argv)
-    die_with_parent()
+    parent = os.environ.get(PARENT_PID)
+    die_with_parent(int(parent) if parent else None)
     events_fd = args.events_fd
     if events_fd == 1:
         # Under torchrun the events share stdout with every rank; keep anything else a library
         # prints out of that stream by sending fd 1 to stderr from here on.
         events_fd = os.dup(1)
         os.dup2(2, 1)
-    stream = os.fdopen(events_fd, "w", buffering=1, encoding="utf-8")
+    stream = EventStream(os.fdopen(events_fd, "w", buffering=1, encoding="utf-8"))
     log = logs.configure(stream)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: every event says whose it is
         log = log.bind(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
         if args.serve is not None:
             return serve(args.serve, log, observer)
-        return run_job(Job.read(Path(args.job)), log, observer)
+        return run_job(Path(args.job), log, observer)
     finally:
         stream.flush()
+
+
+class EventStream:
+    """The pipe to the executor. Once nobody reads it (`bt run` was killed outright, before the
+    kernel's parent-death signal could reach this process), stop at once and quietly: the output
+    is unpublished, the checkpoints atomic, and a traceback would only land on a dead terminal."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+        except BrokenPipeError:
+            os._exit(ExitCode.INTERRUPTED)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            os._exit(ExitCode.INTERRUPTED)
 
 
 def exit_now(code: int) -> None:
