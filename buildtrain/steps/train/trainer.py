@@ -73,104 +73,159 @@ def out_of_memory_fails(update: int, work: Path) -> Iterator[None]:
         ) from None
 
 
+@attrs.define
+class Training:
+    """One stage's training in progress on this rank: the model, its optimizer, its data, and
+    where the loop stands (the update done last, the data cursor, rank 0's trace)."""
+
+    job: TrainJob
+    log: Any
+    controls: TrainControls
+    device: torch.device
+    autocast: Any
+    model: Transformer
+    optimizer: AdamW
+    batches: Batches
+    heldout: TokenStream | None  # rank 0 evaluates during training (eval.every > 0)
+    update: int = 0
+    cursor: int = 0
+    trace: checkpoint.Trace = attrs.Factory(checkpoint.Trace)
+
+    @classmethod
+    def start(cls, job: TrainJob, log: Any, controls: TrainControls) -> Training:
+        """Fresh weights from the seed (or the parent stage's), then the newest checkpoint if any:
+        every rank leaves with rank 0's state."""
+        cfg, ranks = job.train, controls.ranks
+        device = torch.device(job.device)
+        model = Transformer.build(job.model, vocab_size(job.index), seeded(cfg.seed, "init"))
+        if job.init_weights is not None:
+            load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
+        model.to(device)
+        optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        splits = job.index["splits"]
+        evaluating = job.eval is not None and job.eval.every > 0 and ranks.lead
+        training = cls(
+            job=job,
+            log=log,
+            controls=controls,
+            device=device,
+            autocast=torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16"),
+            model=model,
+            optimizer=optimizer,
+            batches=Batches(
+                TokenStream(job.data, splits["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
+            ),
+            heldout=TokenStream(job.data, splits["heldout"]) if evaluating else None,
+        )
+        if ranks.lead:
+            training.resume()
+        training.update, training.cursor = ranks.share_state(
+            model, optimizer, [training.update, training.cursor]
+        )
+        return training
+
+    def resume(self) -> None:
+        """Rank 0: continue from the newest checkpoint that verifies and is this step's own."""
+        resumed = checkpoint.load_newest(
+            self.job.work,
+            self.model,
+            self.optimizer,
+            self.job.identity,
+            on_skip=lambda path, why: self.log.warning(
+                "checkpoint_skipped", checkpoint=path.name, reason=why
+            ),
+        )
+        if resumed is not None:
+            self.update, self.trace = resumed.update, resumed.trace
+            self.cursor = self.controls.observer.resumed(resumed.state["cursor"])
+            self.log.info(
+                "resumed",
+                step=self.update,
+                checkpoint=resumed.path.name,
+                world_size=self.controls.ranks.world,
+            )
+
+    def record(self, loss: float, grad_norm: float, lr: float, started: float) -> bool:
+        """Rank 0's part of an update: trace, evaluate, log, observe. True: the observer says stop."""
+        job, at = self.job, self.update
+        entry, tensors = trace_entry(
+            at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, job.train
+        )
+        self.trace.append(entry)
+        if self.heldout is not None and job.eval is not None and at % job.eval.every == 0:
+            result = evaluate(self.model, self.heldout, job.eval, self.device, self.autocast)
+            self.trace.append({"step": at, "eval": result})
+            self.log.info("eval", step=at, **result)
+            self.model.train()
+        self.log.info(
+            "train_step",
+            step=at,
+            steps=job.train.steps,
+            loss=round(loss, 6),
+            lr=lr,
+            grad_norm=round(grad_norm, 6),
+            tokens_per_s=round(job.train.batch_size * job.train.seq_len / (time.perf_counter() - started), 1),
+            max_rss_mb=round(max_rss_mb(), 1),
+        )
+        return self.controls.observer.recorded(entry, tensors or state_tensors(self.model, self.optimizer))
+
+    def save(self) -> None:
+        """Rank 0 writes the checkpoint of the update done last; every rank tells the observer."""
+        at, observer = self.update, self.controls.observer
+        if self.controls.ranks.lead:
+            tokens = at * self.job.train.batch_size * self.job.train.seq_len
+            state = {**self.job.identity, "step": at, "cursor": self.cursor, "tokens": tokens}
+            midway = observer.checkpoint_half_written
+            path = checkpoint.save(
+                self.job.work, at, self.model, self.optimizer, state, self.trace, midway=midway
+            )
+            checkpoint.prune(self.job.work, self.job.train.keep_checkpoints)
+            self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
+        observer.checkpoint_written(at)
+
+
 def train(job: TrainJob, log: Any, controls: TrainControls | None = None) -> TrainResult:
     """Train one stage to the end, resuming from its newest checkpoint. With several ranks, every
     rank runs this loop in step; rank 0 alone reads and writes checkpoints and keeps the trace."""
     cfg = job.train
     controls = controls or TrainControls()
     ranks, observer, stop = controls.ranks, controls.observer, controls.stop
-    device = torch.device(job.device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16")
-
-    model = Transformer.build(job.model, vocab_size(job.index), seeded(cfg.seed, "init"))
-    if job.init_weights is not None:
-        load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
-    model.to(device)
-    optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    splits = job.index["splits"]
-    batches = Batches(TokenStream(job.data, splits["train"]), cfg.seq_len, derive_seed(cfg.seed, "data"))
-    evaluating = job.eval is not None and job.eval.every > 0 and ranks.lead
-    heldout = TokenStream(job.data, splits["heldout"]) if evaluating else None
-    tokens_per_update = cfg.batch_size * cfg.seq_len
+    run = Training.start(job, log, controls)
+    model, optimizer = run.model, run.optimizer
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-
-    update, cursor, trace = 0, 0, checkpoint.Trace()
-    if ranks.lead:
-        resumed = checkpoint.load_newest(
-            job.work,
-            model,
-            optimizer,
-            job.identity,
-            on_skip=lambda path, why: log.warning("checkpoint_skipped", checkpoint=path.name, reason=why),
-        )
-        if resumed is not None:
-            update, trace = resumed.update, resumed.trace
-            cursor = observer.resumed(resumed.state["cursor"])
-            log.info("resumed", step=update, checkpoint=resumed.path.name, world_size=ranks.world)
-    update, cursor = ranks.share_state(model, optimizer, [update, cursor])
-
-    def record(at: int, loss: float, grad_norm: float, lr: float, started: float) -> bool:
-        """Rank 0's part of an update: trace, evaluate, log, observe. True: the observer says stop."""
-        entry, tensors = trace_entry(at, loss, grad_norm, lr, cursor, model, optimizer, cfg)
-        trace.append(entry)
-        if heldout is not None and job.eval is not None and at % job.eval.every == 0:
-            result = evaluate(model, heldout, job.eval, device, autocast)
-            trace.append({"step": at, "eval": result})
-            log.info("eval", step=at, **result)
-            model.train()
-        log.info(
-            "train_step",
-            step=at,
-            steps=cfg.steps,
-            loss=round(loss, 6),
-            lr=lr,
-            grad_norm=round(grad_norm, 6),
-            tokens_per_s=round(tokens_per_update / (time.perf_counter() - started), 1),
-            max_rss_mb=round(max_rss_mb(), 1),
-        )
-        return observer.recorded(entry, tensors or state_tensors(model, optimizer))
-
-    def save(at: int) -> None:
-        """Rank 0 writes the checkpoint of update `at`; every rank tells the observer."""
-        if ranks.lead:
-            state = {**job.identity, "step": at, "cursor": cursor, "tokens": at * tokens_per_update}
-            midway = observer.checkpoint_half_written
-            path = checkpoint.save(job.work, at, model, optimizer, state, trace, midway=midway)
-            checkpoint.prune(job.work, cfg.keep_checkpoints)
-            log.info("checkpoint_saved", step=at, checkpoint=path.name)
-        observer.checkpoint_written(at)
-
     # Compiled: the same parameters, a generated forward and backward (imports torch._dynamo, so
     # only when asked for).
     compute = torch.compile(model) if job.compile else model
     model.train()
-    while update < cfg.steps:
+    while run.update < cfg.steps:
         started = time.perf_counter()
-        update += 1
-        lr = learning_rate(update, cfg)
+        run.update += 1
+        lr = learning_rate(run.update, cfg)
         optimizer.set_lr(lr)
-        with out_of_memory_fails(update, job.work):
+        with out_of_memory_fails(run.update, job.work):
             # forward, loss and backward of every micro-batch of this rank, summed across ranks
-            loss_sum = batch_gradient(compute, batches, cursor, update, job, device, autocast, ranks)
+            loss_sum = batch_gradient(
+                compute, run.batches, run.cursor, run.update, job, run.device, run.autocast, ranks
+            )
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             loss, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one sync
             if not math.isfinite(loss):
                 raise StepFailed(
-                    f"loss is {loss} at step {update}; nothing was written for this step "
+                    f"loss is {loss} at step {run.update}; nothing was written for this step "
                     f"(newest checkpoint: {newest(job.work)}). Lower train.lr or raise train.warmup_steps."
                 )
             optimizer.update()
             optimizer.zero_grad()
-        cursor += cfg.batch_size
-        ended = observer.updated(update, model)
+        run.cursor += cfg.batch_size
+        ended = observer.updated(run.update, model)
         if ranks.lead:
-            ended = record(update, loss, grad_norm, lr, started) or ended
+            ended = run.record(loss, grad_norm, lr, started) or ended
         stopping, ended = ranks.any(stop.signal_name is not None, ended)
         if ended:
-            return TrainResult(update, trace.entries)  # a spot check or a divergence ends here
-        if checkpoint_due(update, cfg) or stopping or observer.wants_checkpoint(update):
-            save(update)
+            return TrainResult(run.update, run.trace.entries)  # a spot check or a divergence ends here
+        if checkpoint_due(run.update, cfg) or stopping or observer.wants_checkpoint(run.update):
+            run.save()
         if stopping:
             signal_name = stop.signal_name or "a signal to another rank"
-            raise Interrupted(f"stopped by {signal_name} after step {update}; checkpoint written")
-    return TrainResult(update, trace.entries)
+            raise Interrupted(f"stopped by {signal_name} after step {run.update}; checkpoint written")
+    return TrainResult(run.update, run.trace.entries)
