@@ -248,6 +248,19 @@ def test_prune_keeps_the_newest_k_and_removes_temporaries(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-1000000", "step-999999"]
 
 
+def test_prune_keeps_what_an_uninterrupted_build_keeps(tmp_path: Path) -> None:
+    """Checkpoints at 3 and 9 were taken at interruptions (every 4 is the schedule): they count for
+    nothing, and the newest stays while it is the newest, since resume starts there."""
+    every_four = lambda update: update % 4 == 0  # noqa: E731
+    for step in (3, 4, 8, 9):
+        (tmp_path / checkpoint.checkpoint_name(step)).mkdir()
+    checkpoint.prune(tmp_path, 2, every_four)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000008", "step-000009"]
+    (tmp_path / checkpoint.checkpoint_name(12)).mkdir()
+    checkpoint.prune(tmp_path, 2, every_four)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000008", "step-000012"]
+
+
 def test_checkpoint_name_is_zero_padded_and_matches_the_pattern() -> None:
     assert checkpoint.checkpoint_name(50) == "step-000050"
     assert identity.checkpoint_update(checkpoint.checkpoint_name(1_234_567)) == 1_234_567

@@ -219,13 +219,18 @@ def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
 
 
 def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
+    from buildtrain.executor.job import Job, JobNumerics, JobOptions
     from buildtrain.verify.worker import watcher_for
 
-    assert watcher_for({"kind": "train", "watch": None}, _Log()) is None
+    def job_with(watch):
+        numerics = JobNumerics(profile="portable", device="cpu", dtype="float32", threads=1)
+        return Job(store="", plan="", step="", kind="train", numerics=numerics, options=JobOptions(watch=watch))
+
+    assert watcher_for(job_with(None), _Log()) is None
     folder = tmp_path / "recorded"
     folder.mkdir()
     (folder / "result.json").write_text(json.dumps({"checkpoints": ["step-000004", "damaged-x"]}))
     (folder / TRACE).write_bytes(b"")
-    job = {"watch": {"recorded": str(folder), "report": str(tmp_path / "report.json"), "stop_after": None}}
+    job = job_with({"recorded": str(folder), "report": str(tmp_path / "report.json"), "stop_after": None})
     watcher = watcher_for(job, _Log())
     assert watcher is not None and watcher.retained == [4]

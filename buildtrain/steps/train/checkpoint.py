@@ -107,8 +107,17 @@ def candidates(folder: Path) -> list[tuple[int, Path]]:
     ]
 
 
-def prune(folder: Path, keep: int) -> None:
-    for _, path in candidates(folder)[keep:]:
+def prune(folder: Path, keep: int, scheduled: Callable[[int], bool] | None = None) -> None:
+    """Keep the newest `keep` checkpoints. Given which updates are `scheduled`, a checkpoint taken
+    at an interruption counts for nothing and stays only while it is the newest (resume starts
+    there): the checkpoints kept are those an uninterrupted build keeps."""
+    found = candidates(folder)
+    if scheduled is None:
+        doomed = found[keep:]
+    else:
+        kept = found[:1] + [c for c in found if scheduled(c[0])][:keep]
+        doomed = [c for c in found if c not in kept]
+    for _, path in doomed:
         objects.remove_tree(path)
     for path in folder.glob(".step-*.tmp"):
         objects.remove_tree(path)

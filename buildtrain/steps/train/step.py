@@ -22,6 +22,7 @@ from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.identity import checkpoint_problems
 from buildtrain.steps.train.job import TrainJob
+from buildtrain.steps.train.schedule import checkpoint_due
 from buildtrain.steps.train.state import MODEL, TRACE
 from buildtrain.steps.train.trainer import TrainResult, train
 from buildtrain.store import objects
@@ -52,11 +53,14 @@ def make_job(ctx: StepContext) -> TrainJob:
 
 
 def assemble_output(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> dict[str, str]:
-    """Assemble the output folder from the retained checkpoints and the trace. Only checkpoints
-    that verify and belong to this step go into the output, and the newest must be the last
-    update: nothing unverified is sealed into an output."""
+    """Assemble the output folder from the retained checkpoints and the trace. Only scheduled
+    checkpoints that verify and belong to this step go into the output, and the newest must be the
+    last update: nothing unverified is sealed into an output, and how often a build was interrupted
+    leaves no trace in it (its files are a function of the step alone)."""
     retained = []
     for at, path in checkpoint.candidates(job.work):
+        if not checkpoint_due(at, job.train):
+            continue  # taken at an interruption: the output holds what an uninterrupted build holds
         found = (
             checkpoint_problems(path, at, job.identity) if at <= job.train.steps else ["beyond train.steps"]
         )

@@ -179,7 +179,8 @@ class Training:
             path = checkpoint.save(
                 self.job.work, at, self.model, self.optimizer, state, self.trace, midway=midway
             )
-            checkpoint.prune(self.job.work, self.job.train.keep_checkpoints)
+            train = self.job.train
+            checkpoint.prune(self.job.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
             self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
         observer.checkpoint_written(at)
 
