@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import MICRO, run_bt
 
 from buildtrain.kinds import KINDS, REGISTERED
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan import sources_digest
-from tests.conftest import MICRO, run_bt
 
 TOY = '''"""A toy kind: names the splits of the final stage's data step."""
 

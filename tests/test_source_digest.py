@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from buildtrain.kinds import KINDS
 from buildtrain.plan import sources_digest
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
-from buildtrain.kinds import KINDS
 from buildtrain.plan.sources_digest import computing_modules, module_path
 from buildtrain.store.store import Store
 

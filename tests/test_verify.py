@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import MICRO, plan_hash, run_bt
 from buildtrain.errors import ExitCode
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.train.state import TRACE, TRAIN_STATE
+from buildtrain.store import objects
 from buildtrain.store.store import Store
 from buildtrain.verify import train_check
 from buildtrain.verify.watch import Watcher
@@ -224,7 +226,9 @@ def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
 
     def job_with(watch):
         numerics = JobNumerics(profile="portable", device="cpu", dtype="float32", threads=1)
-        return Job(store="", plan="", step="", kind="train", numerics=numerics, options=JobOptions(watch=watch))
+        return Job(
+            store="", plan="", step="", kind="train", numerics=numerics, options=JobOptions(watch=watch)
+        )
 
     assert watcher_for(job_with(None), _Log()) is None
     folder = tmp_path / "recorded"
@@ -234,3 +238,41 @@ def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
     job = job_with({"recorded": str(folder), "report": str(tmp_path / "report.json"), "stop_after": None})
     watcher = watcher_for(job, _Log())
     assert watcher is not None and watcher.retained == [4]
+
+
+def _edit_and_reseal(output: Path, name: str, edit: Callable[[bytes], bytes]) -> None:
+    """What a forger with write access does: edit a file, then seal the output again with the
+    store's own seal, keeping the digests it declared (so fsck finds every file as sealed)."""
+    declared = objects.sealed_digests(output)
+    path = output / name
+    path.chmod(0o644)
+    path.write_bytes(edit(path.read_bytes()))
+    (output / objects.MANIFEST).unlink()
+    objects.seal(output, declared, name=output.name)
+
+
+def _last_byte_flipped(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 1])  # the last weight's last byte: still a valid file
+
+
+@pytest.mark.parametrize(
+    ("label", "name", "edit"),
+    [
+        ("export", "model.safetensors", _last_byte_flipped),
+        ("eval", "eval.json", lambda data: data.replace(b'"loss":', b'"loss":1', 1)),
+    ],
+    ids=["export-weights", "eval-result"],
+)
+def test_a_recorded_output_edited_and_resealed_does_not_reproduce(micro_built, tmp_path, label, name, edit):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    step = load_plan(Store(store), micro_built[1]).by_label(label)
+    output = store / "steps" / step.hash
+    _edit_and_reseal(output, name, edit)
+    shutil.rmtree(store / "cache" / "verified", ignore_errors=True)
+    assert not objects.verify(output)  # the seal holds: only a re-execution can tell
+    result, report = verify(store, micro_built[1])
+    assert result.returncode == ExitCode.NOT_REPRODUCED, result.stderr
+    verdict = by_label(report)[label]
+    assert verdict["status"] == "diverged" and name in verdict["detail"]
+    assert name in result.stderr and "reproduced:" not in result.stderr

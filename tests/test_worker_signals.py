@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.conftest import MICRO, plan_hash, run_bt
+from conftest import MICRO, plan_hash, run_bt
 
 IN_IMPORT = {"BT_TEST_SIGNAL_IN_IMPORT": "torch.nn"}  # deep inside `import torch`
 
