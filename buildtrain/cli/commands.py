@@ -18,6 +18,7 @@ from buildtrain.store.store import Store
 if TYPE_CHECKING:
     from buildtrain.executor.launch import Launch
     from buildtrain.executor.run import RunOptions
+    from buildtrain.plan.plan import Plan
 
 
 def store_of(args: argparse.Namespace) -> Store:
@@ -133,7 +134,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from buildtrain.verify.verify import VerifyOptions, verify_plan
 
     store = store_of(args)
-    plan = load_plan(store, args.plan)
+    plan = one_plan(args, store)
     options = VerifyOptions(
         resume_at=_parse_steps(args.resume_at),
         threads=args.threads,
@@ -222,10 +223,36 @@ def cmd_export(args: argparse.Namespace) -> int:
     from buildtrain.steps.export import export_to
 
     store = store_of(args)
-    plan = load_plan(store, args.plan)
+    plan = one_plan(args, store)
     destination = export_to(store, plan, Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK
+
+
+def one_plan(args: argparse.Namespace, store: Store) -> Plan:
+    """The one plan `args.plan` names: a hash or prefix, or a preset path (planned, as `bt run` does)."""
+    from buildtrain.plan.refs import is_preset, resolve_targets
+
+    if not is_preset(args.plan):
+        return load_plan(store, args.plan)
+    targets = resolve_targets([args.plan], store, world_size=getattr(args, "nproc", 1))
+    if len(targets) != 1:
+        raise UsageError(
+            f"{args.plan} is a sweep of {len(targets)} plans; give one of their hashes (bt plan {args.plan})"
+        )
+    return targets[0].plan
+
+
+def _prompt(text: str) -> str:
+    """The prompt as given, refused when the command line did not hold UTF-8 text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) & 0xFF
+        raise UsageError(
+            f"--prompt is not UTF-8 text (byte 0x{byte:02x} at position {exc.start}); give the prompt in UTF-8"
+        ) from None
+    return text
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -233,11 +260,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     options = SampleOptions(
-        prompt=args.prompt,
+        prompt=_prompt(args.prompt),
         tokens=args.tokens,
         temperature=args.temperature,
         top_k=args.top_k or 0,
         seed=args.seed,
     )
-    print(args.prompt + sample(store, load_plan(store, args.plan), options))
+    result = sample(store, one_plan(args, store), options)
+    print(args.prompt + result.text, flush=True)
+    if result.stop == "end of document":
+        err(f"bt sample: stopped at an end-of-document token after {result.tokens} of {args.tokens} tokens")
+    elif result.stop == "context":
+        err(
+            f"bt sample: stopped at the model's context of {result.context} tokens "
+            f"({result.prompt_tokens} of prompt, {result.tokens} generated; --tokens asked for {args.tokens})"
+        )
     return ExitCode.OK

@@ -6,7 +6,7 @@ import argparse
 import typing
 
 from buildtrain.cli import commands, queries
-from buildtrain.cli.arguments import add_world_size, non_negative, positive, thread_count
+from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
 
 EPILOG = """\
@@ -24,6 +24,9 @@ examples:
   bt run 3fa9c1 --nproc 2                   (train on 2 processes through torchrun)
   bt verify 3fa9c1 --nproc 2                (re-execute at another world size and compare)
 """
+
+
+PLAN_OR_PRESET = "plan hash or prefix, or a preset path (planned first, as bt run does)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a comparison could not be made (verify fails closed); 5: a recorded output is damaged or "
         "belongs to another step.",
     )
-    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument(
         "--resume-at", metavar="N[,M]", help="hard-kill the re-execution after these steps and resume"
     )
@@ -268,15 +271,31 @@ def build_parser() -> argparse.ArgumentParser:
         "sample",
         "generate text from a built plan's exported weights",
         "Generate text after PROMPT from the export of a built PLAN, with a key/value cache. The same "
-        "--seed gives the same text; --temperature 0 is greedy.",
+        "--seed gives the same text; --temperature 0 is greedy and gives the text transformers' greedy "
+        "generate gives from the hf/ export.",
     )
-    sub.add_argument("plan", help="plan hash or prefix")
-    sub.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none)")
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument(
-        "--tokens", type=positive, default=64, metavar="N", help="tokens to generate (default 64)"
+        "--prompt",
+        default="",
+        metavar="TEXT",
+        help="text to continue, encoded as the exported tokenizer encodes it (default: none: start "
+        "from the end-of-document token); at most the model's context less one token",
     )
     sub.add_argument(
-        "--temperature", type=non_negative, default=0.8, metavar="T", help="default 0.8; 0: greedy"
+        "--tokens",
+        type=positive,
+        default=64,
+        metavar="N",
+        help="tokens to generate (default 64); generation also stops at an end-of-document token "
+        "and at the model's context (the training sequence length), and says so on stderr",
+    )
+    sub.add_argument(
+        "--temperature",
+        type=temperature,
+        default=0.8,
+        metavar="T",
+        help="default 0.8; 0: greedy; else 0.001..1000",
     )
     sub.add_argument(
         "--top-k",
@@ -285,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="draw from the K likeliest tokens (default: all)",
     )
-    sub.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)")
+    sub.add_argument(
+        "--seed", type=seed, default=0, metavar="S", help="seed of the draws, 0..2**64-1 (default 0)"
+    )
     sub.set_defaults(func=commands.cmd_sample)
 
     sub = command(
@@ -306,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Copy the export package of a built PLAN (weights, config, tokenizer description, "
         "checksums) to DEST (default ./export/NAME-HASH), read-only.",
     )
-    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
     sub.set_defaults(func=commands.cmd_export)
     return parser
