@@ -163,8 +163,9 @@ def test_a_full_disk_fails_the_step_in_one_line_and_leaves_the_store_intact(micr
 @pytest.mark.parametrize(
     "content", [b"null", b"[]", b'{"sources": [], "overrides": 3, "preset": 5, "created": []}', b"\xff"]
 )
-def test_a_damaged_plan_meta_file_is_read_as_absent(micro_built, tmp_path, content):
+def test_a_damaged_plan_meta_file_is_read_as_absent(micro_built, tmp_path, content, monkeypatch):
     """The meta file holds hints (where the preset and data were), never anything hashed."""
+    monkeypatch.setenv("BT_EXPERIMENTS", str(tmp_path / "experiments"))  # not the repository's
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
     (store / "plans" / f"{micro_built[1]}.meta.json").write_bytes(content)

@@ -98,6 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     launch = _launch(args)
+    warn_threads(args)
     targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
     def options_for(threads: int) -> RunOptions:
@@ -127,6 +128,16 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
     )
 
 
+def warn_threads(args: argparse.Namespace) -> None:
+    """More threads than cores is allowed (a plan may be checked at a thread count), but rarely meant."""
+    cores = os.cpu_count() or 1
+    if args.threads and args.threads > cores:
+        err(
+            f"bt {args.command}: warning: --threads {args.threads} is more than this machine's {cores} "
+            "cores; the threads will take turns on them (slower, not faster)"
+        )
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import json
 
@@ -134,6 +145,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from buildtrain.verify.verify import VerifyOptions, verify_plan
 
     store = store_of(args)
+    warn_threads(args)
     plan = one_plan(args, store)
     options = VerifyOptions(
         resume_at=_parse_steps(args.resume_at),

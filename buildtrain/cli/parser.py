@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import typing
 
+from buildtrain import __version__
 from buildtrain.cli import commands, queries
 from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--store", metavar="DIR", help="store directory (default: $BT_STORE or ./.bt)")
+    parser.add_argument("--version", action="version", version=f"bt (buildtrain) {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
