@@ -296,3 +296,37 @@ def test_a_closed_stdout_ends_quietly(micro_built, tmp_path):
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode in (0, cli.BROKEN_PIPE), result.stderr
     assert result.stderr == ""
+
+
+def test_ctrl_c_during_verify_of_a_built_plan_advises_verify_again(micro_built, tmp_path):
+    """`bt run HASH` does nothing for a built plan: the advice must be the command that helps."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    env = {
+        **os.environ,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
+        "BT_TEST_STEP_DELAY": "0.3",  # a slow train step: time to interrupt it
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "verify", micro_built[1]],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    seen = []
+    for line in process.stderr:  # the data step's verdict: the train step runs next
+        seen.append(line)
+        if "data:main" in line:
+            break
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    rest = process.communicate(timeout=120)[1]
+    assert process.returncode == ExitCode.INTERRUPTED, "".join(seen) + rest
+    last = rest.strip().splitlines()[-1]
+    assert last == (
+        f"bt verify: interrupted; the recorded build of {micro_built[1][:12]} is untouched; "
+        f"check it again with: bt verify {micro_built[1][:12]}"
+    ), rest
+    assert "Traceback" not in rest

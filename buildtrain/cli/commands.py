@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from buildtrain.errors import ExitCode, UsageError
+from buildtrain.errors import ExitCode, Interrupted, UsageError
 from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
@@ -155,9 +155,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         experiments=experiments(args),
         launch=_launch(args),
     )
-    verification = verify_plan(
-        store, plan, options, notify=err, on_verdict=lambda verdict: err(verdict_line(verdict))
-    )
+    built = all(store.has_output(step.hash) for step in plan.steps)
+    try:
+        verification = verify_plan(
+            store, plan, options, notify=err, on_verdict=lambda verdict: err(verdict_line(verdict))
+        )
+    except Interrupted:
+        if not built:  # it was building the plan first: bt run resumes that build
+            raise
+        # Only the scratch re-execution stopped: `bt run` has nothing to do for a built plan.
+        raise Interrupted(
+            f"interrupted; the recorded build of {plan.hash[:12]} is untouched; "
+            f"check it again with: bt verify {plan.hash[:12]}"
+        ) from None
     for line in verification_summary(verification):
         err(line)
     if args.json:
