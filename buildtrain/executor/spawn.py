@@ -37,8 +37,10 @@ class StepJob:
     commit: bool = True
 
 
-def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
-    """Find each source file of a data step by content (it may have moved since planning)."""
+def source_paths(store: Store, plan: Plan, step: Step, on_event: Any = None) -> list[str]:
+    """Find each source file of a data step by content (it may have moved since planning); a
+    file found elsewhere than where the plan saw it is reported as a `source_found_elsewhere`
+    event, so the terminal and the run record say where the bytes came from."""
     sources = step.inputs.get("sources", [])
     if not sources:
         return []
@@ -54,6 +56,18 @@ def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
             raise StepFailed(
                 f"{step.label}: a data file with blake3 {source['blake3'][:16]}… ({source['size']} bytes) is gone "
                 f"(it was at {where}); restore it, or plan again from the preset"
+            )
+        seen_at = hints.get(source["blake3"], [])
+        if on_event is not None and str(path) not in seen_at:
+            on_event(
+                {
+                    "event": "source_found_elsewhere",
+                    "level": "warning",
+                    "label": step.label,
+                    "blake3": source["blake3"],
+                    "found_at": str(path),
+                    "planned_at": seen_at,
+                }
             )
         found.append(str(path))
     cache.save()
@@ -86,7 +100,7 @@ def spawn(
             "dtype": settings.dtype,
             "threads": threads,
         },
-        "sources": source_paths(store, plan, step) if step.kind in ("tokenizer", "data") else [],
+        "sources": source_paths(store, plan, step, on_event) if step.kind in ("tokenizer", "data") else [],
         "hooks": {**test_hooks_from_environment(), **job_extra.hooks},
         "watch": job_extra.watch,
         "commit": job_extra.commit,
