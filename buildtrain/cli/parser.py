@@ -243,8 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
         "plan, the config values that differ between the listed plans, final train loss, held-out "
         "loss and bits per token, tokens/s, wall time and build status.",
     )
+    sub.add_argument(
+        "plans",
+        nargs="*",
+        metavar="PLAN",
+        help="list only these: plan hashes or prefixes, stored sweeps, sweep files or presets, as "
+        "bt run takes them (default: every stored plan)",
+    )
+    sub.add_argument("--name", metavar="GLOB", help="list only plans whose name matches, e.g. 'micro*'")
     sub.add_argument("--json", action="store_true", help="machine-readable")
-    sub.add_argument("--metrics", action="store_true", help="a results table (never imports torch)")
+    sub.add_argument(
+        "--metrics",
+        action="store_true",
+        help="a results table (never imports torch), fitted to $COLUMNS or the terminal: config keys "
+        "by short names, then columns left out (said on stderr); a pipe gets every column",
+    )
     sub.add_argument(
         "--sort",
         metavar="COLUMN",
