@@ -8,8 +8,10 @@ the null build never pay for it.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,16 @@ def _pyplot() -> Any:
 
     plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
     return plt
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """matplotlib's layout warnings are for a person at a plot window, not for `bt report`'s
+    stderr; a figure whose layout gave way shows as clipped text, which
+    scripts/report_in_browser.py fails on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
 def _loss(ax: Any, curves: Sequence[Curve]) -> None:
@@ -87,7 +99,7 @@ def svg(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) -> 
     plt = _pyplot()
     fig = draw(name, curves, heldout)
     buffer = io.StringIO()
-    with plt.rc_context({"svg.hashsalt": f"bt-{name}", "svg.id": f"figure-{name}"}):
+    with plt.rc_context({"svg.hashsalt": f"bt-{name}", "svg.id": f"figure-{name}"}), _quiet():
         fig.savefig(buffer, format="svg", metadata={"Date": None})
     plt.close(fig)
     text = buffer.getvalue()
@@ -101,7 +113,8 @@ def write_pngs(folder: Path, curves: Sequence[Curve], heldout: Sequence[float | 
     for name in FIGURES:
         fig = draw(name, curves, heldout)
         path = folder / f"{name}.png"
-        fig.savefig(path, dpi=PNG_DPI, metadata={"Software": None})
+        with _quiet():
+            fig.savefig(path, dpi=PNG_DPI, metadata={"Software": None})
         plt.close(fig)
         paths.append(path)
     return paths

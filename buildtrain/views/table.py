@@ -105,15 +105,18 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def short_names(keys: Sequence[str]) -> dict[str, str]:
-    """Each key by its shortest dotted suffix that no other key ends with: `stages[1].train.lr`
-    is `lr`, unless another key ends in `lr` too."""
+def short_names(keys: Sequence[str], taken: Sequence[str] = ("plan", "name")) -> dict[str, str]:
+    """Each key by its shortest dotted suffix that no other key ends with and that is not one of
+    the table's own headings: `stages[1].train.lr` is `lr`, unless another key ends in `lr` too."""
     parts = {key: key.split(".") for key in keys}
     names = {}
     for key, dotted in parts.items():
         for length in range(1, len(dotted) + 1):
             suffix = ".".join(dotted[-length:])
-            if not any(other != key and (other == suffix or other.endswith("." + suffix)) for other in keys):
+            clash = suffix in taken or any(
+                other != key and (other == suffix or other.endswith("." + suffix)) for other in keys
+            )
+            if not clash:
                 break
         names[key] = suffix
     return names
@@ -122,16 +125,16 @@ def short_names(keys: Sequence[str]) -> dict[str, str]:
 def most_telling(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[str]:
     """The differing keys, most telling first: each next key is the one that tells the most
     plans apart that the name and the keys before it leave alike (then: set in the most plans,
-    then the preset's order). A table cut to its first keys tells the plans apart soonest."""
+    with the most distinct values, first in the preset's order). A table cut to its first keys tells the plans apart soonest."""
     order: list[str] = []
     groups = [(row["name"],) for row in rows]
     left = list(keys)
     while left:
 
-        def score(key: str, groups: list[tuple[Any, ...]] = groups) -> tuple[int, int, int]:
+        def score(key: str, groups: list[tuple[Any, ...]] = groups) -> tuple[int, int, int, int]:
             values = [repr(row["values"].get(key)) for row in rows]
             split = len(set(zip(groups, values, strict=True)))
-            return (-split, sum(v == "None" for v in values), left.index(key))
+            return (-split, sum(v == "None" for v in values), -len(set(values)), left.index(key))
 
         best = min(left, key=score)
         groups = [(*g, repr(row["values"].get(best))) for g, row in zip(groups, rows, strict=True)]
