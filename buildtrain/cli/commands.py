@@ -220,6 +220,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    if args.records or args.keep is not None:
+        return _gc_records(args)
     from buildtrain.verify.gc import collect
 
     store = store_of(args)
@@ -239,6 +241,26 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"in {len(report.removed)} item(s)"
     )
     return ExitCode.FAILED if report.left else ExitCode.OK
+
+
+def _gc_records(args: argparse.Namespace) -> int:
+    from buildtrain.verify.records import prune_records
+
+    if args.drop:
+        raise UsageError(
+            "--drop forgets plans in the store; bt gc --records prunes run records: give one of them"
+        )
+    folder = experiments(args)
+    pruned = prune_records(folder, args.keep, dry_run=args.dry_run)
+    for path in pruned.removed:
+        err(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    for line in pruned.left:
+        err(f"could not remove {line}")
+    err(
+        f"bt gc: {'would free' if args.dry_run else 'freed'} {pruned.freed / 1e6:.1f} MB in "
+        f"{len(pruned.removed)} run record(s) of {folder}; {pruned.kept} kept"
+    )
+    return ExitCode.FAILED if pruned.left else ExitCode.OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -334,6 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--drop", action="append", default=[], metavar="PLAN", help="forget this plan first (repeatable)"
     )
     sub.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    group = sub.add_argument_group(
+        "run records",
+        "bt gc --records prunes run records instead of the store: the records of null builds "
+        "(nothing executed) except each plan's newest; --keep N also removes each plan's records "
+        "past its N newest. Records of runs that executed, failed or were interrupted stay unless "
+        "--keep says otherwise; a run still going and any folder that is not a run record are never touched.",
+    )
+    group.add_argument("--records", action="store_true", help="prune run records, not the store")
+    group.add_argument(
+        "--keep", type=positive, metavar="N", help="keep each plan's N newest records (implies --records)"
+    )
+    group.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where run records are (default: $BT_EXPERIMENTS or ./experiments)",
+    )
     sub.set_defaults(func=commands.cmd_gc)
 
     sub = command(
