@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import typing
+from collections.abc import Callable
 
 from buildtrain import __version__
 from buildtrain.cli import commands, queries
@@ -37,6 +38,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ExitCode.USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
+# Adds one command's subparser (with --store) and returns it; each _add_NAME fills in its arguments.
+Command = Callable[[str, str, str], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="bt",
@@ -65,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return sub
 
+    _add_plan(command)
+    _add_run(command)
+    _add_verify(command)
+    _add_fsck(command)
+    _add_show(command)
+    _add_why(command)
+    _add_diff(command)
+    _add_ls(command)
+    _add_report(command)
+    _add_sample(command)
+    _add_gc(command)
+    _add_export(command)
+    return parser
+
+
+def _add_plan(command: Command) -> None:
     sub = command(
         "plan",
         "compile a preset into a stored plan; print its hash",
@@ -93,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_plan)
 
+
+def _add_run(command: Command) -> None:
     sub = command(
         "run",
         "execute a plan (or plan and execute a preset)",
@@ -150,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(sub, rendezvous=True)
     sub.set_defaults(func=commands.cmd_run)
 
+
+def _add_verify(command: Command) -> None:
     sub = command(
         "verify",
         "re-execute a plan from scratch and compare bit for bit",
@@ -182,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_verify)
 
+
+def _add_fsck(command: Command) -> None:
     sub = command(
         "fsck",
         "re-hash every object in the store",
@@ -196,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=commands.cmd_fsck)
 
+
+def _add_show(command: Command) -> None:
     sub = command(
         "show",
         "show a plan: config, steps, hashes, inputs",
@@ -211,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=queries.cmd_show)
 
+
+def _add_why(command: Command) -> None:
     sub = command(
         "why",
         "which plan and step produced these weights",
@@ -225,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="machine-readable")
     sub.set_defaults(func=queries.cmd_why)
 
+
+def _add_diff(command: Command) -> None:
     sub = command(
         "diff",
         "which keys differ between two plans and which steps that invalidates",
@@ -236,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="machine-readable")
     sub.set_defaults(func=queries.cmd_diff)
 
+
+def _add_ls(command: Command) -> None:
     sub = command(
         "ls",
         "list stored plans (with --metrics: their results)",
@@ -266,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=queries.cmd_ls)
 
+
+def _add_report(command: Command) -> None:
     sub = command(
         "report",
         "an HTML page with curves, results and cache hits of plans",
@@ -282,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=queries.cmd_report)
 
+
+def _add_sample(command: Command) -> None:
     sub = command(
         "sample",
         "generate text from a built plan's exported weights",
@@ -324,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=commands.cmd_sample)
 
+
+def _add_gc(command: Command) -> None:
     sub = command(
         "gc",
         "remove what no plan needs",
@@ -352,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=commands.cmd_gc)
 
+
+def _add_export(command: Command) -> None:
     sub = command(
         "export",
         "copy a built plan's export package out of the store",
@@ -361,4 +404,3 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
     sub.set_defaults(func=commands.cmd_export)
-    return parser
