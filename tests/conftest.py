@@ -50,7 +50,9 @@ def _records_stay_out_of_the_repository() -> object:
     before = set(records.iterdir()) if records.is_dir() else set()
     yield
     after = set(records.iterdir()) if records.is_dir() else set()
-    assert after <= before, f"tests wrote run records into {records}: {sorted(p.name for p in after - before)}"
+    assert after <= before, (
+        f"tests wrote run records into {records}: {sorted(p.name for p in after - before)}"
+    )
 
 
 @pytest.fixture
