@@ -163,6 +163,10 @@ def test_ls_takes_plans_sweeps_and_a_name_filter(mixed: BuiltMixed, sweep: Built
     named = run_bt("ls", "--metrics", "--json", "--name", "micro*", store=mixed.store)
     assert {row["name"] for row in json.loads(named.stdout)} == {"micro", "micro-stages"}
     assert len(json.loads(named.stdout)) == 3
+    alone = run_bt(
+        "ls", "--metrics", "--json", "--name", "wide", mixed.plans[0], mixed.plans[2], store=mixed.store
+    )
+    assert [row["values"] for row in json.loads(alone.stdout)] == [{}]  # nothing differs within one plan
     plain = run_bt("ls", "--name", "wide", store=mixed.store)
     assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 2 and "wide" in plain.stdout
     swept = run_bt("ls", "--metrics", "--json", "sweep.txt", store=sweep.store, cwd=sweep.store.parent)

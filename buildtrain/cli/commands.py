@@ -279,7 +279,8 @@ def one_plan(args: argparse.Namespace, store: Store) -> Plan:
 
     if not is_preset(args.plan):
         return load_plan(store, args.plan)
-    targets = resolve_targets([args.plan], store, world_size=getattr(args, "nproc", 1))
+    world_size = getattr(args, "nproc", 1) * getattr(args, "nnodes", 1)
+    targets = resolve_targets([args.plan], store, world_size=world_size)
     if len(targets) != 1:
         raise UsageError(
             f"{args.plan} is a sweep of {len(targets)} plans; give one of their hashes (bt plan {args.plan})"

@@ -83,8 +83,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.metrics or args.sort:
         from buildtrain.views.table import fitted_table, metrics_rows, sort_rows, table_json
 
-        keys, rows = metrics_rows(store, hashes)
-        rows = sort_rows(named(rows, args.name), keys, args.sort)
+        keys, rows = metrics_rows(store, hashes, args.name)
+        rows = sort_rows(rows, keys, args.sort)
         if args.json:
             print(json.dumps(table_json(keys, rows), indent=2))
             return ExitCode.OK

@@ -6,6 +6,7 @@ grid of learning rates reads as a grid of learning rates, not as sixty identical
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -44,13 +45,16 @@ def differing(cards: Sequence[Card]) -> list[str]:
 
 
 def metrics_rows(
-    store: Store, plan_hashes: Sequence[str] | None = None
+    store: Store, plan_hashes: Sequence[str] | None = None, name: str | None = None
 ) -> tuple[list[str], list[dict[str, Any]]]:
-    """(differing keys, rows) for the given plans (default: every stored plan)."""
+    """(differing keys, rows) for the given plans (default: every stored plan), only those whose
+    name matches the shell-style pattern `name` when given; the keys differ between those."""
     hashes = list(plan_hashes) if plan_hashes is not None else store.plan_hashes()
     rows, cards = [], []
     for plan_hash in hashes:
         card = load_card(store, plan_hash)
+        if name is not None and not fnmatch.fnmatchcase(card.name if card else "?", name):
+            continue
         if card is None:
             rows.append({"hash": plan_hash, "name": "?", "values": {}, **dict.fromkeys(RESULT_COLUMNS)})
             rows[-1]["status"] = "damaged"
