@@ -182,3 +182,23 @@ def test_the_browser_check_fails_on_clipped_content(mixed: tuple[Path, str, str]
     assert result.returncode == 1, result.stdout
     assert "FAIL clipped: chart 0: text '235a8134 max_batches=4" in result.stdout
     assert "px window: a " in result.stdout and "runs off the page" in result.stdout
+
+
+@pytest.mark.skipif(not _browser_ready(), reason="needs Chromium and playwright (CI has neither)")
+def test_the_legend_of_sixty_plans_stays_inside_its_chart(tmp_path: Path) -> None:
+    """A 3.2 in chart ran a legend of 60 entries past its edge; the chart grows with its legend."""
+    from conftest import MICRO
+
+    store = tmp_path / ".bt"
+    axes = (
+        "--sweep",
+        "train.lr=1e-3,2e-3,3e-3,4e-3,5e-3,6e-3,7e-3,8e-3,9e-3,1e-2",
+        "--sweep",
+        "train.steps=4,8,12",
+    )
+    planned = run_bt("plan", str(MICRO), *axes, "--sweep", "model.n_layers=1,2", "-q", store=store)
+    assert planned.returncode == 0 and len(planned.stdout.split()) == 60, planned.stderr
+    result = run_bt("report", "-o", str(tmp_path / "r.html"), store=store)  # unbuilt: labels only
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    checked = _in_browser(tmp_path / "r.html")
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 from buildtrain.views.curves import Curve
 
 FIGURES = ("loss", "lr", "heldout")
+# Height of one legend entry at 7 pt: 60 plans in a 3.2 in figure ran their legend past its edge.
+LEGEND_ENTRY_INCHES = 0.15
 PNG_DPI = 200
 
 
@@ -78,7 +81,11 @@ def _heldout(ax: Any, curves: Sequence[Curve], heldout: Sequence[float | None]) 
 def draw(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) -> Any:
     """A matplotlib Figure for one of FIGURES."""
     plt = _pyplot()
-    height = 3.2 if name != "heldout" else max(1.6, 0.35 * len(curves) + 0.9)
+    columns = 1 if len(curves) < 12 else 2
+    if name == "heldout":
+        height = max(1.6, 0.35 * len(curves) + 0.9)
+    else:  # tall enough for the legend beside it: a 7 pt entry takes about 0.15 in
+        height = max(3.2, LEGEND_ENTRY_INCHES * math.ceil(len(curves) / columns) + 0.6)
     fig, ax = plt.subplots(figsize=(10, height), layout="constrained")
     if name == "loss":
         _loss(ax, curves)
@@ -88,9 +95,7 @@ def draw(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) ->
         _heldout(ax, curves, heldout)
     if name != "heldout" and curves:
         # Beside the axes, never over a curve.
-        ax.legend(
-            fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=1 if len(curves) < 12 else 2
-        )
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=columns)
     return fig
 
 
