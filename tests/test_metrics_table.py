@@ -167,6 +167,10 @@ def test_ls_takes_plans_sweeps_and_a_name_filter(mixed: BuiltMixed, sweep: Built
         "ls", "--metrics", "--json", "--name", "wide", mixed.plans[0], mixed.plans[2], store=mixed.store
     )
     assert [row["values"] for row in json.loads(alone.stdout)] == [{}]  # nothing differs within one plan
+    for metrics in ([], ["--metrics"]):
+        none = run_bt("ls", *metrics, "--name", "nothing*", store=mixed.store)
+        assert none.returncode == 0 and none.stdout == "", none.stdout
+        assert none.stderr == "bt ls: no plan is named like 'nothing*' (bt ls lists them all)\n"
     plain = run_bt("ls", "--name", "wide", store=mixed.store)
     assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 2 and "wide" in plain.stdout
     swept = run_bt("ls", "--metrics", "--json", "sweep.txt", store=sweep.store, cwd=sweep.store.parent)

@@ -84,6 +84,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         from buildtrain.views.table import fitted_table, metrics_rows, sort_rows, table_json
 
         keys, rows = metrics_rows(store, hashes, args.name)
+        if not rows and args.name is not None and not args.json:
+            return _none_named(args.name)
         rows = sort_rows(rows, keys, args.sort)
         if args.json:
             print(json.dumps(table_json(keys, rows), indent=2))
@@ -100,7 +102,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from buildtrain.report import ls_rows, ls_text
 
     listed = named(ls_rows(store, hashes), args.name)
+    if not listed and args.name is not None and not args.json:
+        return _none_named(args.name)
     print(json.dumps(listed, indent=2) if args.json else ls_text(listed))
+    return ExitCode.OK
+
+
+def _none_named(pattern: str) -> int:
+    err(f"bt ls: no plan is named like {pattern!r} (bt ls lists them all)")
     return ExitCode.OK
 
 
