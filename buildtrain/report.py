@@ -139,9 +139,9 @@ def diff_json(a: Plan, b: Plan, changes: list[Change], steps: list[StepChange]) 
     )
 
 
-def ls_rows(store: Store) -> list[dict[str, Any]]:
+def ls_rows(store: Store, plan_hashes: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
-    for plan_hash in store.plan_hashes():
+    for plan_hash in store.plan_hashes() if plan_hashes is None else plan_hashes:
         meta = store.plan_meta(plan_hash)
         created = meta.get("created") if isinstance(meta.get("created"), str) else "?"  # a hint only
         try:

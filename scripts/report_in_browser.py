@@ -3,8 +3,10 @@
     python scripts/report_in_browser.py report.html --screenshot docs/report.png
 
 Checks, each a line of output and a non-zero exit if it fails: no error on the browser console and
-no uncaught page error; every chart is an inline SVG with a visible size and drawn lines; the page
-made no network request (it is self-contained). Needs Chromium (Debian: apt-get install chromium)
+no uncaught page error; every chart is an inline SVG with a visible size and drawn lines; nothing
+is clipped (no text of a chart, such as a legend entry or a bar label, reaches past the chart's
+edge, and nothing makes the page wider than the window: a wide table scrolls inside its own box);
+the page made no network request (it is self-contained). Needs Chromium (Debian: apt-get install chromium)
 and the playwright package (pip install playwright), neither of which bt itself needs; CI has no
 browser, so this runs as a script and tests/test_report.py runs it only where Chromium exists.
 """
@@ -15,6 +17,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
 
@@ -55,6 +58,7 @@ def check(page_path: Path, screenshot: Path | None, width: int = 1100) -> list[s
         for index, chart in enumerate(charts):
             if chart["width"] < 100 or chart["height"] < 50 or chart["lines"] < 3:
                 problems.append(f"chart {index} did not render: {chart}")
+        problems += clipped(page, width)
         remote = [url for url in requests if not url.startswith(("file:", "data:"))]
         if remote:
             problems.append(f"the page fetched {remote[:3]}: it must be self-contained")
@@ -65,6 +69,43 @@ def check(page_path: Path, screenshot: Path | None, width: int = 1100) -> list[s
             )
         browser.close()
     return problems
+
+
+# A chart's text may touch its edge by this much (anti-aliasing, font metrics), in CSS pixels.
+TOLERANCE = 1.0
+
+
+def clipped(page: Any, width: int) -> list[str]:
+    """Content cut off: chart text past its chart's box, or a page wider than the window."""
+    found = page.evaluate(
+        """(tolerance) => {
+            const out = [];
+            document.querySelectorAll('figure svg').forEach((svg, index) => {
+                const box = svg.getBoundingClientRect();
+                svg.querySelectorAll('text').forEach(text => {
+                    const r = text.getBoundingClientRect();
+                    if (r.width === 0) return;
+                    if (r.left < box.left - tolerance || r.right > box.right + tolerance ||
+                        r.top < box.top - tolerance || r.bottom > box.bottom + tolerance) {
+                        out.push(`chart ${index}: text '${text.textContent.trim().slice(0, 40)}' is cut off ` +
+                                 `at the chart's edge`);
+                    }
+                });
+            });
+            const page = document.documentElement.scrollWidth;
+            if (page > window.innerWidth + tolerance) {
+                const wide = [...document.body.querySelectorAll('*')].filter(
+                    e => e.getBoundingClientRect().right > window.innerWidth + tolerance &&
+                         !e.closest('div.scroll'));
+                const what = wide.length ? wide[0].tagName.toLowerCase() : 'something';
+                out.push(`the page is ${page} px wide in a ${window.innerWidth} px window: a ${what} ` +
+                         `runs off the page`);
+            }
+            return out;
+        }""",
+        TOLERANCE,
+    )
+    return [f"clipped: {line}" for line in found]
 
 
 def main() -> int:
@@ -78,7 +119,9 @@ def main() -> int:
     for problem in problems:
         print(f"FAIL {problem}")
     if not problems:
-        print(f"ok: {args.page} rendered its charts with no console errors and no network requests")
+        print(
+            f"ok: {args.page} rendered its charts with nothing clipped, no console errors and no network requests"
+        )
     return 1 if problems else 0
 
 

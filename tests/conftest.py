@@ -42,6 +42,19 @@ def run_bt(
     )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _records_stay_out_of_the_repository() -> object:
+    """The suite fails when it leaves a run record in the repository's own experiments/ (a test
+    that runs `bt` in this process with the default record folder did, four times a run)."""
+    records = REPO / "experiments"
+    before = set(records.iterdir()) if records.is_dir() else set()
+    yield
+    after = set(records.iterdir()) if records.is_dir() else set()
+    assert after <= before, (
+        f"tests wrote run records into {records}: {sorted(p.name for p in after - before)}"
+    )
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / ".bt"

@@ -186,3 +186,40 @@ def test_garbled_presets_exit_2_without_a_traceback(tmp_path: Path, bt: BtRunner
     assert "Traceback" not in result.stderr
     problems = result.stderr.splitlines()[:-1]
     assert problems and all(line.startswith("garbled.toml") for line in problems), problems
+
+
+def test_bt_version(bt: BtRunner) -> None:
+    from buildtrain import __version__
+
+    result = bt("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"bt (buildtrain) {__version__}"
+
+
+def test_a_folder_in_data_files_gets_a_hint_to_use_a_glob(tmp_path: Path, bt: BtRunner) -> None:
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text\n")
+    preset = tmp_path / "folder.toml"
+    preset.write_text(f'extends = "{MICRO}"\n[data]\nsource = "files"\nfiles = ["corpus"]\n')
+    result = bt("plan", str(preset))
+    assert result.returncode == ExitCode.USAGE
+    assert "matches no file; it is a folder: give a glob such as '" in result.stderr
+    assert "corpus/*.txt'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_more_threads_than_cores_warns(micro_built, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import shutil
+
+    from conftest import run_bt
+
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    many = (os.cpu_count() or 1) + 1
+    result = run_bt("run", micro_built[1], "--threads", str(many), "--progress", "off", store=store)
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"bt run: warning: --threads {many} is more than this machine's {os.cpu_count()} cores"
+        in result.stderr
+    )
+    quiet = run_bt("run", micro_built[1], "--threads", "1", "--progress", "off", store=store)
+    assert "warning" not in quiet.stderr

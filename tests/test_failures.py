@@ -163,8 +163,9 @@ def test_a_full_disk_fails_the_step_in_one_line_and_leaves_the_store_intact(micr
 @pytest.mark.parametrize(
     "content", [b"null", b"[]", b'{"sources": [], "overrides": 3, "preset": 5, "created": []}', b"\xff"]
 )
-def test_a_damaged_plan_meta_file_is_read_as_absent(micro_built, tmp_path, content):
+def test_a_damaged_plan_meta_file_is_read_as_absent(micro_built, tmp_path, content, monkeypatch):
     """The meta file holds hints (where the preset and data were), never anything hashed."""
+    monkeypatch.setenv("BT_EXPERIMENTS", str(tmp_path / "experiments"))  # not the repository's
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
     (store / "plans" / f"{micro_built[1]}.meta.json").write_bytes(content)
@@ -295,3 +296,37 @@ def test_a_closed_stdout_ends_quietly(micro_built, tmp_path):
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode in (0, cli.BROKEN_PIPE), result.stderr
     assert result.stderr == ""
+
+
+def test_ctrl_c_during_verify_of_a_built_plan_advises_verify_again(micro_built, tmp_path):
+    """`bt run HASH` does nothing for a built plan: the advice must be the command that helps."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    env = {
+        **os.environ,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
+        "BT_TEST_STEP_DELAY": "1.0",  # a slow train step (12 s): time to interrupt it while it trains
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "verify", micro_built[1]],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    seen = []
+    for line in process.stderr:  # the data step's verdict: the train step runs next
+        seen.append(line)
+        if "data:main" in line:
+            break
+    time.sleep(5.0)  # past the step process's import of torch (a signal inside it is issue 20's)
+    process.send_signal(signal.SIGINT)
+    rest = process.communicate(timeout=120)[1]
+    assert process.returncode == ExitCode.INTERRUPTED, "".join(seen) + rest
+    last = rest.strip().splitlines()[-1]
+    assert last == (
+        f"bt verify: interrupted; the recorded build of {micro_built[1][:12]} is untouched; "
+        f"check it again with: bt verify {micro_built[1][:12]}"
+    ), rest
+    assert "Traceback" not in rest

@@ -53,7 +53,12 @@ def test_lineage_names_source_files_by_digest(bt: BtRunner) -> None:
 def test_why_finds_the_plan_and_step_of_exported_weights(sweep: BuiltSweep, tmp_path: Path) -> None:
     destination = tmp_path / "export"
     assert run_bt("export", sweep.plans[2], str(destination), store=sweep.store).returncode == 0
-    for question in (str(destination), str(destination / "BLAKE3SUMS")):
+    for question in (
+        str(destination),
+        str(destination / "BLAKE3SUMS"),
+        str(destination / "model.safetensors"),  # a file: its own digest (it was a UTF-8 error)
+        str(destination / "hf" / "model.safetensors"),
+    ):
         result = run_bt("why", question, "--json", store=sweep.store)
         assert result.returncode == 0, result.stderr
         body = json.loads(result.stdout)

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 from conftest import run_bt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mixed_built import BuiltMixed, built_mixed
 from sweeps_built import BuiltSweep, built_sweep
 
 from buildtrain.errors import ExitCode
 from buildtrain.plan.card import Card
-from buildtrain.views.table import differing
+from buildtrain.views.table import RESULT_COLUMNS, differing, fitted_table, short_names, table_text
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +105,76 @@ def test_a_damaged_card_is_recomputed_from_the_plan_not_believed(tmp_path) -> No
     assert read_card(store, plan.hash) is None
     assert load_card(store, plan.hash) == good
     assert read_card(store, plan.hash) == good  # and kept again
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> BuiltMixed:
+    return built_mixed(tmp_path_factory)
+
+
+def test_short_names_are_the_shortest_unique_suffixes() -> None:
+    keys = ["stages[1].train.lr", "stages[1].train.steps", "eval.seq_len", "stages[0].train.seq_len"]
+    assert short_names(keys) == {
+        "stages[1].train.lr": "lr",
+        "stages[1].train.steps": "steps",
+        "eval.seq_len": "eval.seq_len",
+        "stages[0].train.seq_len": "train.seq_len",
+    }
+
+
+def _row(index: int, name: str, values: dict[str, object]) -> dict[str, object]:
+    return {"hash": f"{index:064x}", "name": name, "values": values, **dict.fromkeys(RESULT_COLUMNS, 1.5)}
+
+
+@given(
+    width=st.integers(1, 300),
+    names=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=5),
+    keys=st.lists(st.from_regex(r"[a-z]{1,8}(\.[a-z]{1,8}){0,3}", fullmatch=True), unique=True, max_size=12),
+)
+@settings(max_examples=150, deadline=None)
+def test_a_fitted_table_is_never_wider_than_asked(width: int, names: list[str], keys: list[str]) -> None:
+    rows = [_row(i, name, {k: f"value-{k}-{i}" * (i + 1) for k in keys}) for i, name in enumerate(names)]
+    text, hidden = fitted_table(keys, rows, width)
+    assert all(len(line) <= width for line in text.splitlines())
+    assert set(hidden) <= set(keys)
+    full, none_hidden = fitted_table(keys, rows, None)
+    assert none_hidden == [] and full == table_text(keys, rows)
+
+
+def test_the_table_of_a_mixed_store_fits_the_terminal_and_tells_the_plans_apart(mixed: BuiltMixed) -> None:
+    wide = run_bt("ls", "--metrics", store=mixed.store)  # a pipe: every column
+    assert max(len(line) for line in wide.stdout.splitlines()) > 500  # 40-odd keys differ
+    result = run_bt("ls", "--metrics", store=mixed.store, env={"COLUMNS": "100"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 5 and all(len(line) <= 100 for line in lines), result.stdout
+    assert {"held-out", "train loss", "norm"} <= set(lines[0].split("  ")) | set(lines[0].split())
+    rest = [line.split(None, 1)[1] for line in lines[1:]]  # without the hash
+    assert len(set(rest)) == 4  # the name and the columns kept still tell every plan apart
+    assert "config column(s) left out to fit 100 columns" in result.stderr
+    narrow = run_bt("ls", "--metrics", store=mixed.store, env={"COLUMNS": "30"})
+    assert all(len(line) <= 30 for line in narrow.stdout.splitlines())
+
+
+def test_ls_takes_plans_sweeps_and_a_name_filter(mixed: BuiltMixed, sweep: BuiltSweep) -> None:
+    two = run_bt("ls", "--metrics", "--json", mixed.plans[0][:8], mixed.plans[2], store=mixed.store)
+    assert two.returncode == 0, two.stderr
+    assert [row["hash"] for row in json.loads(two.stdout)] == [mixed.plans[0], mixed.plans[2]]
+    named = run_bt("ls", "--metrics", "--json", "--name", "micro*", store=mixed.store)
+    assert {row["name"] for row in json.loads(named.stdout)} == {"micro", "micro-stages"}
+    assert len(json.loads(named.stdout)) == 3
+    alone = run_bt(
+        "ls", "--metrics", "--json", "--name", "wide", mixed.plans[0], mixed.plans[2], store=mixed.store
+    )
+    assert [row["values"] for row in json.loads(alone.stdout)] == [{}]  # nothing differs within one plan
+    for metrics in ([], ["--metrics"]):
+        none = run_bt("ls", *metrics, "--name", "nothing*", store=mixed.store)
+        assert none.returncode == 0 and none.stdout == "", none.stdout
+        assert none.stderr == "bt ls: no plan is named like 'nothing*' (bt ls lists them all)\n"
+    plain = run_bt("ls", "--name", "wide", store=mixed.store)
+    assert plain.returncode == 0 and len(plain.stdout.splitlines()) == 2 and "wide" in plain.stdout
+    swept = run_bt("ls", "--metrics", "--json", "sweep.txt", store=sweep.store, cwd=sweep.store.parent)
+    assert swept.returncode == 0, swept.stderr
+    assert sorted(row["hash"] for row in json.loads(swept.stdout)) == sorted(sweep.plans)
+    unknown = run_bt("ls", "--metrics", "ffff0000", store=mixed.store)
+    assert unknown.returncode == ExitCode.USAGE and "no plan ffff0000" in unknown.stderr

@@ -41,3 +41,10 @@ def test_exit_code_table_matches_the_code():
     table = README.split("### Exit codes", 1)[1].split("\n## ", 1)[0]
     documented = {int(code) for code in re.findall(r"^\| (\d) \|", table, flags=re.MULTILINE)}
     assert documented == {int(code) for code in ExitCode}
+
+
+def test_the_readme_says_its_timings_hold_on_a_quiet_machine():
+    """A newcomer on a loaded 2-core machine measured twice the README's figures."""
+    head = README.split("## A tour", 1)[0]
+    assert "Every timing in this README was measured on a quiet machine" in head
+    assert "On a loaded one expect up to twice as long" in head

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_bt
+from mixed_built import built_mixed
 from sweeps_built import BuiltSweep, built_sweep
 
-from buildtrain.views.html import legend_label
+from buildtrain.views.html import MAX_CONFIG_COLUMNS, MAX_LABEL, legend_label
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -37,6 +38,41 @@ def report(sweep: BuiltSweep, tmp_path_factory: pytest.TempPathFactory) -> tuple
     )
     assert result.returncode == 0, result.stderr
     return out, (out / "report.html").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """(folder, page, stderr) of `bt report` over plans of three presets and a --set variant."""
+    built = built_mixed(tmp_path_factory)
+    out = tmp_path_factory.mktemp("mixed-report")
+    result = run_bt(
+        "report",
+        "-o",
+        str(out / "report.html"),
+        store=built.store,
+        env={"BT_EXPERIMENTS": str(built.experiments)},
+    )
+    assert result.returncode == 0, result.stderr
+    return out, (out / "report.html").read_text(encoding="utf-8"), result.stderr
+
+
+def test_a_mixed_report_is_quiet_and_shows_only_what_tells_the_plans_apart(
+    mixed: tuple[Path, str, str],
+) -> None:
+    _, page, stderr = mixed
+    assert stderr == ""  # matplotlib's layout warnings were three UserWarning lines here
+    assert "=None" not in page and "None" not in re.sub(r"<svg.*?</svg>", "", page, flags=re.S)
+    headings = re.findall(r"<h3>(.*?)</h3>", page)
+    assert len(headings) == 4 and all(len(re.sub("<[^>]+>", "", h)) <= 13 + MAX_LABEL for h in headings)
+    table = page[page.index("<h2>Results</h2>") : page.index("<h2>Curves</h2>")]
+    assert table.startswith("<h2>Results</h2><div class='scroll'><table>")  # scrolls inside itself
+    config_columns = re.findall(r"<th title='([^']+)'>", table)
+    assert 1 <= len(config_columns) <= MAX_CONFIG_COLUMNS and "model.norm" in config_columns
+    assert "more config keys differ between these plans" in table
+    for heading in ("train loss", "held-out", "bits/token", "status"):
+        assert f">{heading}</th>" in table
+    legends = re.findall(r"<text[^>]*>([0-9a-f]{8} [^<]*)</text>", page)
+    assert legends and all(len(text) <= MAX_LABEL for text in legends)
 
 
 def test_the_page_is_self_contained(report: tuple[Path, str]) -> None:
@@ -113,3 +149,56 @@ def test_the_page_renders_in_a_real_browser(report: tuple[Path, str], tmp_path: 
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert shot.read_bytes().startswith(PNG_MAGIC)
+
+
+def _in_browser(page: Path, shot: Path | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO / "scripts" / "report_in_browser.py"), str(page)]
+    return subprocess.run(
+        [*command, *(["--screenshot", str(shot)] if shot else [])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.skipif(not _browser_ready(), reason="needs Chromium and playwright (CI has neither)")
+def test_a_mixed_report_renders_with_nothing_clipped(mixed: tuple[Path, str, str], tmp_path: Path) -> None:
+    out, _, _ = mixed
+    result = _in_browser(out / "report.html", tmp_path / "mixed.png")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "nothing clipped" in result.stdout
+
+
+@pytest.mark.skipif(not _browser_ready(), reason="needs Chromium and playwright (CI has neither)")
+def test_the_browser_check_fails_on_clipped_content(mixed: tuple[Path, str, str], tmp_path: Path) -> None:
+    """What the first mixed report looked like: legend text past the chart's edge, a table that
+    ran the page to 8,550 px."""
+    _, page, _ = mixed
+    legend = "<text x='700' y='20'>235a8134 max_batches=4 eval.seq_len=32 dim=32 ffn_hidden=64</text>"
+    broken = page.replace("</svg>", legend + "</svg>", 1).replace("<div class='scroll'>", "<div>", 1)
+    broken = broken.replace("<th class='text'>plan</th>", "<th class='text'>" + "plan " * 400 + "</th>", 1)
+    (tmp_path / "broken.html").write_text(broken, encoding="utf-8")
+    result = _in_browser(tmp_path / "broken.html")
+    assert result.returncode == 1, result.stdout
+    assert "FAIL clipped: chart 0: text '235a8134 max_batches=4" in result.stdout
+    assert "px window: a " in result.stdout and "runs off the page" in result.stdout
+
+
+@pytest.mark.skipif(not _browser_ready(), reason="needs Chromium and playwright (CI has neither)")
+def test_the_legend_of_sixty_plans_stays_inside_its_chart(tmp_path: Path) -> None:
+    """A 3.2 in chart ran a legend of 60 entries past its edge; the chart grows with its legend."""
+    from conftest import MICRO
+
+    store = tmp_path / ".bt"
+    axes = (
+        "--sweep",
+        "train.lr=1e-3,2e-3,3e-3,4e-3,5e-3,6e-3,7e-3,8e-3,9e-3,1e-2",
+        "--sweep",
+        "train.steps=4,8,12",
+    )
+    planned = run_bt("plan", str(MICRO), *axes, "--sweep", "model.n_layers=1,2", "-q", store=store)
+    assert planned.returncode == 0 and len(planned.stdout.split()) == 60, planned.stderr
+    result = run_bt("report", "-o", str(tmp_path / "r.html"), store=store)  # unbuilt: labels only
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    checked = _in_browser(tmp_path / "r.html")
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -172,3 +172,33 @@ def test_locate_skips_paths_whose_content_changed(tmp_path: Path) -> None:
     assert locate(cache, source, [str(hinted)]) == other
     write_old(other, b"edited too", mtime=OLD + 6)
     assert locate(cache, source, [str(hinted)]) is None
+
+
+def test_a_data_file_found_again_elsewhere_says_where_the_bytes_came_from(tmp_path: Path) -> None:
+    """Right by content, but never silent: the terminal and the run record name the copy."""
+    import json
+
+    from conftest import MICRO, plan_hash, run_bt
+
+    text = "".join(f"{i} + {i} = {2 * i}\n" for i in range(400))
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "corpus.txt").write_text(text)
+        os.utime(tmp_path / folder / "corpus.txt", (OLD, OLD))  # outside the racy window: cached
+        (tmp_path / f"{folder}.toml").write_text(
+            f'extends = "{MICRO}"\n[data]\nsource = "files"\nfiles = ["{folder}/*.txt"]\n'
+        )
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(tmp_path / "b.toml"), store=store))  # the copy is seen
+    assert plan_hash(run_bt("plan", str(tmp_path / "a.toml"), store=store)) == planned  # then a, here
+    (tmp_path / "a" / "corpus.txt").unlink()
+    result = run_bt("run", planned, "--target", "data:main", "--progress", "off", store=store)
+    assert result.returncode == 0, result.stderr
+    copy = str(tmp_path / "b" / "corpus.txt")
+    assert (
+        f"is gone from {tmp_path / 'a' / 'corpus.txt'}; reading the identical copy at {copy}" in result.stderr
+    )
+    log = next((tmp_path / "experiments").glob("*/train.log")).read_text()
+    events = [json.loads(line) for line in log.splitlines()]
+    found = [e for e in events if e.get("event") == "source_found_elsewhere"]
+    assert len(found) == 1 and found[0]["found_at"] == copy, found

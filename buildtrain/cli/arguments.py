@@ -89,6 +89,31 @@ def endpoint(text: str) -> str:
     return text
 
 
+def seed(text: str) -> int:
+    """A seed torch's generator takes: a whole number in 0..2**64-1."""
+    from buildtrain.steps.sample import MAX_SEED
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**64-1, got {text}")
+    return value
+
+
+def temperature(text: str) -> float:
+    """0 (greedy), or a temperature whose division keeps float32 logits finite."""
+    from buildtrain.steps.sample import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+    value = non_negative(text)
+    if not (value == 0.0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (greedy) or in {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, got {text}"
+        )
+    return value
+
+
 def non_negative(text: str) -> float:
     try:
         value = float(text)

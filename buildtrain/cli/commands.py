@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from buildtrain.errors import ExitCode, UsageError
+from buildtrain.errors import ExitCode, Interrupted, UsageError
 from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
@@ -18,6 +18,7 @@ from buildtrain.store.store import Store
 if TYPE_CHECKING:
     from buildtrain.executor.launch import Launch
     from buildtrain.executor.run import RunOptions
+    from buildtrain.plan.plan import Plan
 
 
 def store_of(args: argparse.Namespace) -> Store:
@@ -97,6 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     launch = _launch(args)
+    warn_threads(args)
     targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
     def options_for(threads: int) -> RunOptions:
@@ -126,6 +128,16 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
     )
 
 
+def warn_threads(args: argparse.Namespace) -> None:
+    """More threads than cores is allowed (a plan may be checked at a thread count), but rarely meant."""
+    cores = os.cpu_count() or 1
+    if args.threads and args.threads > cores:
+        err(
+            f"bt {args.command}: warning: --threads {args.threads} is more than this machine's {cores} "
+            "cores; the threads will take turns on them (slower, not faster)"
+        )
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import json
 
@@ -133,7 +145,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from buildtrain.verify.verify import VerifyOptions, verify_plan
 
     store = store_of(args)
-    plan = load_plan(store, args.plan)
+    warn_threads(args)
+    plan = one_plan(args, store)
     options = VerifyOptions(
         resume_at=_parse_steps(args.resume_at),
         threads=args.threads,
@@ -142,9 +155,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         experiments=experiments(args),
         launch=_launch(args),
     )
-    verification = verify_plan(
-        store, plan, options, notify=err, on_verdict=lambda verdict: err(verdict_line(verdict))
-    )
+    built = all(store.has_output(step.hash) for step in plan.steps)
+    try:
+        verification = verify_plan(
+            store, plan, options, notify=err, on_verdict=lambda verdict: err(verdict_line(verdict))
+        )
+    except Interrupted:
+        if not built:  # it was building the plan first: bt run resumes that build
+            raise
+        # Only the scratch re-execution stopped: `bt run` has nothing to do for a built plan.
+        raise Interrupted(
+            f"interrupted; the recorded build of {plan.hash[:12]} is untouched; "
+            f"check it again with: bt verify {plan.hash[:12]}"
+        ) from None
     for line in verification_summary(verification):
         err(line)
     if args.json:
@@ -197,6 +220,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    if args.records or args.keep is not None:
+        return _gc_records(args)
     from buildtrain.verify.gc import collect
 
     store = store_of(args)
@@ -218,14 +243,61 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return ExitCode.FAILED if report.left else ExitCode.OK
 
 
+def _gc_records(args: argparse.Namespace) -> int:
+    from buildtrain.verify.records import prune_records
+
+    if args.drop:
+        raise UsageError(
+            "--drop forgets plans in the store; bt gc --records prunes run records: give one of them"
+        )
+    folder = experiments(args)
+    pruned = prune_records(folder, args.keep, dry_run=args.dry_run)
+    for path in pruned.removed:
+        err(f"{'would remove' if args.dry_run else 'removed'} {path}")
+    for line in pruned.left:
+        err(f"could not remove {line}")
+    err(
+        f"bt gc: {'would free' if args.dry_run else 'freed'} {pruned.freed / 1e6:.1f} MB in "
+        f"{len(pruned.removed)} run record(s) of {folder}; {pruned.kept} kept"
+    )
+    return ExitCode.FAILED if pruned.left else ExitCode.OK
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from buildtrain.steps.export import export_to
 
     store = store_of(args)
-    plan = load_plan(store, args.plan)
+    plan = one_plan(args, store)
     destination = export_to(store, plan, Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK
+
+
+def one_plan(args: argparse.Namespace, store: Store) -> Plan:
+    """The one plan `args.plan` names: a hash or prefix, or a preset path (planned, as `bt run` does)."""
+    from buildtrain.plan.refs import is_preset, resolve_targets
+
+    if not is_preset(args.plan):
+        return load_plan(store, args.plan)
+    world_size = getattr(args, "nproc", 1) * getattr(args, "nnodes", 1)
+    targets = resolve_targets([args.plan], store, world_size=world_size)
+    if len(targets) != 1:
+        raise UsageError(
+            f"{args.plan} is a sweep of {len(targets)} plans; give one of their hashes (bt plan {args.plan})"
+        )
+    return targets[0].plan
+
+
+def _prompt(text: str) -> str:
+    """The prompt as given, refused when the command line did not hold UTF-8 text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) & 0xFF
+        raise UsageError(
+            f"--prompt is not UTF-8 text (byte 0x{byte:02x} at position {exc.start}); give the prompt in UTF-8"
+        ) from None
+    return text
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -233,11 +305,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     options = SampleOptions(
-        prompt=args.prompt,
+        prompt=_prompt(args.prompt),
         tokens=args.tokens,
         temperature=args.temperature,
         top_k=args.top_k or 0,
         seed=args.seed,
     )
-    print(args.prompt + sample(store, load_plan(store, args.plan), options))
+    result = sample(store, one_plan(args, store), options)
+    print(args.prompt + result.text, flush=True)
+    if result.stop == "end of document":
+        err(f"bt sample: stopped at an end-of-document token after {result.tokens} of {args.tokens} tokens")
+    elif result.stop == "context":
+        err(
+            f"bt sample: stopped at the model's context of {result.context} tokens "
+            f"({result.prompt_tokens} of prompt, {result.tokens} generated; --tokens asked for {args.tokens})"
+        )
     return ExitCode.OK

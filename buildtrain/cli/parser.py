@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import typing
+from collections.abc import Callable
 
+from buildtrain import __version__
 from buildtrain.cli import commands, queries
-from buildtrain.cli.arguments import add_world_size, non_negative, positive, thread_count
+from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
 
 EPILOG = """\
@@ -26,11 +28,18 @@ examples:
 """
 
 
+PLAN_OR_PRESET = "plan hash or prefix, or a preset path (planned first, as bt run does)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors in one line like every other error of bt (no usage block)."""
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(ExitCode.USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+# Adds one command's subparser (with --store) and returns it; each _add_NAME fills in its arguments.
+Command = Callable[[str, str, str], argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--store", metavar="DIR", help="store directory (default: $BT_STORE or ./.bt)")
+    parser.add_argument("--version", action="version", version=f"bt (buildtrain) {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
@@ -60,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return sub
 
+    _add_plan(command)
+    _add_run(command)
+    _add_verify(command)
+    _add_fsck(command)
+    _add_show(command)
+    _add_why(command)
+    _add_diff(command)
+    _add_ls(command)
+    _add_report(command)
+    _add_sample(command)
+    _add_gc(command)
+    _add_export(command)
+    return parser
+
+
+def _add_plan(command: Command) -> None:
     sub = command(
         "plan",
         "compile a preset into a stored plan; print its hash",
@@ -88,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_plan)
 
+
+def _add_run(command: Command) -> None:
     sub = command(
         "run",
         "execute a plan (or plan and execute a preset)",
@@ -145,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(sub, rendezvous=True)
     sub.set_defaults(func=commands.cmd_run)
 
+
+def _add_verify(command: Command) -> None:
     sub = command(
         "verify",
         "re-execute a plan from scratch and compare bit for bit",
@@ -155,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a comparison could not be made (verify fails closed); 5: a recorded output is damaged or "
         "belongs to another step.",
     )
-    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument(
         "--resume-at", metavar="N[,M]", help="hard-kill the re-execution after these steps and resume"
     )
@@ -177,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_verify)
 
+
+def _add_fsck(command: Command) -> None:
     sub = command(
         "fsck",
         "re-hash every object in the store",
@@ -191,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=commands.cmd_fsck)
 
+
+def _add_show(command: Command) -> None:
     sub = command(
         "show",
         "show a plan: config, steps, hashes, inputs",
@@ -206,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=queries.cmd_show)
 
+
+def _add_why(command: Command) -> None:
     sub = command(
         "why",
         "which plan and step produced these weights",
@@ -220,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="machine-readable")
     sub.set_defaults(func=queries.cmd_why)
 
+
+def _add_diff(command: Command) -> None:
     sub = command(
         "diff",
         "which keys differ between two plans and which steps that invalidates",
@@ -231,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--json", action="store_true", help="machine-readable")
     sub.set_defaults(func=queries.cmd_diff)
 
+
+def _add_ls(command: Command) -> None:
     sub = command(
         "ls",
         "list stored plans (with --metrics: their results)",
@@ -238,8 +278,21 @@ def build_parser() -> argparse.ArgumentParser:
         "plan, the config values that differ between the listed plans, final train loss, held-out "
         "loss and bits per token, tokens/s, wall time and build status.",
     )
+    sub.add_argument(
+        "plans",
+        nargs="*",
+        metavar="PLAN",
+        help="list only these: plan hashes or prefixes, stored sweeps, sweep files or presets, as "
+        "bt run takes them (default: every stored plan)",
+    )
+    sub.add_argument("--name", metavar="GLOB", help="list only plans whose name matches, e.g. 'micro*'")
     sub.add_argument("--json", action="store_true", help="machine-readable")
-    sub.add_argument("--metrics", action="store_true", help="a results table (never imports torch)")
+    sub.add_argument(
+        "--metrics",
+        action="store_true",
+        help="a results table (never imports torch), fitted to $COLUMNS or the terminal: config keys "
+        "by short names, then columns left out (said on stderr); a pipe gets every column",
+    )
     sub.add_argument(
         "--sort",
         metavar="COLUMN",
@@ -248,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=queries.cmd_ls)
 
+
+def _add_report(command: Command) -> None:
     sub = command(
         "report",
         "an HTML page with curves, results and cache hits of plans",
@@ -264,19 +319,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.set_defaults(func=queries.cmd_report)
 
+
+def _add_sample(command: Command) -> None:
     sub = command(
         "sample",
         "generate text from a built plan's exported weights",
         "Generate text after PROMPT from the export of a built PLAN, with a key/value cache. The same "
-        "--seed gives the same text; --temperature 0 is greedy.",
+        "--seed gives the same text; --temperature 0 is greedy and gives the text transformers' greedy "
+        "generate gives from the hf/ export.",
     )
-    sub.add_argument("plan", help="plan hash or prefix")
-    sub.add_argument("--prompt", default="", metavar="TEXT", help="text to continue (default: none)")
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument(
-        "--tokens", type=positive, default=64, metavar="N", help="tokens to generate (default 64)"
+        "--prompt",
+        default="",
+        metavar="TEXT",
+        help="text to continue, encoded as the exported tokenizer encodes it (default: none: start "
+        "from the end-of-document token); at most the model's context less one token",
     )
     sub.add_argument(
-        "--temperature", type=non_negative, default=0.8, metavar="T", help="default 0.8; 0: greedy"
+        "--tokens",
+        type=positive,
+        default=64,
+        metavar="N",
+        help="tokens to generate (default 64); generation also stops at an end-of-document token "
+        "and at the model's context (the training sequence length), and says so on stderr",
+    )
+    sub.add_argument(
+        "--temperature",
+        type=temperature,
+        default=0.8,
+        metavar="T",
+        help="default 0.8; 0: greedy; else 0.001..1000",
     )
     sub.add_argument(
         "--top-k",
@@ -285,9 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="draw from the K likeliest tokens (default: all)",
     )
-    sub.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)")
+    sub.add_argument(
+        "--seed", type=seed, default=0, metavar="S", help="seed of the draws, 0..2**64-1 (default 0)"
+    )
     sub.set_defaults(func=commands.cmd_sample)
 
+
+def _add_gc(command: Command) -> None:
     sub = command(
         "gc",
         "remove what no plan needs",
@@ -298,15 +375,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--drop", action="append", default=[], metavar="PLAN", help="forget this plan first (repeatable)"
     )
     sub.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    group = sub.add_argument_group(
+        "run records",
+        "bt gc --records prunes run records instead of the store: the records of null builds "
+        "(nothing executed) except each plan's newest; --keep N also removes each plan's records "
+        "past its N newest. Records of runs that executed, failed or were interrupted stay unless "
+        "--keep says otherwise; a run still going and any folder that is not a run record are never touched.",
+    )
+    group.add_argument("--records", action="store_true", help="prune run records, not the store")
+    group.add_argument(
+        "--keep", type=positive, metavar="N", help="keep each plan's N newest records (implies --records)"
+    )
+    group.add_argument(
+        "--experiments",
+        metavar="DIR",
+        help="where run records are (default: $BT_EXPERIMENTS or ./experiments)",
+    )
     sub.set_defaults(func=commands.cmd_gc)
 
+
+def _add_export(command: Command) -> None:
     sub = command(
         "export",
         "copy a built plan's export package out of the store",
         "Copy the export package of a built PLAN (weights, config, tokenizer description, "
         "checksums) to DEST (default ./export/NAME-HASH), read-only.",
     )
-    sub.add_argument("plan", help="plan hash or prefix")
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
     sub.set_defaults(func=commands.cmd_export)
-    return parser

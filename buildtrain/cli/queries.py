@@ -4,12 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
+import os
+import shutil
+import sys
 from pathlib import Path
+from typing import Any
 
-from buildtrain.cli.commands import experiments, store_of
+from buildtrain.cli.commands import err, experiments, store_of
 from buildtrain.errors import ExitCode, UsageError
 from buildtrain.plan.stored import load_plan
+from buildtrain.store.store import Store
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -52,20 +58,64 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def selected_plans(args: argparse.Namespace, store: Store) -> list[str] | None:
+    """The plans `bt ls PLAN... --name GLOB` lists, in order (None: every stored plan). A PLAN is
+    what `bt run` takes: a hash or prefix, a stored sweep, a sweep file, a preset."""
+    if not args.plans:
+        return None
+    from buildtrain.plan.refs import resolve_targets
+
+    return [target.plan.hash for target in resolve_targets(args.plans, store)]
+
+
+def output_width() -> int | None:
+    """The width to fit a table in: $COLUMNS, else the terminal's; None when stdout is not a
+    terminal (a file or a pipe gets every column)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = store_of(args)
+    hashes = selected_plans(args, store)
     if args.metrics or args.sort:
-        from buildtrain.views.table import metrics_rows, sort_rows, table_json, table_text
+        from buildtrain.views.table import fitted_table, metrics_rows, sort_rows, table_json
 
-        keys, rows = metrics_rows(store)
+        keys, rows = metrics_rows(store, hashes, args.name)
+        if not rows and args.name is not None and not args.json:
+            return _none_named(args.name)
         rows = sort_rows(rows, keys, args.sort)
-        print(json.dumps(table_json(keys, rows), indent=2) if args.json else table_text(keys, rows))
+        if args.json:
+            print(json.dumps(table_json(keys, rows), indent=2))
+            return ExitCode.OK
+        text, hidden = fitted_table(keys, rows, output_width())
+        print(text)
+        if hidden:
+            err(
+                f"bt ls: {len(hidden)} config column(s) left out to fit {output_width()} columns "
+                f"({', '.join(hidden[:3])}{', ...' if len(hidden) > 3 else ''}); "
+                "list fewer plans, use a wider terminal or --json"
+            )
         return ExitCode.OK
     from buildtrain.report import ls_rows, ls_text
 
-    listed = ls_rows(store)
+    listed = named(ls_rows(store, hashes), args.name)
+    if not listed and args.name is not None and not args.json:
+        return _none_named(args.name)
     print(json.dumps(listed, indent=2) if args.json else ls_text(listed))
     return ExitCode.OK
+
+
+def _none_named(pattern: str) -> int:
+    err(f"bt ls: no plan is named like {pattern!r} (bt ls lists them all)")
+    return ExitCode.OK
+
+
+def named(rows: list[dict[str, Any]], pattern: str | None) -> list[dict[str, Any]]:
+    """The rows whose plan name matches the shell-style pattern (all when None)."""
+    return rows if pattern is None else [row for row in rows if fnmatch.fnmatchcase(row["name"], pattern)]
 
 
 def cmd_report(args: argparse.Namespace) -> int:

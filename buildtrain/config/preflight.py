@@ -73,7 +73,12 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         sources[stage.name] = files
         key = stage_key(index, "data", "files")
         for pattern in empty:
-            problems.append(Problem(loaded.source_of(key), key, f"'{pattern}' matches no file"))
+            hint = (
+                f"; it is a folder: give a glob such as '{pattern.rstrip('/')}/*.txt'"
+                if os.path.isdir(pattern)
+                else ""
+            )
+            problems.append(Problem(loaded.source_of(key), key, f"'{pattern}' matches no file{hint}"))
 
     available = machine_memory()
     for stage in config.stages:

@@ -58,6 +58,13 @@ class Reporter:
             at = f" at step {line['step']}" if "step" in line else ""
             label = line.get("label", self._label)
             self.step(label, f"held-out loss {line['loss']:.4f}, {line['bits_per_token']:.4f} bits/token{at}")
+        elif name == "source_found_elsewhere":
+            planned = ", ".join(line["planned_at"]) or "an unknown place"
+            self.step(
+                line["label"],
+                f"data file {line['blake3'][:16]}… is gone from {planned}; "
+                f"reading the identical copy at {line['found_at']}",
+            )
         elif name == "step_crashed":
             self.say(line.get("traceback", ""))
 

@@ -39,8 +39,12 @@ from buildtrain.store.store import Store
 LAUNCHER_LOG_LINES = 40
 
 
-def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
-    """Find each source file of a data step by content (it may have moved since planning)."""
+def source_paths(
+    store: Store, plan: Plan, step: Step, on_event: Callable[[dict[str, Any]], None] | None = None
+) -> list[str]:
+    """Find each source file of a data step by content (it may have moved since planning); a
+    file found elsewhere than where the plan saw it is reported as a `source_found_elsewhere`
+    event, so the terminal and the run record say where the bytes came from."""
     sources = step.inputs.get("sources", [])
     if not sources:
         return []
@@ -56,6 +60,18 @@ def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
             raise StepFailed(
                 f"{step.label}: a data file with blake3 {source['blake3'][:16]}… ({source['size']} bytes) is gone "
                 f"(it was at {where}); restore it, or plan again from the preset"
+            )
+        seen_at = hints.get(source["blake3"], [])
+        if on_event is not None and str(path) not in seen_at:
+            on_event(
+                {
+                    "event": "source_found_elsewhere",
+                    "level": "warning",
+                    "label": step.label,
+                    "blake3": source["blake3"],
+                    "found_at": str(path),
+                    "planned_at": seen_at,
+                }
             )
         found.append(str(path))
     cache.save()
@@ -78,7 +94,7 @@ def spawn(
     settings = plan.numerics
     launch = step_launch(settings, step, threads, launch)
     distributed = kind_of(step.kind).ranks and launch.world_size > 1
-    job_path = _write_job(store, plan, step, threads, options)
+    job_path = _write_job(store, plan, step, threads, options, on_event)
     launcher_log = job_path.with_name(f"torchrun-{job_path.stem}.log")
     env = {**os.environ, **numerics.environment(settings.profile, settings.device, threads)}
     if not distributed:  # a worker started by this process (torchrun's ranks have torchrun above)
@@ -117,7 +133,14 @@ class Running:
     shared: Worker | None = None  # a shared worker, which stays alive after the step
 
 
-def _write_job(store: Store, plan: Plan, step: Step, threads: int, options: JobOptions) -> Path:
+def _write_job(
+    store: Store,
+    plan: Plan,
+    step: Step,
+    threads: int,
+    options: JobOptions,
+    on_event: Callable[[dict[str, Any]], None],
+) -> Path:
     settings = plan.numerics
     job = Job(
         store=str(store.root),
@@ -127,7 +150,7 @@ def _write_job(store: Store, plan: Plan, step: Step, threads: int, options: JobO
         numerics=JobNumerics(
             profile=settings.profile, device=settings.device, dtype=settings.dtype, threads=threads
         ),
-        sources=tuple(source_paths(store, plan, step)) if kind_of(step.kind).reads_sources else (),
+        sources=tuple(source_paths(store, plan, step, on_event)) if kind_of(step.kind).reads_sources else (),
         options=attrs.evolve(options, hooks={**test_hooks_from_environment(), **options.hooks}),
     )
     store.tmp.mkdir(parents=True, exist_ok=True)

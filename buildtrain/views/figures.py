@@ -8,14 +8,19 @@ the null build never pay for it.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Sequence
+import math
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from buildtrain.views.curves import Curve
 
 FIGURES = ("loss", "lr", "heldout")
+# Height of one legend entry at 7 pt: 60 plans in a 3.2 in figure ran their legend past its edge.
+LEGEND_ENTRY_INCHES = 0.15
 PNG_DPI = 200
 
 
@@ -27,6 +32,16 @@ def _pyplot() -> Any:
 
     plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
     return plt
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """matplotlib's layout warnings are for a person at a plot window, not for `bt report`'s
+    stderr; a figure whose layout gave way shows as clipped text, which
+    scripts/report_in_browser.py fails on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
 def _loss(ax: Any, curves: Sequence[Curve]) -> None:
@@ -66,7 +81,11 @@ def _heldout(ax: Any, curves: Sequence[Curve], heldout: Sequence[float | None]) 
 def draw(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) -> Any:
     """A matplotlib Figure for one of FIGURES."""
     plt = _pyplot()
-    height = 3.2 if name != "heldout" else max(1.6, 0.35 * len(curves) + 0.9)
+    columns = 1 if len(curves) < 12 else 2
+    if name == "heldout":
+        height = max(1.6, 0.35 * len(curves) + 0.9)
+    else:  # tall enough for the legend beside it: a 7 pt entry takes about 0.15 in
+        height = max(3.2, LEGEND_ENTRY_INCHES * math.ceil(len(curves) / columns) + 0.6)
     fig, ax = plt.subplots(figsize=(10, height), layout="constrained")
     if name == "loss":
         _loss(ax, curves)
@@ -76,9 +95,7 @@ def draw(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) ->
         _heldout(ax, curves, heldout)
     if name != "heldout" and curves:
         # Beside the axes, never over a curve.
-        ax.legend(
-            fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=1 if len(curves) < 12 else 2
-        )
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncols=columns)
     return fig
 
 
@@ -87,7 +104,7 @@ def svg(name: str, curves: Sequence[Curve], heldout: Sequence[float | None]) -> 
     plt = _pyplot()
     fig = draw(name, curves, heldout)
     buffer = io.StringIO()
-    with plt.rc_context({"svg.hashsalt": f"bt-{name}", "svg.id": f"figure-{name}"}):
+    with plt.rc_context({"svg.hashsalt": f"bt-{name}", "svg.id": f"figure-{name}"}), _quiet():
         fig.savefig(buffer, format="svg", metadata={"Date": None})
     plt.close(fig)
     text = buffer.getvalue()
@@ -101,7 +118,8 @@ def write_pngs(folder: Path, curves: Sequence[Curve], heldout: Sequence[float | 
     for name in FIGURES:
         fig = draw(name, curves, heldout)
         path = folder / f"{name}.png"
-        fig.savefig(path, dpi=PNG_DPI, metadata={"Software": None})
+        with _quiet():
+            fig.savefig(path, dpi=PNG_DPI, metadata={"Software": None})
         plt.close(fig)
         paths.append(path)
     return paths

@@ -19,27 +19,55 @@ from buildtrain.plan.card import load_card
 from buildtrain.store.store import Store
 from buildtrain.views.curves import Curve, plan_curve
 from buildtrain.views.figures import FIGURES, svg, write_pngs
-from buildtrain.views.table import HEADINGS, RESULT_COLUMNS, SHORT, cell, metrics_rows
+from buildtrain.views.table import (
+    HEADINGS,
+    RESULT_COLUMNS,
+    SHORT,
+    cell,
+    metrics_rows,
+    most_telling,
+    short_names,
+)
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 0.5em 0; font-size: 13px; }
 th, td { padding: 3px 9px; border-bottom: 1px solid #eee; text-align: right; }
-th { background: #f6f6f6; } td.text, th.text { text-align: left; }
+th { background: #f6f6f6; } td.text, th.text { text-align: left; } td, th { white-space: nowrap; }
+div.scroll { overflow-x: auto; max-width: 100%; } p.note { color: #666; font-size: 13px; }
 code { font: 12px ui-monospace, monospace; } .executed { color: #a35200; } .cached { color: #2a7d2a; }
 figure { margin: 1em 0; } figure svg { max-width: 100%; height: auto; }
 """
 
 
-def legend_label(plan_hash: str, values: dict[str, Any]) -> str:
-    """`0bc9f7c8 lr=0.01 n_layers=2`: the short hash and what sets this plan apart."""
-    names = [key.rsplit(".", 1)[-1] for key in values]
-    parts = [
-        f"{name if names.count(name) == 1 else key}={value}"
-        for key, name, value in zip(values, names, values.values(), strict=True)
-    ]
-    return " ".join([plan_hash[:8], *parts])
+# A mixed store's plans differ in dozens of keys: the table shows the ones that tell them apart
+# best (all are in `bt ls --metrics --json`), a legend label at most a few, clipped to a width
+# that leaves the plot its room (longer labels collapsed matplotlib's layout to nothing).
+MAX_CONFIG_COLUMNS = 4
+MAX_LABEL_VALUES = 3
+MAX_LABEL = 48
+
+
+def legend_label(plan_hash: str, values: dict[str, Any], name: str | None = None) -> str:
+    """`0bc9f7c8 lr=0.01 n_layers=2`: the short hash, the plan's name where the plans' names
+    differ, and what sets this plan apart, each key by its shortest unique suffix."""
+    short = short_names(list(values))
+    parts = [f"{short[key]}={value}" for key, value in values.items()]
+    return " ".join([plan_hash[:8], *([name] if name else []), *parts])
+
+
+def plan_labels(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Each plan's label: its most telling values that are set (no `key=None`), clipped."""
+    telling = most_telling(keys, rows)
+    names_differ = len({row["name"] for row in rows}) > 1
+    labels = {}
+    for row in rows:
+        values = {k: row["values"][k] for k in telling if row["values"].get(k) is not None}
+        chosen = dict(list(values.items())[:MAX_LABEL_VALUES])
+        label = legend_label(row["hash"], chosen, row["name"] if names_differ else None)
+        labels[row["hash"]] = label if len(label) <= MAX_LABEL else label[: MAX_LABEL - 1] + "…"
+    return labels
 
 
 def latest_record(experiments: Path, plan_hash: str) -> dict[str, Any] | None:
@@ -55,10 +83,21 @@ def latest_record(experiments: Path, plan_hash: str) -> dict[str, Any] | None:
     return None
 
 
-def _table(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+def _table(all_keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    """The results table with the most telling config columns, in a box that scrolls sideways
+    by itself when the page is narrower than the table."""
+    telling = set(most_telling(all_keys, rows)[:MAX_CONFIG_COLUMNS])
+    keys = [k for k in all_keys if k in telling]
+    short = short_names(keys)
     head = "".join(
-        f"<th class='text'>{html.escape(h)}</th>" if i < 2 or h == "status" else f"<th>{html.escape(h)}</th>"
-        for i, h in enumerate(["plan", "name", *keys, *(HEADINGS[c] for c in RESULT_COLUMNS)])
+        [
+            "<th class='text'>plan</th><th class='text'>name</th>",
+            *(f"<th title='{html.escape(k)}'>{html.escape(short[k])}</th>" for k in keys),
+            *(
+                f"<th{' class=text' if c == 'status' else ''}>{html.escape(HEADINGS[c])}</th>"
+                for c in RESULT_COLUMNS
+            ),
+        ]
     )
     body = []
     for row in rows:
@@ -72,10 +111,18 @@ def _table(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
             for c in RESULT_COLUMNS
         ]
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    more = len(all_keys) - len(keys)
+    note = (
+        f"<p class='note'>{more} more config keys differ between these plans; "
+        "<code>bt ls --metrics --json</code> lists them all. Point at a heading for its full key.</p>"
+        if more
+        else ""
+    )
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f"<div class='scroll'>{table}</div>{note}"
 
 
-def _steps(store: Store, row: dict[str, Any], record: dict[str, Any] | None) -> str:
+def _steps(store: Store, row: dict[str, Any], record: dict[str, Any] | None, plan_label: str) -> str:
     card = load_card(store, row["hash"])
     if card is None:
         return "<p>damaged plan: run bt fsck</p>"
@@ -97,9 +144,11 @@ def _steps(store: Store, row: dict[str, Any], record: dict[str, Any] | None) -> 
             f"<td class='text'>{cell}</td><td>{took}</td></tr>"
         )
     run = f"last run <code>{html.escape(record['run_id'])}</code>" if record else "never run here"
-    title = html.escape(legend_label(row["hash"], row["values"]))
+    values = plan_label.split(" ", 1)[1] if " " in plan_label else ""  # the label without its hash ...
+    values = values[len(row["name"]) :].lstrip() if values.startswith(row["name"]) else values  # ... or name
+    heading = html.escape(row["name"] + (f": {values}" if values else ""))
     return (
-        f"<h3><code>{row['hash'][:SHORT]}</code> {html.escape(row['name'])}: {title}</h3><p>{run}</p>"
+        f"<h3><code>{row['hash'][:SHORT]}</code> {heading}</h3><p>{run}</p>"
         "<table><thead><tr><th class='text'>step</th><th class='text'>hash</th>"
         f"<th class='text'>last run</th><th>time</th></tr></thead><tbody>{''.join(lines)}</tbody></table>"
     )
@@ -110,16 +159,19 @@ def build_report(
 ) -> tuple[str, list[Path]]:
     """(the HTML page, the PNG files written) for these plans."""
     keys, rows = metrics_rows(store, plan_hashes)
+    labels = plan_labels(keys, rows)
     curves: list[Curve] = []
     for row in rows:
         card = load_card(store, row["hash"])
         if card is not None:
-            curves.append(plan_curve(store, card, legend_label(row["hash"], row["values"])))
+            curves.append(plan_curve(store, card, labels[row["hash"]]))
     by_plan = {row["hash"]: row for row in rows}
     heldout = [by_plan[c.plan].get("heldout_loss") for c in curves]
     figures = "".join(f"<figure>{svg(name, curves, heldout)}</figure>" for name in FIGURES)
     pngs = write_pngs(png_folder, curves, heldout) if png_folder is not None else []
-    steps = "".join(_steps(store, row, latest_record(experiments, row["hash"])) for row in rows)
+    steps = "".join(
+        _steps(store, row, latest_record(experiments, row["hash"]), labels[row["hash"]]) for row in rows
+    )
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     page = (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

@@ -110,10 +110,18 @@ def lineage_text(plan: Plan, nodes: list[dict[str, Any]]) -> str:
 
 
 def _wanted(text: str) -> tuple[str, str]:
-    """(digest or prefix, where it came from): a digest, a BLAKE3SUMS file, or an export folder."""
+    """(digest or prefix, where it came from): a digest, a BLAKE3SUMS file, an export folder, or
+    any other file (its own blake3: an exported model.safetensors names the weights it holds)."""
     path = Path(text)
     if path.is_dir():
         path = path / "BLAKE3SUMS"
+    if path.is_file() and path.name != "BLAKE3SUMS":
+        from buildtrain.store.objects import hash_file
+
+        try:
+            return hash_file(path)[0], f"the blake3 of {path}"
+        except OSError as exc:
+            raise UsageError(f"{text}: cannot read ({exc.strerror or exc})") from None
     if path.is_file():
         try:
             for line in path.read_text(encoding="utf-8").splitlines():

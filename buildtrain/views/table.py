@@ -6,6 +6,7 @@ grid of learning rates reads as a grid of learning rates, not as sixty identical
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -44,13 +45,16 @@ def differing(cards: Sequence[Card]) -> list[str]:
 
 
 def metrics_rows(
-    store: Store, plan_hashes: Sequence[str] | None = None
+    store: Store, plan_hashes: Sequence[str] | None = None, name: str | None = None
 ) -> tuple[list[str], list[dict[str, Any]]]:
-    """(differing keys, rows) for the given plans (default: every stored plan)."""
+    """(differing keys, rows) for the given plans (default: every stored plan), only those whose
+    name matches the shell-style pattern `name` when given; the keys differ between those."""
     hashes = list(plan_hashes) if plan_hashes is not None else store.plan_hashes()
     rows, cards = [], []
     for plan_hash in hashes:
         card = load_card(store, plan_hash)
+        if name is not None and not fnmatch.fnmatchcase(card.name if card else "?", name):
+            continue
         if card is None:
             rows.append({"hash": plan_hash, "name": "?", "values": {}, **dict.fromkeys(RESULT_COLUMNS)})
             rows[-1]["status"] = "damaged"
@@ -105,29 +109,116 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def table_text(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
-    if not rows:
-        return "no plans in this store; compile one with: bt plan PRESET"
-    headers = ["plan", "name", *keys, *(HEADINGS[c] for c in RESULT_COLUMNS)]
-    cells = [
-        [
-            row["hash"][:SHORT],
-            row["name"],
-            *(cell(row["values"].get(k)) for k in keys),
-            *(cell(row.get(c)) for c in RESULT_COLUMNS),
-        ]
-        for row in rows
-    ]
+def short_names(keys: Sequence[str], taken: Sequence[str] = ("plan", "name")) -> dict[str, str]:
+    """Each key by its shortest dotted suffix that no other key ends with and that is not one of
+    the table's own headings: `stages[1].train.lr` is `lr`, unless another key ends in `lr` too."""
+    parts = {key: key.split(".") for key in keys}
+    names = {}
+    for key, dotted in parts.items():
+        for length in range(1, len(dotted) + 1):
+            suffix = ".".join(dotted[-length:])
+            clash = suffix in taken or any(
+                other != key and (other == suffix or other.endswith("." + suffix)) for other in keys
+            )
+            if not clash:
+                break
+        names[key] = suffix
+    return names
+
+
+def most_telling(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The differing keys, most telling first: each next key is the one that tells the most
+    plans apart that the name and the keys before it leave alike (then: set in the most plans,
+    with the most distinct values, first in the preset's order). A table cut to its first keys tells the plans apart soonest."""
+    order: list[str] = []
+    groups = [(row["name"],) for row in rows]
+    left = list(keys)
+    while left:
+
+        def score(key: str, groups: list[tuple[Any, ...]] = groups) -> tuple[int, int, int, int]:
+            values = [repr(row["values"].get(key)) for row in rows]
+            split = len(set(zip(groups, values, strict=True)))
+            return (-split, sum(v == "None" for v in values), -len(set(values)), left.index(key))
+
+        best = min(left, key=score)
+        groups = [(*g, repr(row["values"].get(best))) for g, row in zip(groups, rows, strict=True)]
+        order.append(best)
+        left.remove(best)
+    return order
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# When the table is too wide: which result columns go first (the held-out loss stays longest).
+DROP_ORDER = ("wall_s", "tokens_per_s", "bits_per_token", "train_loss", "status")
+CLIPPED_VALUE = 14  # characters of a config value or a name in a fitted table
+
+
+def _render(headers: Sequence[str], cells: Sequence[Sequence[str]], text: set[int]) -> list[str]:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    text_columns = {0, 1, len(headers) - 1}
 
     def line(values: Sequence[str]) -> str:
         return "  ".join(
-            v.ljust(w) if i in text_columns else v.rjust(w)
+            v.ljust(w) if i in text else v.rjust(w)
             for i, (v, w) in enumerate(zip(values, widths, strict=True))
         ).rstrip()
 
-    return "\n".join([line(headers), *(line(c) for c in cells)])
+    return [line(headers), *(line(c) for c in cells)]
+
+
+def table_text(keys: Sequence[str], rows: Sequence[dict[str, Any]], width: int | None = None) -> str:
+    return fitted_table(keys, rows, width)[0]
+
+
+def fitted_table(
+    keys: Sequence[str], rows: Sequence[dict[str, Any]], width: int | None
+) -> tuple[str, list[str]]:
+    """(the table, the config keys left out) in at most `width` characters a line (None: any).
+
+    Too wide, the table first names config keys by their short names and clips long values,
+    then leaves out config columns (the least telling first: `most_telling`), then the less telling result columns
+    (`DROP_ORDER`), and cuts what is still too long."""
+    if not rows:
+        return "no plans in this store; compile one with: bt plan PRESET", []
+    shown, results = list(keys), list(RESULT_COLUMNS)
+
+    def draw(compact: bool) -> list[str]:
+        short = short_names(shown) if compact else {k: k for k in shown}
+        clip = (lambda t: _clip(t, CLIPPED_VALUE)) if compact else (lambda t: t)
+        headers = ["plan", "name", *(short[k] for k in shown), *(HEADINGS[c] for c in results)]
+        cells = [
+            [
+                row["hash"][:SHORT],
+                clip(row["name"]),
+                *(clip(cell(row["values"].get(k))) for k in shown),
+                *(cell(row.get(c)) for c in results),
+            ]
+            for row in rows
+        ]
+        text = {0, 1} | ({len(headers) - 1} if results and results[-1] == "status" else set())
+        return _render(headers, cells, text)
+
+    def fits(lines: list[str]) -> bool:
+        return width is None or max(map(len, lines)) <= width
+
+    lines = draw(compact=False)
+    if not fits(lines):
+        lines = draw(compact=True)
+    for key in reversed(most_telling(keys, rows)):  # the least telling config column first
+        if fits(lines):
+            break
+        shown.remove(key)
+        lines = draw(compact=True)
+    for column in DROP_ORDER:
+        if fits(lines):
+            break
+        results.remove(column)
+        lines = draw(compact=True)
+    if width is not None:
+        lines = [_clip(line, width) for line in lines]
+    return "\n".join(lines), [k for k in keys if k not in shown]
 
 
 def table_json(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
