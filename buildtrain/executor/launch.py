@@ -10,7 +10,6 @@ stderr, which the executor keeps aside and reads when a rank fails.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import re
 import signal
 import sys
@@ -28,6 +27,8 @@ def die_with_parent() -> None:
     """Linux: if the parent is killed outright, take this process down with it, so no orphan
     keeps training (and writing) behind a new `bt run`'s back. Both torchrun and every worker
     call it, so the chain bt -> torchrun -> ranks falls together."""
+    import ctypes  # here: `bt plan` and a null build never need it
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
