@@ -57,7 +57,10 @@ def _interrupt_now(number: int, _: object) -> None:
 
 
 def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = None) -> int:
-    from buildtrain.steps.context import StepContext, verified_inputs
+    from buildtrain.executor.inputs import verified_inputs
+    from buildtrain.steps.context import StepContext
+    from buildtrain.steps.eval_cache import StoreResults
+    from buildtrain.steps.sources import planned_sources
 
     store = Store(Path(job["store"]))
     plan = load_plan(store, job["plan"])
@@ -86,12 +89,13 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
         signal.signal(signal.SIGINT, _interrupt_now)
 
     ctx = StepContext(
-        store=store,
-        plan=plan,
         step=step,
+        numerics=plan.numerics,
         # The other ranks receive their starting weights from rank 0 and only read the data.
         inputs=verified_inputs(store, step, only=None if lead else ("data",)),
-        sources=[Path(p) for p in job.get("sources", [])],
+        sources=planned_sources(step.inputs.get("sources", []), job.get("sources", [])),
+        work=store.work_dir(step.hash),
+        results=StoreResults(store),
         log=log,
         controls=controls,
     )

@@ -17,7 +17,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -26,11 +26,13 @@ from buildtrain.config.checks import name_problem
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ExportConfig
 from buildtrain.errors import CorruptObject, UsageError
-from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
-from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
+
+if TYPE_CHECKING:
+    from buildtrain.plan.plan import Plan
+    from buildtrain.store.store import Store
 
 WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"
@@ -58,7 +60,7 @@ class ExportStep:
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     from buildtrain.steps.eval_cache import EVAL_RESULT
     from buildtrain.steps.hf_export import HF_FOLDER, write_hf
-    from buildtrain.steps.tokenizer import export_files
+    from buildtrain.steps.tokenizer_files import export_files
 
     config = ExportStep.from_config(ctx.step.config)
     source = final_weights(ctx.inputs["weights"])
