@@ -95,7 +95,7 @@ def execute(job: dict[str, Any], log: Any, observer: ObserverFactory | None = No
         inputs=verified_inputs(store, step, only=None if lead else ("data",)),
         sources=planned_sources(step.inputs.get("sources", []), job.get("sources", [])),
         work=store.work_dir(step.hash),
-        results=StoreResults(store),
+        results=StoreResults(store=store),
         log=log,
         controls=controls,
     )

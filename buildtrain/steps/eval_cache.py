@@ -120,7 +120,7 @@ def record_entry(store: Store, key: str, body: dict[str, Any]) -> None:
         store.replace_file(path, seal_entry(key, body))
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class StoreResults:
     """A store's evaluation cache as a step sees it (`context.ResultCache`)."""
 
