@@ -202,3 +202,15 @@ def test_parquet_reads_a_private_checked_copy(tmp_path: Path) -> None:
     with pytest.raises(StepFailed, match=f"{path}: changed since it was planned"):
         sources.private_copy(source)
     assert sources.private_copy(path) == path  # a library caller's own path is read as it is
+
+
+def test_planned_sources_pair_each_planned_file_with_its_path_in_plan_order() -> None:
+    planned_inputs = [{"blake3": "aa", "size": 1}, {"blake3": "bb", "size": 2}]
+    found = sources.planned_sources(planned_inputs, ["/x/first", "/y/second"])
+    assert found == [
+        Source(path=Path("/x/first"), blake3="aa", size=1),
+        Source(path=Path("/y/second"), blake3="bb", size=2),
+    ]
+    assert sources.planned_sources([], []) == []
+    with pytest.raises(ValueError):  # a path for every planned file, never fewer
+        sources.planned_sources(planned_inputs, ["/x/first"])

@@ -43,9 +43,7 @@ class Source:
 
 def planned_sources(planned: Sequence[Mapping[str, Any]], paths: Sequence[str]) -> list[Source]:
     """The step's sources: its plan inputs (`{"blake3", "size"}` in plan order) with the paths
-    the executor found for them, in the same order."""
-    if not paths:
-        return []
+    the executor found for them, in the same order (one path per planned file, or it is a bug)."""
     return [
         Source(path=Path(path), blake3=str(want["blake3"]), size=int(want["size"]))
         for want, path in zip(planned, paths, strict=True)
