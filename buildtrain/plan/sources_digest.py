@@ -44,7 +44,7 @@ SHARED_ROOTS = ("buildtrain.executor.numerics",)
 # The cache lives with the user's caches, not in the store or the package: the digests describe
 # the installed code, which every store shares, and nothing under the package may change while
 # it is being hashed (a read-only install cannot be written at all). Entries are few (one per
-# module version, about 2 KB each); past CACHE_ENTRIES the ones this process did not use go.
+# module version, about 350 bytes each); past CACHE_ENTRIES the ones this process did not use go.
 # One file per parser identity, so that checkouts of different buildtrain versions side by side
 # do not keep replacing each other's file.
 CACHE_ENTRIES = 4096
