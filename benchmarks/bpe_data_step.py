@@ -193,7 +193,8 @@ def train_tokenizer(corpus: Path, folder: Path) -> None:
     from tokenizers import pre_tokenizers, trainers
 
     from buildtrain.canonical import canonical_bytes
-    from buildtrain.steps.tokenizer import DESCRIPTION, TOKENIZER, describe, new_bpe
+    from buildtrain.steps.tokenizer import describe, new_bpe
+    from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
 
     texts, size = [], 0
     with open(corpus, encoding="utf-8") as handle:

@@ -351,3 +351,53 @@ def updates_per_second(experiments: Path) -> float:
     if not rates:
         raise RuntimeError(f"no train_step events in {record}")
     return median(rates)
+
+
+# -- what a command imports -----------------------------------------------------------------------
+
+# Third-party packages a start-up path must not import, and what they cost when one slips in.
+SITE_HOOKS = ("sitecustomize", "usercustomize")  # the interpreter's, not the command's
+HEAVY = ("torch", "numpy", "tokenizers", "pyarrow", "matplotlib", "safetensors", "structlog", "pandas")
+
+
+def parse_importtime(stderr: str) -> list[tuple[str, int, int, int]]:
+    """(module, self us, cumulative us, depth) for each `-X importtime` line."""
+    modules = []
+    for line in stderr.splitlines():
+        if not line.startswith("import time:") or "self [us]" in line:
+            continue
+        parts = line[len("import time:") :].split("|")
+        if len(parts) != 3:
+            continue
+        self_us, cumulative_us, raw_name = parts
+        depth = (len(raw_name) - len(raw_name.lstrip(" ")) - 1) // 2
+        modules.append((raw_name.strip(), int(self_us), int(cumulative_us), depth))
+    return modules
+
+
+def print_imports(title: str, stderr: str) -> list[str]:
+    """List what a command imported (its `-X importtime` output): every buildtrain module, and each
+    third-party package with the time its import took, so that a regression shows which import
+    brought it. Returns the heavy packages among them."""
+    modules = parse_importtime(stderr)
+    ours = sorted(name for name, *_ in modules if name == "buildtrain" or name.startswith("buildtrain."))
+    third: dict[str, int] = {}
+    for name, _, cumulative, _ in modules:
+        top = name.split(".")[0]
+        if top in sys.stdlib_module_names or top.startswith("_") or top in ("buildtrain", *SITE_HOOKS):
+            continue
+        third[top] = max(third.get(top, 0), cumulative)  # the package's own import line covers it
+    print(f"\n{title}: {len(modules)} modules, {len(ours)} of them buildtrain's")
+    short = [name.removeprefix("buildtrain.") for name in ours]
+    line = "  buildtrain:"
+    for name in short:
+        if len(line) + len(name) > 98:
+            print(line)
+            line = "   "
+        line += f" {name}"
+    print(line)
+    costs = ", ".join(
+        f"{name} {cost / 1000:.1f} ms" for name, cost in sorted(third.items(), key=lambda x: -x[1])
+    )
+    print(f"  third-party (import time under -X importtime): {costs or 'none'}")
+    return [name for name in third if name in HEAVY]

@@ -195,10 +195,14 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
 
     clock = EventClock()
     log = configure(clock)
-    store, plan = load_plan(spec)
+    _, plan = load_plan(spec)
     step = plan.by_label("train:main")
     context = StepContext(
-        store=store, plan=plan, step=step, inputs={"data": Path(spec["data"])}, sources=[], log=log
+        step=step,
+        numerics=plan.numerics,
+        inputs={"data": Path(spec["data"])},
+        work=Path(spec["work"]),
+        log=log,
     )
     job = attrs.evolve(make_job(context), work=Path(spec["work"]))
     train(job, log)

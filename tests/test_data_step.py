@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from buildtrain.config.schema import END_OF_DOCUMENT, DataConfig, SyntheticConfig
 from buildtrain.errors import StepFailed
 from buildtrain.kinds.data import byte_tokenizer, data_view
-from buildtrain.steps import data, formats
+from buildtrain.steps import data, data_index, formats
 from buildtrain.steps.seeds import derive_unit
 from buildtrain.steps.text import arithmetic_document
 from buildtrain.store.objects import hash_file
@@ -35,9 +35,7 @@ class FakeLog:
 
 def spec_of(config: DataConfig) -> data.DataStep:
     """The data step's config as the plan holds it, typed as the step types it."""
-    return data.DataStep.from_config(
-        {"data": data_view(config), "tokenizer": byte_tokenizer()}
-    )
+    return data.DataStep.from_config({"data": data_view(config), "tokenizer": byte_tokenizer()})
 
 
 def synthetic(**overrides: Any) -> DataConfig:
@@ -71,7 +69,7 @@ def in_plan_order(paths: list[Path]) -> list[Path]:
 def build(config: DataConfig, sources: list[Path], out: Path) -> tuple[dict[str, str], dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     digests = data.build(spec_of(config), sources, out, FakeLog())
-    return digests, json.loads((out / data.DATA_INDEX).read_bytes())
+    return digests, json.loads((out / data_index.DATA_INDEX).read_bytes())
 
 
 def split_tokens(out: Path, index: dict[str, Any], split: str) -> list[int]:
@@ -107,8 +105,8 @@ def test_synthetic_build_is_deterministic(tmp_path: Path) -> None:
     second, index_two = build(config, [], tmp_path / "two")
     assert first == second
     assert index_one == index_two
-    assert (tmp_path / "one" / data.DATA_INDEX).read_bytes() == (
-        tmp_path / "two" / data.DATA_INDEX
+    assert (tmp_path / "one" / data_index.DATA_INDEX).read_bytes() == (
+        tmp_path / "two" / data_index.DATA_INDEX
     ).read_bytes()
     for name in first:
         if name != "data":
@@ -221,8 +219,8 @@ def test_index_records_format_tokenizer_and_logs_the_build(tmp_path: Path) -> No
     log = FakeLog()
     tmp_path.mkdir(exist_ok=True)
     data.build(spec_of(config), [], tmp_path, log)
-    index = json.loads((tmp_path / data.DATA_INDEX).read_bytes())
-    assert index["format"] == data.DATA_FORMAT
+    index = json.loads((tmp_path / data_index.DATA_INDEX).read_bytes())
+    assert index["format"] == data_index.DATA_FORMAT
     assert index["tokenizer"] == {"type": "bytes", "vocab_size": 257, "end_of_document": END_OF_DOCUMENT}
     built = [fields for level, event, fields in log.events if event == "data_built"]
     assert built == [

@@ -37,9 +37,7 @@ COMMON = {
 def spec(format: str, tokenized: bool) -> dict[str, Any]:
     config = DataConfig(**COMMON, format=format, tokenizer=TokenizerConfig() if tokenized else "bytes")
     view = data_view(config)
-    return {
-        "config": {"data": view} if tokenized else {"data": view, "tokenizer": byte_tokenizer()}
-    }
+    return {"config": {"data": view} if tokenized else {"data": view, "tokenizer": byte_tokenizer()}}
 
 
 def write_sources(folder: Path, documents: list[str]) -> dict[str, list[Path]]:

@@ -15,7 +15,7 @@ from conftest import Reference, run_bt
 
 from buildtrain.config.schema import ModelConfig
 from buildtrain.steps.hf_export import ARCHITECTURES, read_tensors, write_hf
-from buildtrain.steps.tokenizer import byte_level_json
+from buildtrain.steps.tokenizer_files import byte_level_json
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.state import model_tensors, save_tensors
 from buildtrain.store.objects import hash_file

@@ -9,7 +9,9 @@ hash at all.
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,184 @@ def test_a_computing_edit_changes_the_steps_it_computes(package: Path, tmp_path:
         computed = {step.label for step in plan.steps if step.kind in users}
         # Exactly the steps it computes, and those downstream of them (through their inputs).
         assert changed_labels(package, store, module, before) == downstream(plan, computed), module
+
+
+# -- each kind's closure, module by module -------------------------------------------------------
+
+# Code that never computes a step: the store and its locks, the plan's data structure, input
+# checking, and (for the kinds that do not read data files) the readers and the BPE trainer.
+NOT_COMPUTING = {
+    "buildtrain.store.store",
+    "buildtrain.store.locks",
+    "buildtrain.store.meta",
+    "buildtrain.store.sources",
+    "buildtrain.plan.plan",
+    "buildtrain.executor.inputs",
+}
+DATA_READING = {
+    "buildtrain.steps.data",
+    "buildtrain.steps.tokenized",
+    "buildtrain.steps.corpus",
+    "buildtrain.steps.formats",
+    "buildtrain.steps.sources",
+    "buildtrain.steps.tokenizer",
+}
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The import cache in a folder of this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sources_digest.clear_cache()
+    yield tmp_path / "cache"
+    sources_digest.clear_cache()
+
+
+def digests(root: Path) -> dict[str, str]:
+    sources_digest.clear_cache()
+    return {kind: sources_digest.source_digest(kind, root) for kind in KINDS}
+
+
+def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(package: Path) -> None:
+    closures = {kind: set(computing_modules(kind, package)) for kind in KINDS}
+    for kind, modules in closures.items():
+        assert modules.isdisjoint(NOT_COMPUTING), kind
+    for kind in ("train", "eval", "export"):
+        assert closures[kind].isdisjoint(DATA_READING), kind
+    assert "buildtrain.steps.tokenizer" not in closures["data"]  # it reads a tokenizer, never trains one
+    assert "buildtrain.steps.eval_cache" not in closures["train"]
+
+
+def test_per_kind_an_edit_changes_exactly_the_kinds_whose_closure_holds_it(
+    package: Path, private_cache: Path
+) -> None:
+    """Every module of the package, edited alone: a kind's digest changes if and only if the
+    module is in the kind's closure (inside: changes; outside: never)."""
+    closures = {kind: set(computing_modules(kind, package)) for kind in KINDS}
+    before = digests(package)
+    for module in all_modules(package):
+        path = edited(package, module)
+        original = path.read_bytes()[: -len(b"\n# an edit\n")]
+        try:
+            after = digests(package)
+        finally:
+            path.write_bytes(original)
+        changed = {kind for kind in before if before[kind] != after[kind]}
+        assert changed == {kind for kind, modules in closures.items() if module in modules}, module
+
+
+def test_per_kind_all_edits_outside_its_closure_at_once_change_nothing(
+    package: Path, private_cache: Path
+) -> None:
+    before = digests(package)
+    for kind in KINDS:
+        inside = set(computing_modules(kind, package))
+        outside = [m for m in all_modules(package) if m not in inside]
+        originals = {module_path(package, m): module_path(package, m).read_bytes() for m in outside}
+        for module in outside:
+            edited(package, module)
+        try:
+            assert digests(package)[kind] == before[kind], kind
+        finally:
+            for path, original in originals.items():
+                path.write_bytes(original)
+
+
+def test_no_import_circles_in_steps() -> None:
+    """Among the step modules, no module imports (at run time, in a function or for types only)
+    one that imports it back, directly or not."""
+    from test_layers import imports, known_module, modules
+
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        if module.startswith("buildtrain.steps."):
+            targets = {known_module(name, known) for _, name in imports(path)}
+            graph[module] = {t for t in targets if t and t.startswith("buildtrain.steps.") and t != module}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*path[path.index(target) :], target]))
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+# -- the on-disk import cache --------------------------------------------------------------------
+
+
+def cold_digests(root: Path) -> dict[str, str]:
+    """Digests with every module parsed now (no cache at all)."""
+    sources_digest.clear_cache()
+    sources_digest._CACHE.append(sources_digest.ImportCache(None))
+    try:
+        return {kind: sources_digest.source_digest(kind, root) for kind in KINDS}
+    finally:
+        sources_digest.clear_cache()
+
+
+def test_the_cache_gives_the_digests_of_a_cold_computation(package: Path, private_cache: Path) -> None:
+    cold = cold_digests(package)
+    assert digests(package) == cold  # filling the cache
+    assert sources_digest.import_cache().parsed > 0
+    assert digests(package) == cold  # read from it, as a second process would
+    assert sources_digest.import_cache().parsed == 0
+    assert list(private_cache.rglob("code-imports-*.json"))
+
+
+def test_an_edit_that_keeps_size_and_mtime_is_seen(package: Path, private_cache: Path) -> None:
+    """The cache is keyed by content: an edit that keeps the size and the mtime (and changes the
+    imports) is parsed again."""
+    path = module_path(package, "buildtrain.steps.seeds")
+    original = path.read_bytes()
+    comment, statement = b"\n# " + b"x" * 30 + b"\n", b"\nimport buildtrain.report".ljust(33) + b"\n"
+    assert len(comment) == len(statement)
+    try:
+        path.write_bytes(original + comment)
+        stat = path.stat()
+        assert "buildtrain.report" not in computing_modules("data", package)
+        digests(package)  # the cache now holds the commented version
+        path.write_bytes(original + statement)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+        assert digests(package) == cold_digests(package)
+        sources_digest.clear_cache()
+        assert "buildtrain.report" in computing_modules("data", package)
+    finally:
+        path.write_bytes(original)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "foreign", "malformed"])
+def test_a_damaged_or_foreign_cache_changes_no_digest(
+    package: Path, private_cache: Path, damage: str
+) -> None:
+    import json
+
+    from buildtrain.store.objects import framed
+
+    cold = cold_digests(package)
+    digests(package)
+    (cache,) = private_cache.rglob("code-imports-*.json")
+    raw = cache.read_bytes()
+    body = json.loads(raw.partition(b"\n")[2])
+    wrong = {key: ["buildtrain.report"] for key in body["imports"]}  # every module imports the CLI side
+    if damage == "flip":  # a wrong entry in a file whose digest no longer matches
+        cache.write_bytes(raw[:70] + raw[70:].replace(b"buildtrain.steps", b"buildtrain.views", 1))
+    elif damage == "truncate":
+        cache.write_bytes(raw[: len(raw) // 2])
+    elif damage == "garbage":
+        cache.write_bytes(b"\x00\xff" * 100)
+    elif damage == "foreign":  # another parser's entries, sealed correctly: not read
+        cache.write_bytes(framed(json.dumps({"parser": "another", "imports": wrong}).encode()))
+    else:  # entries of the wrong shape under this parser
+        entries = {key: "buildtrain.report" for key in body["imports"]}
+        cache.write_bytes(framed(json.dumps({"parser": body["parser"], "imports": entries}).encode()))
+    assert digests(package) == cold, damage
+    assert sources_digest.import_cache().parsed > 0  # parsed again instead

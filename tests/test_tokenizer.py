@@ -19,8 +19,9 @@ from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
 from buildtrain.steps import tokenizer as tokenizer_step
+from buildtrain.steps.corpus import corpus
 from buildtrain.steps.pieces import pieces
-from buildtrain.steps.text import TextSettings, corpus
+from buildtrain.steps.text import TextSettings
 from buildtrain.store.store import Store
 
 MICRO_BPE = REPO / "tests" / "presets" / "micro_bpe.toml"
@@ -190,7 +191,8 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
     from tokenizers import AddedToken
 
     from buildtrain.canonical import canonical_bytes
-    from buildtrain.steps.data import DATA_INDEX, DataSettings
+    from buildtrain.steps.data import DataSettings
+    from buildtrain.steps.data_index import DATA_INDEX
     from buildtrain.steps.tokenized import build_tokenized
     from buildtrain.steps.train.batches import TokenStream
 
@@ -213,7 +215,7 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
     class Log:
         def info(self, *_: object, **__: object) -> None: ...
 
-    build_tokenized(config, [path], folder, out, Log())
+    build_tokenized(config.text, config.shard_tokens, [path], folder, out, Log())
     index = json.loads((out / DATA_INDEX).read_bytes())
     split = index["splits"]["train"]
     assert split["dtype"] == "u32" and split["shards"][0]["digest"]

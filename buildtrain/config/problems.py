@@ -6,7 +6,6 @@ so the user sees one format wherever a mistake was found.
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -74,6 +73,8 @@ def key_text(key: KeyPath) -> str:
 
 
 def suggest(word: str, candidates: Iterable[str]) -> str:
+    import difflib  # only for a mistake: importing it cost every `bt plan` about 3 ms
+
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 

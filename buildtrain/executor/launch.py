@@ -10,7 +10,6 @@ stderr, which the executor keeps aside and reads when a rank fails.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -31,6 +30,8 @@ def die_with_parent(parent: int | None = None) -> None:
     keeps training (and writing) behind a new `bt run`'s back. Both torchrun and every worker
     call it, so the chain bt -> torchrun -> ranks falls together. A parent that died before this
     call (it cannot signal any more) is noticed by `parent`, its pid as it was at the start."""
+    import ctypes  # here: `bt plan` and a null build never need it
+
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:

@@ -9,7 +9,6 @@ structlog, which would cost a null build about 90 ms of start-up.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from buildtrain import clock
@@ -31,6 +30,8 @@ def event_line(event: str, level: str = "info", **fields: Any) -> str:
 
 def configure(stream: Any) -> Any:
     """A step process's logger, writing JSON lines to `stream` (the pipe the executor reads)."""
+    import logging  # with structlog, only in a step process: a null build never pays for it
+
     import structlog
 
     structlog.configure(

@@ -14,13 +14,15 @@ success is not used again.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import attrs
+
+if TYPE_CHECKING:
+    import socket
 
 EnvironmentKey = tuple[tuple[str, str], ...]
 JOB_EXIT = "job_exit"  # a serving worker's last event for a job, with the job's exit status
@@ -55,6 +57,8 @@ class StepProcesses:
 
     def submit(self, env: dict[str, str], job: Path, lock_fd: int) -> Worker:
         """Hand `job` and its lock to a worker for `env`, started if there is none alive."""
+        import socket  # here: a null build submits nothing, and the import cost it ~5 ms
+
         key = tuple(sorted(env.items()))
         worker = self.workers.get(key)
         if worker is not None and worker.process.poll() is not None:
@@ -82,6 +86,8 @@ class StepProcesses:
 
 
 def start(env: dict[str, str]) -> Worker:
+    import socket
+
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     read_fd, write_fd = os.pipe()
     command = [sys.executable, "-m", "buildtrain.executor.worker"]

@@ -58,7 +58,10 @@ def _interrupt_now(number: int, _: object) -> None:
 
 
 def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
-    from buildtrain.steps.context import StepContext, verified_inputs
+    from buildtrain.executor.inputs import verified_inputs
+    from buildtrain.steps.context import StepContext
+    from buildtrain.steps.eval_cache import StoreResults
+    from buildtrain.steps.sources import planned_sources
     from buildtrain.steps.train.controls import StopRequest
 
     # Until the step computes, a signal is only remembered: a handler that raised inside `import
@@ -87,11 +90,12 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         signal.signal(signal.SIGINT, _interrupt_now)
 
     ctx = StepContext(
-        store=store,
-        plan=plan,
         step=step,
+        numerics=plan.numerics,
         inputs=verified_inputs(store, step, only=None if lead else kind.rank_inputs),
-        sources=[Path(p) for p in job.sources],
+        sources=planned_sources(step.inputs.get("sources", []), list(job.sources)),
+        work=store.work_dir(step.hash),
+        results=StoreResults(store=store),
         log=log,
         controls=controls,
     )

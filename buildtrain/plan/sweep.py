@@ -14,18 +14,18 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import describe
-from buildtrain.config.loader import load_preset
-from buildtrain.config.overrides import parse_key_path, parse_value
 from buildtrain.errors import ConfigError, UsageError
-from buildtrain.plan.planner import Planned, plan_loaded
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.plan.planner import Planned
 
 SWEEP_FORMAT = 1
 # More points than this is a typo in an axis, not an experiment anyone will read.
@@ -89,6 +89,8 @@ def _split_values(text: str) -> list[str]:
 
 def parse_axis(text: str) -> Axis:
     """`train.lr=1e-3,3e-3` -> Axis; a malformed axis is a `UsageError` that names it and the fix."""
+    from buildtrain.config.overrides import parse_key_path, parse_value
+
     key, sep, values_text = text.partition("=")
     key = key.strip()
     if not sep or not key or not parse_key_path(key):
@@ -187,6 +189,11 @@ def plan_sweep(
 
     Every point is validated before any is stored, so a bad axis value leaves nothing half-written.
     """
+    # Here, not above: `bt run HASH` reads stored sweeps through this module and never plans (the
+    # loader and the planner cost a null build about 20 ms).
+    from buildtrain.config.loader import load_preset
+    from buildtrain.plan.planner import plan_loaded
+
     given = [parse_axis(text) for text in axis_texts]
     loaded = load_preset(path, overrides)
     declared = table_axes(loaded.sweep, str(loaded.path)) if loaded.sweep is not None else []

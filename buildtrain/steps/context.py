@@ -1,4 +1,12 @@
-"""What the executor hands a step: its plan node, verified inputs, a logger and a place to write.
+"""What the executor hands a step: what it computes with, and nothing more.
+
+Its plan node (kind, config, hash), the numerics it runs under, its verified inputs and its data
+files (checked against the plan as they are read: `sources.py`), its work folder (where a train
+step keeps checkpoints between attempts), the evaluation cache as a lookup and a record, a logger
+and, for a train step, its controls. Not the store: a step cannot reach the rest of it, and the
+store's code (layout, locks, repair) stays outside every kind's code hash
+(`plan/sources_digest.py`), like the code that verifies inputs before a step starts
+(`executor/inputs.py`).
 
 Torch-free, so the executor can complete steps that need no computation (an evaluation already in
 the content cache) without starting a process.
@@ -7,55 +15,40 @@ the content cache) without starting a process.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from buildtrain.config.schema import NumericsConfig
-from buildtrain.errors import CorruptObject
-from buildtrain.plan.plan import Plan, Step
-from buildtrain.store import objects
-from buildtrain.store.store import Store
-
 if TYPE_CHECKING:
+    from buildtrain.config.schema import NumericsConfig
+    from buildtrain.plan.plan import Step
+    from buildtrain.steps.sources import Source
     from buildtrain.steps.train.controls import TrainControls
 
 RESULT = "result.json"
 
 
+class ResultCache(Protocol):
+    """Results addressed by content (the store's `evals/`, see `eval_cache.py`)."""
+
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        """The result recorded under `key`, only if its entry verifies."""
+
+    def record(self, key: str, body: dict[str, Any]) -> None:
+        """Record `body` under `key` (replacing a damaged entry)."""
+
+
 @attrs.frozen(kw_only=True)
 class StepContext:
-    store: Store
-    plan: Plan
-    step: Step
+    step: Step  # its plan node: kind, config, hash, label, upstream hashes
+    numerics: NumericsConfig
     inputs: dict[str, Path]  # upstream step outputs by input name, verified on read
-    sources: list[Path]  # data files in plan order (the data step only)
+    sources: list[Source] = attrs.Factory(list)  # data files in plan order (tokenizer and data steps)
+    work: Path  # the step's work folder (it may not exist yet): kept until the step is published
+    results: ResultCache | None = None  # the evaluation cache (an eval step)
     log: Any
     controls: TrainControls | None = None  # a train step's stop request, observer and ranks
-
-    @property
-    def numerics(self) -> NumericsConfig:
-        return self.plan.numerics
-
-
-def verified_inputs(store: Store, step: Step, only: Collection[str] | None = None) -> dict[str, Path]:
-    """Upstream outputs (all, or the inputs named in `only`), each re-hashed against its manifest
-    before anything reads it."""
-    found = {}
-    for name, step_hash in step.upstream.items():
-        if only is not None and name not in only:
-            continue
-        path = store.output(step_hash)
-        problems = objects.verify(path)
-        if problems:
-            raise CorruptObject(
-                f"input {name} of {step.label} (step {step_hash[:12]}) does not verify: {problems[0]}; "
-                "run bt fsck, then bt run again to rebuild it"
-            )
-        found[name] = path
-    return found
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The data step: ingest, tokenize (bytes), split train/held-out, write token shards.
+"""The data step: ingest, tokenize (bytes, or a tokenizer step's tokenizer: `tokenized.py`), split
+train/held-out, write token shards (`shards.py`; what train and eval read of them: `data_index.py`).
 
 Streams from start to end: files are read in chunks, tokens go out in shards of fixed size, and only
 one split block is held in memory. Sources are read in the order of their content digests, which is
@@ -7,25 +8,22 @@ how the plan lists them, so neither file names nor locations influence the token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, SyntheticConfig
-from buildtrain.errors import StepFailed
+from buildtrain.config.schema import END_OF_DOCUMENT, SyntheticConfig
+from buildtrain.steps.corpus import corpus
 from buildtrain.steps.seeds import derive_unit
-from buildtrain.steps.text import TextSettings, corpus
-from buildtrain.store.objects import write_bytes_durably
-from buildtrain.store.tensors import tensor_digest
+from buildtrain.steps.shards import ShardWriter, finish
+from buildtrain.steps.sources import Source
+from buildtrain.steps.text import TextSettings
 
 if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext
-
-DATA_FORMAT = 1
-DATA_INDEX = "data.json"
 
 
 @attrs.frozen(kw_only=True)
@@ -71,11 +69,6 @@ class DataStep:
         return converter.structure(config, cls)
 
 
-def vocab_size(index: dict[str, Any]) -> int:
-    """The size of the vocabulary a data step's tokens come from, as its `data.json` records it."""
-    return int(index["tokenizer"].get("vocab_size", BYTE_VOCAB_SIZE))
-
-
 def widen(chunk: bytes) -> bytearray:
     """Bytes as uint16 little-endian tokens, at C speed: each byte becomes a low byte."""
     wide = bytearray(2 * len(chunk))
@@ -86,58 +79,29 @@ def widen(chunk: bytes) -> bytearray:
 END_OF_DOCUMENT_BYTES = END_OF_DOCUMENT.to_bytes(2, "little")
 
 
-class ShardWriter:
-    """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
-
-    def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
-        # width 4 (uint32) for vocabularies past 65,536 ids; see steps/tokenized.py
-        self.folder, self.split, self.width = folder, split, width
-        self.shard_bytes = width * shard_tokens
-        self.buffer = bytearray()
-        self.shards: list[dict[str, Any]] = []
-
-    def write(self, tokens: bytes | bytearray) -> None:
-        self.buffer += tokens
-        while len(self.buffer) >= self.shard_bytes:
-            self._flush(bytes(self.buffer[: self.shard_bytes]))
-            del self.buffer[: self.shard_bytes]
-
-    def close(self) -> None:
-        if self.buffer:
-            self._flush(bytes(self.buffer))
-            self.buffer = bytearray()
-
-    def _flush(self, raw: bytes) -> None:
-        name = f"{self.split}-{len(self.shards):05d}.bin"
-        (self.folder / name).write_bytes(raw)
-        count = len(raw) // self.width
-        dtype = "u16" if self.width == 2 else "u32"
-        self.shards.append(
-            {"file": name, "tokens": count, "digest": tensor_digest(name, dtype, [count], raw)}
-        )
-
-    @property
-    def tokens(self) -> int:
-        return sum(shard["tokens"] for shard in self.shards)
-
-
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     return build_from_plan(ctx.step.config, ctx.sources, out, ctx.log, ctx.inputs.get("tokenizer"))
 
 
 def build_from_plan(
-    config: dict[str, Any], sources: list[Path], out: Path, log: Any, tokenizer: Path | None = None
+    config: dict[str, Any],
+    sources: Sequence[Source | Path],
+    out: Path,
+    log: Any,
+    tokenizer: Path | None = None,
 ) -> dict[str, str]:
     """A data step's output from its config as the plan holds it (`Step.config`) and, for a BPE
-    or a given tokenizer.json, the tokenizer step's output."""
+    or a given tokenizer.json, the tokenizer step's output. `sources` are checked against the
+    plan as they are read when they are `Source`s (what the executor hands a step)."""
     if tokenizer is not None:
-        from buildtrain.steps.tokenized import build_tokenized
+        from buildtrain.steps.tokenized import build_tokenized  # numpy and tokenizers
 
-        return build_tokenized(DataStep.from_config(config).data, sources, tokenizer, out, log)
+        settings = DataStep.from_config(config).data
+        return build_tokenized(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
     return build(DataStep.from_config(config), sources, out, log)
 
 
-def build(step: DataStep, sources: list[Path], out: Path, log: Any) -> dict[str, str]:
+def build(step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any) -> dict[str, str]:
     """Write byte-token shards and `data.json` into `out`; return the logical digests of the output."""
     settings = step.data
     block_size, fraction, split_seed = settings.split_block, settings.heldout_fraction, settings.split_seed
@@ -182,41 +146,3 @@ def build(step: DataStep, sources: list[Path], out: Path, log: Any) -> dict[str,
         units=f"{block_index} blocks of {block_size} tokens",
         log=log,
     )
-
-
-def finish(
-    out: Path,
-    writers: dict[str, ShardWriter],
-    *,
-    tokenizer: dict[str, Any],
-    documents: int,
-    blocks: int,
-    units: str,
-    log: Any,
-) -> dict[str, str]:
-    """Close the shards, refuse an empty split (`units` says what the corpus was cut into), write
-    `data.json` and return the output's logical digests: the end of every data step."""
-    for writer in writers.values():
-        writer.close()
-    for split, writer in writers.items():
-        if writer.tokens < 2:
-            raise StepFailed(
-                f"the {split} split is empty: the corpus has {units}; "
-                "use more data, a smaller data.split_block, or another data.heldout_fraction"
-            )
-    splits: dict[str, Any] = {s: {"tokens": w.tokens, "shards": w.shards} for s, w in writers.items()}
-    for writer, split in zip(writers.values(), splits.values(), strict=True):
-        if writer.width != 2:
-            split["dtype"] = "u32"  # only when wide: uint16 indexes keep their meaning
-    index = {"format": DATA_FORMAT, "tokenizer": tokenizer, "documents": documents, "splits": splits}
-    write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
-    digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
-    digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
-    log.info(
-        "data_built",
-        documents=documents,
-        train_tokens=writers["train"].tokens,
-        heldout_tokens=writers["heldout"].tokens,
-        blocks=blocks,
-    )
-    return digests

@@ -14,7 +14,7 @@ import attrs
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import EvalConfig, ModelConfig
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.steps.eval_cache import cache_key, complete_from_cache, lookup, record_result
+from buildtrain.steps.eval_cache import cache_key, complete_from_cache, write_result
 
 # The executor completes an evaluation found in the cache without starting a process (kinds/eval.py).
 complete_from_store = complete_from_cache
@@ -37,17 +37,17 @@ class EvalStep:
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     import torch
 
-    from buildtrain.steps.data import DATA_INDEX, vocab_size
+    from buildtrain.steps.data_index import DATA_INDEX, vocab_size
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import load_model
 
     key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
-    cached = lookup(ctx.store, key)
+    cached = ctx.results.lookup(key) if ctx.results is not None else None
     if cached is not None:
         ctx.log.info("eval_cache_hit", key=key)
-        return record_result(ctx.store, key, cached, out)
+        return _recorded(ctx, key, cached, out)
 
     config = EvalStep.from_config(ctx.step.config)
     numerics = ctx.numerics
@@ -60,4 +60,12 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
     result = evaluate(model, heldout, config.eval, device, autocast)
     ctx.log.info("eval", **result)
-    return record_result(ctx.store, key, {"identity": identity, "result": result}, out)
+    return _recorded(ctx, key, {"identity": identity, "result": result}, out)
+
+
+def _recorded(ctx: StepContext, key: str, body: dict[str, Any], out: Path) -> dict[str, str]:
+    """Write the result into the output and into the evaluation cache (the step holds its lock)."""
+    digests = write_result(body, out)
+    if ctx.results is not None:
+        ctx.results.record(key, body)
+    return digests

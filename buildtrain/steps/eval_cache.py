@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.plan.plan import Step
 from buildtrain.store import objects
 from buildtrain.store.objects import read_manifest
-from buildtrain.store.store import Store
+
+if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
+    from buildtrain.plan.plan import Step
+    from buildtrain.store.store import Store
 
 
 def key_of(identity: dict[str, Any]) -> str:
@@ -96,14 +100,37 @@ def lookup(store: Store, key: str) -> dict[str, Any] | None:
 def record_result(store: Store, key: str, body: dict[str, Any], out: Path) -> dict[str, str]:
     """Write the result into the step output and into the content-addressed cache (replacing a
     damaged entry there: the caller holds the step's lock)."""
-    raw = canonical_bytes(body)
-    (out / EVAL_RESULT).write_bytes(raw)
+    digests = write_result(body, out)
+    record_entry(store, key, body)
+    return digests
+
+
+def write_result(body: dict[str, Any], out: Path) -> dict[str, str]:
+    """An eval step's output: the result with its identity; returns the output's digests."""
+    (out / EVAL_RESULT).write_bytes(canonical_bytes(body))
+    return {"eval": digest("eval-result", body)}
+
+
+def record_entry(store: Store, key: str, body: dict[str, Any]) -> None:
+    """Seal `body` into the cache under `key`, unless a verifying entry is there already."""
     path = store.evals / f"{key}.json"
     if lookup(store, key) is None:
         if os.path.lexists(path):
             store.set_aside(path)
         store.replace_file(path, seal_entry(key, body))
-    return {"eval": digest("eval-result", body)}
+
+
+@attrs.frozen(kw_only=True)
+class StoreResults:
+    """A store's evaluation cache as a step sees it (`context.ResultCache`)."""
+
+    store: Store
+
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        return lookup(self.store, key)
+
+    def record(self, key: str, body: dict[str, Any]) -> None:
+        record_entry(self.store, key, body)
 
 
 def key_of_output(output: Path) -> str | None:

@@ -17,7 +17,7 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -26,12 +26,13 @@ from buildtrain.config.checks import name_problem
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ExportConfig
 from buildtrain.errors import CorruptObject, UsageError
-from buildtrain.kinds import kind_of
-from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
-from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
+
+if TYPE_CHECKING:
+    from buildtrain.plan.plan import Plan
+    from buildtrain.store.store import Store
 
 WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"
@@ -59,7 +60,7 @@ class ExportStep:
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     from buildtrain.steps.eval_cache import EVAL_RESULT
     from buildtrain.steps.hf_export import HF_FOLDER, write_hf
-    from buildtrain.steps.tokenizer import export_files
+    from buildtrain.steps.tokenizer_files import export_files
 
     config = ExportStep.from_config(ctx.step.config)
     source = final_weights(ctx.inputs["weights"])
@@ -98,6 +99,8 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
 
 def built_export(store: Store, plan: Plan, wanted_for: str = "") -> Path:
     """The export output of a built plan, re-hashed against its manifest; else a clear refusal."""
+    from buildtrain.kinds import kind_of  # (moves out of the step's module with this function)
+
     steps = [step for step in plan.steps if kind_of(step.kind).package]
     if not steps:
         raise UsageError(f"plan {plan.hash[:12]} has no export step (export.enabled = false){wanted_for}")

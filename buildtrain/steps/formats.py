@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from buildtrain.errors import StepFailed
+from buildtrain.steps.sources import open_source, private_copy
 
 if TYPE_CHECKING:
     from buildtrain.steps.text import TextSettings
@@ -25,7 +26,7 @@ PARQUET_BATCH_ROWS = 4096  # rows per record batch: a few MB of text at most
 
 
 def text_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
+    with open_source(path) as handle:
         while chunk := handle.read(READ_CHUNK):
             yield chunk
 
@@ -53,7 +54,7 @@ def _utf8(text: str, where: str, key: str) -> bytes:
 
 def jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, Iterator[bytes]]]:
     """One document per non-blank line: the string at `field` of the JSON object on that line."""
-    with open(path, "rb") as handle:
+    with open_source(path) as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue  # a trailing newline or blank separator line is not a record
@@ -82,8 +83,9 @@ def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, Iterator[b
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    readable = private_copy(path)  # checked against the plan before Parquet reads it
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(readable)
     except (pa.ArrowException, OSError) as exc:
         raise StepFailed(f"{path}: not a readable Parquet file ({exc})") from None
     schema = parquet.schema_arrow

@@ -1,11 +1,8 @@
-"""The text a data or tokenizer step reads: the built-in synthetic corpus, or data files in plan
-order, each document as (where, chunks of bytes). `where` names the file (and line or row group)
-for error messages and never reaches a hash. Needs no torch."""
+"""What chooses the text a data or tokenizer step reads (`TextSettings`), and the built-in synthetic
+corpus; `corpus.py` reads it (or the data files, through `formats.py`). Needs no torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -61,19 +58,3 @@ def arithmetic_document(seed: int, index: int, lines: int) -> bytes:
         a, b = rng.below(10 ** (1 + rng.below(3))), rng.below(10 ** (1 + rng.below(3)))
         rows.append(f"{a}+{b}={a + b}\n")
     return "".join(rows).encode("ascii")
-
-
-def corpus(text: TextSettings, sources: list[Path]) -> Iterator[tuple[str, Iterable[bytes]]]:
-    """(where, chunks) of every document: the synthetic corpus, or the data files in plan order."""
-    if text.source == "synthetic":
-        synthetic = text.synthetic
-        assert synthetic is not None, "the plan keeps the synthetic settings of a synthetic source"
-        for index in range(synthetic.documents):
-            yield (
-                f"synthetic document {index}",
-                (arithmetic_document(synthetic.seed, index, synthetic.lines),),
-            )
-        return
-    from buildtrain.steps.formats import documents  # text, JSONL, Parquet
-
-    yield from documents(text, sources)

@@ -10,35 +10,39 @@ Token ids go into uint16 shards while the vocabulary fits 65,536 ids, uint32 sha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from buildtrain.steps.data import DataSettings, ShardWriter, finish
+from buildtrain.steps.corpus import corpus
+from buildtrain.steps.data_index import token_width
 from buildtrain.steps.pieces import Piece, pieces
-from buildtrain.steps.text import corpus
-from buildtrain.steps.tokenizer import load
+from buildtrain.steps.shards import ShardWriter, finish
+from buildtrain.steps.sources import Source
+from buildtrain.steps.text import TextSettings
+from buildtrain.steps.tokenizer_files import load
 
 ENCODE_BATCH_BYTES = 4 << 20  # text per batch encode call: large enough to keep every core busy
-U16_IDS = 1 << 16
-
-
-def token_width(vocab_size: int) -> int:
-    """Bytes per token id in a shard."""
-    return 2 if vocab_size <= U16_IDS else 4
 
 
 def build_tokenized(
-    settings: DataSettings, sources: list[Path], tokenizer_dir: Path, out: Path, log: Any
+    text: TextSettings,
+    shard_tokens: int,
+    sources: Sequence[Source | Path],
+    tokenizer_dir: Path,
+    out: Path,
+    log: Any,
 ) -> dict[str, str]:
-    """Write shards and `data.json` into `out`; return the logical digests of the output."""
+    """Write shards of `shard_tokens` tokens and `data.json` into `out`; return the logical
+    digests of the output."""
     tokenizer, description = load(tokenizer_dir)
     width = token_width(description["vocab_size"])
     dtype = np.uint16 if width == 2 else np.uint32
     end_of_document = description["end_of_document"]
-    writers = {s: ShardWriter(out, s, settings.shard_tokens, width) for s in ("train", "heldout")}
+    writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     counts = {"documents": 0, "pieces": 0}
     batch: list[Piece] = []
     batch_bytes = 0
@@ -69,7 +73,6 @@ def build_tokenized(
                 write(pending[0], pending[1].result())
             pending = (batch, future)
 
-        text = settings.text
         for piece in pieces(text, corpus(text, sources)):
             batch.append(piece)
             batch_bytes += len(piece.text)
@@ -86,6 +89,6 @@ def build_tokenized(
         tokenizer=description,
         documents=counts["documents"],
         blocks=counts["pieces"],
-        units=f"{counts['pieces']} pieces of at most {settings.split_block} bytes",
+        units=f"{counts['pieces']} pieces of at most {text.split_block} bytes",
         log=log,
     )

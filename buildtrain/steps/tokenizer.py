@@ -1,7 +1,8 @@
 """The tokenizer step: a byte-level BPE trained on a stage's training text, or a given file checked.
 
 Output: `tokenizer.json` (Hugging Face `tokenizers` format, what the data step encodes with and the
-export ships) and `description.json` (its kind, vocabulary size and end-of-document id). Training
+export ships) and `description.json` (its kind, vocabulary size and end-of-document id); how the
+steps downstream read them is `tokenizer_files.py`. Training
 reads only the pieces of text that the data step will put in the train split (see `pieces`), never
 the held-out ones. It is deterministic: the BPE trainer breaks ties between equally frequent pairs
 by pair id and serializes its vocabulary in id order, so the same text gives the same bytes at any
@@ -20,15 +21,16 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
 from buildtrain.errors import StepFailed
+from buildtrain.steps.corpus import corpus
 from buildtrain.steps.pieces import pieces
-from buildtrain.steps.text import TextSettings, corpus
+from buildtrain.steps.sources import Source, read_source
+from buildtrain.steps.text import TextSettings
+from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
 from buildtrain.store.objects import hash_file, write_bytes_durably
 
 if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext
 
-TOKENIZER = "tokenizer.json"
-DESCRIPTION = "description.json"
 TRAIN_BATCH = 1024  # pieces handed to the trainer at a time
 
 
@@ -61,7 +63,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     settings = step.tokenizer
     if step.text is None:
         (source,) = ctx.sources
-        raw = source.read_bytes()  # once: the bytes checked are the bytes stored
+        raw = read_source(source)  # once: the bytes checked (also against the plan) are the bytes stored
         tokenizer = load_given(source, raw, settings.end_of_document)
     else:
         tokenizer = train_bpe(step.text, ctx.sources, settings)
@@ -83,7 +85,7 @@ def new_bpe() -> Any:
     return tokenizer
 
 
-def train_bpe(text: TextSettings, sources: list[Path], settings: TokenizerSettings) -> Any:
+def train_bpe(text: TextSettings, sources: list[Source], settings: TokenizerSettings) -> Any:
     """Train on the train split's pieces of the corpus, in corpus order."""
     from tokenizers import pre_tokenizers, trainers
 
@@ -99,7 +101,7 @@ def train_bpe(text: TextSettings, sources: list[Path], settings: TokenizerSettin
     return tokenizer
 
 
-def _train_batches(text: TextSettings, sources: list[Path]) -> Iterator[list[str]]:
+def _train_batches(text: TextSettings, sources: list[Source]) -> Iterator[list[str]]:
     batch: list[str] = []
     for piece in pieces(text, corpus(text, sources)):
         if not piece.held_out:
@@ -111,7 +113,7 @@ def _train_batches(text: TextSettings, sources: list[Path]) -> Iterator[list[str
         yield batch
 
 
-def load_given(path: Path, raw: bytes, end_of_document: str) -> Any:
+def load_given(path: Source | Path, raw: bytes, end_of_document: str) -> Any:
     """A tokenizer file the preset names, refused with its path unless it loads and has the
     end-of-document token."""
     from tokenizers import Tokenizer
@@ -139,85 +141,3 @@ def describe(tokenizer: Any, kind: str, end_of_document: str) -> dict[str, Any]:
         "end_of_document": tokenizer.token_to_id(end_of_document),
         "end_of_document_token": end_of_document,
     }
-
-
-def load(folder: Path) -> tuple[Any, dict[str, Any]]:
-    """A tokenizer step's output: the tokenizer and its description."""
-    import json
-
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(folder / TOKENIZER)), json.loads((folder / DESCRIPTION).read_bytes())
-
-
-BYTE_END_OF_DOCUMENT = "<|endoftext|>"
-
-
-def byte_level_json(end_of_document: int) -> bytes:
-    """The byte tokenizer as a `tokenizers` file: id b for byte b, `<|endoftext|>` at
-    `end_of_document`. A byte-level BPE with no merges and no regex split encodes every text to
-    exactly its UTF-8 bytes, so transformers reads the same ids buildtrain trained on. Written out
-    here (canonical JSON), not serialized by the library, so the export's bytes do not depend on
-    the `tokenizers` release (the export step's hash does not name it)."""
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-    document = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {
-                "id": end_of_document,
-                "content": BYTE_END_OF_DOCUMENT,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-        ],
-        "normalizer": None,
-        "pre_tokenizer": byte_level,
-        "post_processor": None,
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {character: byte for byte, character in _gpt2_byte_map().items()},
-            "merges": [],
-        },
-    }
-    return canonical_bytes(document)
-
-
-def _gpt2_byte_map() -> dict[int, str]:
-    """GPT-2's reversible map of bytes to printable characters (what ByteLevel uses)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    codes, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, codes, strict=True)}
-
-
-def export_files(inputs: dict[str, Path], described: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """(tokenizer.json bytes, description) of what a plan's export ships: the tokenizer step's
-    output, or the byte tokenizer (`described` is then the plan's byte description)."""
-    import json
-
-    if "tokenizer" in inputs:
-        folder = inputs["tokenizer"]
-        return (folder / TOKENIZER).read_bytes(), json.loads((folder / DESCRIPTION).read_bytes())
-    description = {**described, "end_of_document_token": BYTE_END_OF_DOCUMENT}
-    return byte_level_json(described["end_of_document"]), description

@@ -35,7 +35,7 @@ class TokenStream:
                 # A private copy-on-write map: pages load lazily, and torch gets a writable buffer.
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
             self.maps.append(mapped)
-            # uint32 when the vocabulary passes 65,536 ids (see steps/tokenized.py)
+            # uint32 when the vocabulary passes 65,536 ids (see steps/data_index.py)
             wide = split.get("dtype") == "u32"
             self.shards.append(torch.frombuffer(mapped, dtype=torch.uint32 if wide else torch.uint16))
             self.starts.append(total)

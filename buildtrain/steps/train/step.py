@@ -17,7 +17,7 @@ from buildtrain.config.convert import converter
 from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
 from buildtrain.errors import StepFailed
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
-from buildtrain.steps.data import DATA_INDEX
+from buildtrain.steps.data_index import DATA_INDEX
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.identity import checkpoint_problems
@@ -47,7 +47,7 @@ def make_job(ctx: StepContext) -> TrainJob:
         data=data_dir,
         index=read_json(data_dir / DATA_INDEX),
         init_weights=final_weights(init) if init is not None else None,
-        work=ctx.store.work_dir(ctx.step.hash) / "checkpoints",
+        work=ctx.work / "checkpoints",
         identity={"step_hash": ctx.step.hash},
     )
 

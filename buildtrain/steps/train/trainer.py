@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from buildtrain.errors import Interrupted, StepFailed
-from buildtrain.steps.data import vocab_size
+from buildtrain.steps.data_index import vocab_size
 from buildtrain.steps.failures import out_of_memory
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.seeds import derive_seed

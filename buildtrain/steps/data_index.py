@@ -1,0 +1,24 @@
+"""A data step's output as the steps that read it see it: the index file, its format and the width
+of a shard's token ids. The data step writes them (`shards.py`); the train and eval steps read
+them through this module alone, so none of the data step's readers, tokenizers or writers enters
+their code hash. Torch-free, numpy-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from buildtrain.config.schema import BYTE_VOCAB_SIZE
+
+DATA_FORMAT = 1
+DATA_INDEX = "data.json"
+U16_IDS = 1 << 16  # ids a uint16 shard can hold; a larger vocabulary gets uint32 shards
+
+
+def token_width(vocab_size: int) -> int:
+    """Bytes per token id in a shard."""
+    return 2 if vocab_size <= U16_IDS else 4
+
+
+def vocab_size(index: dict[str, Any]) -> int:
+    """The size of the vocabulary a data step's tokens come from, as its `data.json` records it."""
+    return int(index["tokenizer"].get("vocab_size", BYTE_VOCAB_SIZE))

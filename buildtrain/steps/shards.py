@@ -1,0 +1,89 @@
+"""How every data step ends: token shards of a fixed size per split, then `data.json`.
+
+Shared by the byte data step (`data.py`) and the one that encodes with a tokenizer step's
+tokenizer (`tokenized.py`). Needs no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.errors import StepFailed
+from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
+from buildtrain.store.objects import write_bytes_durably
+from buildtrain.store.tensors import tensor_digest
+
+
+class ShardWriter:
+    """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
+        # width 4 (uint32) for vocabularies past 65,536 ids; see data_index.token_width
+        self.folder, self.split, self.width = folder, split, width
+        self.shard_bytes = width * shard_tokens
+        self.buffer = bytearray()
+        self.shards: list[dict[str, Any]] = []
+
+    def write(self, tokens: bytes | bytearray) -> None:
+        self.buffer += tokens
+        while len(self.buffer) >= self.shard_bytes:
+            self._flush(bytes(self.buffer[: self.shard_bytes]))
+            del self.buffer[: self.shard_bytes]
+
+    def close(self) -> None:
+        if self.buffer:
+            self._flush(bytes(self.buffer))
+            self.buffer = bytearray()
+
+    def _flush(self, raw: bytes) -> None:
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        (self.folder / name).write_bytes(raw)
+        count = len(raw) // self.width
+        dtype = "u16" if self.width == 2 else "u32"
+        self.shards.append(
+            {"file": name, "tokens": count, "digest": tensor_digest(name, dtype, [count], raw)}
+        )
+
+    @property
+    def tokens(self) -> int:
+        return sum(shard["tokens"] for shard in self.shards)
+
+
+def finish(
+    out: Path,
+    writers: dict[str, ShardWriter],
+    *,
+    tokenizer: dict[str, Any],
+    documents: int,
+    blocks: int,
+    units: str,
+    log: Any,
+) -> dict[str, str]:
+    """Close the shards, refuse an empty split (`units` says what the corpus was cut into), write
+    `data.json` and return the output's logical digests: the end of every data step."""
+    for writer in writers.values():
+        writer.close()
+    for split, writer in writers.items():
+        if writer.tokens < 2:
+            raise StepFailed(
+                f"the {split} split is empty: the corpus has {units}; "
+                "use more data, a smaller data.split_block, or another data.heldout_fraction"
+            )
+    splits: dict[str, Any] = {s: {"tokens": w.tokens, "shards": w.shards} for s, w in writers.items()}
+    for writer, split in zip(writers.values(), splits.values(), strict=True):
+        if writer.width != 2:
+            split["dtype"] = "u32"  # only when wide: uint16 indexes keep their meaning
+    index = {"format": DATA_FORMAT, "tokenizer": tokenizer, "documents": documents, "splits": splits}
+    write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
+    digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
+    digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
+    log.info(
+        "data_built",
+        documents=documents,
+        train_tokens=writers["train"].tokens,
+        heldout_tokens=writers["heldout"].tokens,
+        blocks=blocks,
+    )
+    return digests
