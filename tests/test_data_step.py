@@ -7,14 +7,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import attrs
 import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.config.schema import END_OF_DOCUMENT, DataConfig, SyntheticConfig
+from buildtrain.config.steps import BYTES, DataStep
 from buildtrain.errors import StepFailed
-from buildtrain.kinds.data import byte_tokenizer, data_view
+from buildtrain.kinds.data import data_view
 from buildtrain.steps import data, data_index, formats
 from buildtrain.steps.seeds import derive_unit
 from buildtrain.steps.text import arithmetic_document
@@ -33,9 +35,9 @@ class FakeLog:
         self.events.append(("warning", event, fields))
 
 
-def spec_of(config: DataConfig) -> data.DataStep:
+def spec_of(config: DataConfig) -> DataStep:
     """The data step's config as the plan holds it, typed as the step types it."""
-    return data.DataStep.from_config({"data": data_view(config), "tokenizer": byte_tokenizer()})
+    return DataStep.from_config({"data": data_view(config), "tokenizer": attrs.asdict(BYTES)})
 
 
 def synthetic(**overrides: Any) -> DataConfig:

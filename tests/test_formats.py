@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -17,8 +18,9 @@ from hypothesis import strategies as st
 from test_data_step import FakeLog
 
 from buildtrain.config.schema import DataConfig, TokenizerConfig
+from buildtrain.config.steps import BYTES
 from buildtrain.errors import StepFailed
-from buildtrain.kinds.data import byte_tokenizer, data_view
+from buildtrain.kinds.data import data_view
 from buildtrain.steps import data, tokenizer
 from buildtrain.store.objects import write_bytes_durably
 
@@ -37,7 +39,7 @@ COMMON = {
 def spec(format: str, tokenized: bool) -> dict[str, Any]:
     config = DataConfig(**COMMON, format=format, tokenizer=TokenizerConfig() if tokenized else "bytes")
     view = data_view(config)
-    return {"config": {"data": view} if tokenized else {"data": view, "tokenizer": byte_tokenizer()}}
+    return {"config": {"data": view} if tokenized else {"data": view, "tokenizer": attrs.asdict(BYTES)}}
 
 
 def write_sources(folder: Path, documents: list[str]) -> dict[str, list[Path]]:
@@ -107,7 +109,7 @@ def failure(tmp_path: Path, format: str, paths: list[Path], **extra: Any) -> str
     view = {**spec(format, False)["config"]["data"], **extra}
     with pytest.raises(StepFailed) as caught:
         data.build_from_plan(
-            {"data": view, "tokenizer": byte_tokenizer()},
+            {"data": view, "tokenizer": attrs.asdict(BYTES)},
             paths,
             tmp_path,
             FakeLog(),

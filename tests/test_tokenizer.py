@@ -15,13 +15,13 @@ from conftest import REPO, BtRunner, plan_hash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buildtrain.config.steps import TextSettings, TokenizerSettings
 from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
 from buildtrain.steps import tokenizer as tokenizer_step
 from buildtrain.steps.corpus import corpus
 from buildtrain.steps.pieces import pieces
-from buildtrain.steps.text import TextSettings
 from buildtrain.store.store import Store
 
 MICRO_BPE = REPO / "tests" / "presets" / "micro_bpe.toml"
@@ -47,9 +47,7 @@ WORDS = [
 TEXT_VIEW = {"source": "files", "format": "jsonl", "text_field": "text", "split_block": 128}
 TEXT_VIEW |= {"heldout_fraction": 0.2, "split_seed": 0}
 TEXT_CONFIG = TextSettings.from_config(TEXT_VIEW)
-BPE = tokenizer_step.TokenizerSettings(
-    kind="bpe", vocab_size=320, min_frequency=2, end_of_document="<|endoftext|>"
-)
+BPE = TokenizerSettings(kind="bpe", vocab_size=320, min_frequency=2, end_of_document="<|endoftext|>")
 
 
 def write_corpus(folder: Path, documents: int = 300, seed: int = 0) -> Path:
@@ -191,7 +189,7 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
     from tokenizers import AddedToken
 
     from buildtrain.canonical import canonical_bytes
-    from buildtrain.steps.data import DataSettings
+    from buildtrain.config.steps import DataSettings
     from buildtrain.steps.data_index import DATA_INDEX
     from buildtrain.steps.tokenized import build_tokenized
     from buildtrain.steps.train.batches import TokenStream

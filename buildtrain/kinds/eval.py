@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from buildtrain.config.convert import converter
 from buildtrain.config.schema import Stage
+from buildtrain.config.steps import EvalStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
 
@@ -31,12 +31,8 @@ class EvalKind(StepKind):
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         config = planning.config
         final = config.final_stage.name
-        settings = {k: v for k, v in converter.unstructure(config.eval).items() if k != "every"}
-        step_config = {
-            "eval": settings,
-            "model": converter.unstructure(config.model),
-            "version": EVAL_SUITE_VERSIONS[config.eval.suite],
-        }
+        version = EVAL_SUITE_VERSIONS[config.eval.suite]
+        step_config = EvalStep(eval=config.eval, model=config.model, version=version).to_config()
         inputs = {
             "weights": planning.required("train", final).hash,
             "data": planning.required("data", final).hash,

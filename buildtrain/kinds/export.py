@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import Stage
-from buildtrain.kinds.data import byte_tokenizer, data_view
+from buildtrain.config.steps import BYTES, DataSettings, ExportStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
 
@@ -39,15 +41,18 @@ class ExportKind(StepKind):
         }
         if tokenizer is not None:
             inputs["tokenizer"] = tokenizer.hash
-        view = data_view(final.data)
-        step_config = {
-            "export": converter.unstructure(config.export),
+        data = DataSettings.of(final.data)
+        described = {
             "model": converter.unstructure(config.model),
             "train": converter.unstructure(final.train),
-            "data": view,
+            "data": data.to_config(),
             "numerics": planning.view["numerics"],
-            "tokenizer": byte_tokenizer() if tokenizer is None else view["tokenizer"],
         }
+        # What the package's tokenizer is: the byte tokenizer's description, or the step's settings.
+        described_tokenizer = attrs.asdict(BYTES) if tokenizer is None else data.to_config()["tokenizer"]
+        step_config = ExportStep(
+            export=config.export, tokenizer=described_tokenizer, described=described
+        ).to_config()
         toolchain = self.toolchain(step_config, config.numerics)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 

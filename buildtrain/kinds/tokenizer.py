@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from buildtrain.config.convert import converter
-from buildtrain.config.schema import DataConfig, Stage, TokenizerConfig
+from buildtrain.config.schema import Stage, TokenizerConfig
+from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerStep
 from buildtrain.errors import ConfigError
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
@@ -21,41 +21,6 @@ from buildtrain.plan.toolchain import tokenizers_version
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
-
-
-def tokenizer_view(tokenizer: TokenizerConfig) -> dict[str, Any]:
-    """The settings without the path: a file's content enters the step's inputs instead."""
-    if tokenizer.kind == "file":
-        return {"kind": "file", "end_of_document": tokenizer.end_of_document}
-    return {
-        "kind": "bpe",
-        "vocab_size": tokenizer.vocab_size,
-        "min_frequency": tokenizer.min_frequency,
-        "end_of_document": tokenizer.end_of_document,
-    }
-
-
-def format_view(data: DataConfig) -> dict[str, Any]:
-    """The format keys, only where they say something: plans of plain text files keep their hashes."""
-    if data.format == "jsonl":
-        return {"format": "jsonl", "text_field": data.text_field}
-    if data.format == "parquet":
-        return {"format": "parquet", "text_column": data.text_column}
-    return {}
-
-
-def text_view(data: DataConfig, synthetic: dict[str, Any] | None) -> dict[str, Any]:
-    """What chooses the training text: the corpus and the train/held-out split of its pieces."""
-    view: dict[str, Any] = {
-        "source": data.source,
-        "split_block": data.split_block,
-        "heldout_fraction": data.heldout_fraction,
-        "split_seed": data.split_seed,
-        **format_view(data),
-    }
-    if synthetic is not None:
-        view["synthetic"] = synthetic
-    return view
 
 
 class TokenizerKind(StepKind):
@@ -85,14 +50,13 @@ class TokenizerKind(StepKind):
         tokenizer = stage.data.tokenizer
         if not isinstance(tokenizer, TokenizerConfig):
             return None
+        settings = TokenizerSettings.of(tokenizer)
         if tokenizer.kind == "file":
             given = planning.tokenizer_files[stage.name]  # the planner digests every tokenizer file
-            config: dict[str, Any] = {"tokenizer": tokenizer_view(tokenizer)}
+            config = TokenizerStep(tokenizer=settings).to_config()
             inputs = {"sources": [{"blake3": given.blake3, "size": given.size}]}
         else:
-            data = stage.data
-            synthetic = converter.unstructure(data.synthetic) if data.source == "synthetic" else None
-            config = {"tokenizer": tokenizer_view(tokenizer), "text": text_view(stage.data, synthetic)}
+            config = TokenizerStep(tokenizer=settings, text=TextSettings.of(stage.data)).to_config()
             inputs = {"sources": planning.sources_input(stage.name)}
         toolchain = self.toolchain(config, planning.config.numerics)
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)

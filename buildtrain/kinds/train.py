@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig, NumericsConfig, Stage, TrainConfig, world_size_problem
+from buildtrain.config.steps import TrainStep
 from buildtrain.kinds.kind import RankBudget, StepKind
 from buildtrain.plan.plan import Step
 
@@ -33,12 +34,8 @@ class TrainKind(StepKind):
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         assert stage is not None
         config = planning.config
-        step_config: dict[str, Any] = {
-            "model": converter.unstructure(config.model),
-            "train": converter.unstructure(stage.train),
-        }
-        if config.eval.every:
-            step_config["eval"] = converter.unstructure(config.eval)
+        during = config.eval if config.eval.every else None  # evaluation during training
+        step_config = TrainStep(model=config.model, train=stage.train, eval=during).to_config()
         parent = planning.required(self.name, stage.init_from).hash if stage.init_from else None
         inputs = {"data": planning.required("data", stage.name).hash, "init": parent}
         toolchain = self.toolchain(step_config, config.numerics, planning.world_size)

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from buildtrain.config.steps import TextSettings
 from buildtrain.steps.sources import Source
-from buildtrain.steps.text import TextSettings, arithmetic_document
+from buildtrain.steps.text import arithmetic_document
 
 
 def corpus(text: TextSettings, sources: Sequence[Source | Path]) -> Iterator[tuple[str, Iterable[bytes]]]:

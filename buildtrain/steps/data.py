@@ -12,61 +12,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import END_OF_DOCUMENT, SyntheticConfig
+from buildtrain.config.schema import END_OF_DOCUMENT
+from buildtrain.config.steps import DataStep
 from buildtrain.steps.corpus import corpus
 from buildtrain.steps.seeds import derive_unit
 from buildtrain.steps.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source
-from buildtrain.steps.text import TextSettings
 
 if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext
-
-
-@attrs.frozen(kw_only=True)
-class DataSettings:
-    """The data section as a data step's config holds it: no paths (the files arrive as sources,
-    in plan order), and the synthetic corpus only when it is the source."""
-
-    source: str
-    synthetic: SyntheticConfig | None = None
-    tokenizer: Any  # "bytes", or the settings of the tokenizer step the data step reads
-    format: str = "text"  # the format keys appear only where they say something (plan/tokenizers.py)
-    text_field: str = "text"
-    text_column: str = "text"
-    heldout_fraction: float
-    split_block: int
-    split_seed: int
-    shard_tokens: int
-
-    @property
-    def text(self) -> TextSettings:
-        return TextSettings.from_config(converter.unstructure(self))
-
-
-@attrs.frozen(kw_only=True)
-class TokenizerDescription:
-    """How text becomes tokens, as the plan describes it and the outputs record it."""
-
-    type: str
-    vocab_size: int
-    end_of_document: int
-
-
-@attrs.frozen(kw_only=True)
-class DataStep:
-    """A data step's config, typed."""
-
-    data: DataSettings
-    tokenizer: TokenizerDescription | None = None  # None: a tokenizer step's output describes it
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> DataStep:
-        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
-        return converter.structure(config, cls)
 
 
 def widen(chunk: bytes) -> bytearray:

@@ -9,29 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import attrs
-
-from buildtrain.config.convert import converter
-from buildtrain.config.schema import EvalConfig, ModelConfig
+from buildtrain.config.steps import EvalStep
 from buildtrain.steps.context import StepContext, final_weights, read_json
 from buildtrain.steps.eval_cache import cache_key, complete_from_cache, write_result
 
 # The executor completes an evaluation found in the cache without starting a process (kinds/eval.py).
 complete_from_store = complete_from_cache
-
-
-@attrs.frozen(kw_only=True)
-class EvalStep:
-    """An eval step's config, typed (the plan leaves out `eval.every`, a training setting)."""
-
-    eval: EvalConfig
-    model: ModelConfig
-    version: int  # of the suite: a result is cached under it
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> EvalStep:
-        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
-        return converter.structure(config, cls)
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:

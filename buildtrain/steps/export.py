@@ -17,14 +17,11 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import attrs
+from typing import TYPE_CHECKING
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.checks import name_problem
-from buildtrain.config.convert import converter
-from buildtrain.config.schema import ExportConfig
+from buildtrain.config.steps import ExportStep
 from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
@@ -36,25 +33,6 @@ if TYPE_CHECKING:
 
 WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"
-
-
-@attrs.frozen(kw_only=True)
-class ExportStep:
-    """An export step's config: what it does (`export`, `tokenizer`), and the settings it
-    describes in config.json, kept exactly as the plan holds them (the package's bytes)."""
-
-    export: ExportConfig
-    tokenizer: dict[str, Any]  # the byte tokenizer's description, or the tokenizer step's settings
-    described: dict[str, Any]
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ExportStep:
-        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
-        return cls(
-            export=converter.structure(config["export"], ExportConfig),
-            tokenizer=config["tokenizer"],
-            described={k: v for k, v in config.items() if k != "tokenizer"},
-        )
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:

@@ -19,7 +19,7 @@ from buildtrain.errors import StepFailed
 from buildtrain.steps.sources import open_source, private_copy
 
 if TYPE_CHECKING:
-    from buildtrain.steps.text import TextSettings
+    from buildtrain.config.steps import TextSettings
 
 READ_CHUNK = 1 << 20
 PARQUET_BATCH_ROWS = 4096  # rows per record batch: a few MB of text at most

@@ -17,9 +17,9 @@ import attrs
 import blake3
 
 from buildtrain.canonical import canonical_bytes
+from buildtrain.config.steps import TextSettings
 from buildtrain.errors import StepFailed
 from buildtrain.steps.seeds import MASK_63, derive_unit
-from buildtrain.steps.text import TextSettings
 
 
 @attrs.frozen

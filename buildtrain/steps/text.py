@@ -1,36 +1,10 @@
-"""What chooses the text a data or tokenizer step reads (`TextSettings`), and the built-in synthetic
+"""What chooses the text a data or tokenizer step reads (`TextSettings`, declared with the step
+configs in `config/steps.py`), and the built-in synthetic
 corpus; `corpus.py` reads it (or the data files, through `formats.py`). Needs no torch."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import attrs
-
-from buildtrain.config.convert import converter
-from buildtrain.config.schema import SyntheticConfig
 from buildtrain.steps.seeds import derive_seed
-
-
-@attrs.frozen(kw_only=True)
-class TextSettings:
-    """What chooses a step's text and its train/held-out split, as the plan's step config holds it
-    (the format keys appear only where they say something: `plan/tokenizers.py`)."""
-
-    source: str
-    synthetic: SyntheticConfig | None = None
-    format: str = "text"
-    text_field: str = "text"
-    text_column: str = "text"
-    split_block: int
-    heldout_fraction: float
-    split_seed: int
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> TextSettings:
-        """From a data section or a tokenizer step's text view: the keys this class has."""
-        names = {field.name for field in attrs.fields(cls)}
-        return converter.structure({k: v for k, v in config.items() if k in names}, cls)
 
 
 class SplitMix64:

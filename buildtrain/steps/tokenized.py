@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from buildtrain.config.steps import TextSettings
 from buildtrain.steps.corpus import corpus
 from buildtrain.steps.data_index import token_width
 from buildtrain.steps.pieces import Piece, pieces
 from buildtrain.steps.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source
-from buildtrain.steps.text import TextSettings
 from buildtrain.steps.tokenizer_files import load
 
 ENCODE_BATCH_BYTES = 4 << 20  # text per batch encode call: large enough to keep every core busy

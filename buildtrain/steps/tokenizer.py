@@ -16,15 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.config.convert import converter
+from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerStep
 from buildtrain.errors import StepFailed
 from buildtrain.steps.corpus import corpus
 from buildtrain.steps.pieces import pieces
 from buildtrain.steps.sources import Source, read_source
-from buildtrain.steps.text import TextSettings
 from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
 from buildtrain.store.objects import hash_file, write_bytes_durably
 
@@ -32,30 +29,6 @@ if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext
 
 TRAIN_BATCH = 1024  # pieces handed to the trainer at a time
-
-
-@attrs.frozen(kw_only=True)
-class TokenizerSettings:
-    """A tokenizer step's settings as the plan holds them (`plan/tokenizers.tokenizer_view`): a
-    given file has no vocabulary size or frequency of its own to set."""
-
-    kind: str
-    end_of_document: str
-    vocab_size: int | None = None
-    min_frequency: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class TokenizerStep:
-    """A tokenizer step's config, typed: the tokenizer, and the text a BPE is trained on."""
-
-    tokenizer: TokenizerSettings
-    text: TextSettings | None = None  # None for a given file
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> TokenizerStep:
-        """From the plan's step config (`Step.config`), which stays a plain dict for the hash."""
-        return converter.structure(config, cls)
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:

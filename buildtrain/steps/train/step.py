@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.config.convert import converter
-from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
+from buildtrain.config.steps import TrainStep
 from buildtrain.errors import StepFailed
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.steps.data_index import DATA_INDEX
@@ -33,14 +32,14 @@ RESULT_FORMAT = 1
 
 def make_job(ctx: StepContext) -> TrainJob:
     """The step's config dicts, structured once: everything below reads typed values."""
-    config = ctx.step.config
+    config = TrainStep.from_config(ctx.step.config)
     numerics = ctx.numerics
     data_dir = ctx.inputs["data"]
     init = ctx.inputs.get("init")
     return TrainJob(
-        model=converter.structure(config["model"], ModelConfig),
-        train=converter.structure(config["train"], TrainConfig),
-        eval=converter.structure(config["eval"], EvalConfig) if "eval" in config else None,
+        model=config.model,
+        train=config.train,
+        eval=config.eval,
         device=numerics.device,
         dtype=numerics.dtype,
         compile=numerics.compile,
