@@ -11,14 +11,12 @@ import contextlib
 import io
 import json
 import random
-import signal
 import string
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import run_bt, summaries
+from conftest import run_bt, summaries, time_bound
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -45,31 +43,17 @@ from buildtrain.errors import ExitCode
 CASE_SECONDS = 10
 
 
-class Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_bound(seconds: float) -> Iterator[None]:
-    def expire(*_: object) -> None:
-        raise Hang(f"bt plan took more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def bt_plan(preset: Path, overrides: list[str], store: Path) -> tuple[int, str]:
     """`bt plan` in this process (milliseconds instead of a process start): exit code and stderr."""
     argv = ["--store", str(store), "plan", "-q", str(preset)]
     for assignment in overrides:
         argv.append(f"--set={assignment}")
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), time_bound(CASE_SECONDS):
+    with (
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+        time_bound(CASE_SECONDS, "bt plan"),
+    ):
         try:
             code = cli.main(argv)
         except SystemExit as exc:  # argparse's own usage errors

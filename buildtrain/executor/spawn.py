@@ -21,7 +21,7 @@ from buildtrain.executor.outcome import Outcome
 from buildtrain.executor.policy import step_launch
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store.sources import SourceFile, locate
+from buildtrain.store.sources import SourceFile, locate, whereabouts
 from buildtrain.store.store import Store
 
 # Lines of torchrun's own log kept in the run record when a distributed step fails.
@@ -50,11 +50,10 @@ def source_paths(store: Store, plan: Plan, step: Step) -> list[str]:
     for source in sources:
         path = locate(cache, SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], []))
         if path is None:
-            where = ", ".join(hints.get(source["blake3"], [])) or "unknown"
-            raise StepFailed(
-                f"{step.label}: a data file with blake3 {source['blake3'][:16]}… ({source['size']} bytes) is gone "
-                f"(it was at {where}); restore it, or plan again from the preset"
+            missing = whereabouts(
+                SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], [])
             )
+            raise StepFailed(f"{step.label}: {missing}; restore it, or plan again from the preset")
         found.append(str(path))
     cache.save()
     return found

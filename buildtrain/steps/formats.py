@@ -4,8 +4,10 @@ A plain text file is one document, read in chunks; a JSONL line or a Parquet row
 Nothing is read whole: JSONL goes line by line, Parquet record batch by record batch within each row
 group, so memory is bounded by the largest document (or batch), never by the corpus. A malformed
 line, a missing key or column, or a value that is not a string stops the step with the file, the
-line or row group and the key; the step's output folder is discarded, so nothing half-written
-reaches the store. Needs no torch.
+line or row group and the key (bytes that are not UTF-8 and records nested too deep to read
+included); the step's output folder is discarded, so nothing half-written reaches the store. Only
+regular files are opened (`open_regular`): a data file swapped for a FIFO or a link to /dev/zero
+after planning is refused, never read forever. Needs no torch.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from buildtrain.errors import StepFailed
+from buildtrain.store.sources import NotRegularFile, open_regular
 
 if TYPE_CHECKING:
     from buildtrain.steps.text import TextSettings
@@ -24,8 +27,18 @@ READ_CHUNK = 1 << 20
 PARQUET_BATCH_ROWS = 4096  # rows per record batch: a few MB of text at most
 
 
+def open_source(path: Path) -> BinaryIO:
+    """A data file opened for reading; a FIFO, device or folder in its place stops the step."""
+    try:
+        return open_regular(path)
+    except NotRegularFile as exc:
+        raise StepFailed(
+            f"{path}: {exc.strerror}; plan again from the preset with a data file there"
+        ) from None
+
+
 def text_chunks(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as handle:
+    with open_source(path) as handle:
         while chunk := handle.read(READ_CHUNK):
             yield chunk
 
@@ -53,7 +66,7 @@ def _utf8(text: str, where: str, key: str) -> bytes:
 
 def jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, Iterator[bytes]]]:
     """One document per non-blank line: the string at `field` of the JSON object on that line."""
-    with open(path, "rb") as handle:
+    with open_source(path) as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue  # a trailing newline or blank separator line is not a record
@@ -62,6 +75,8 @@ def jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, Iterator[byte
                 record = json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise StepFailed(f"{where}: not valid JSON ({exc}); fix or remove the line") from None
+            except RecursionError:  # Python's parser recurses per level: 100,000 `[` exhaust the stack
+                raise StepFailed(f"{where}: nested too deep to read; fix or remove the line") from None
             if not isinstance(record, dict):
                 raise StepFailed(
                     f"{where}: expected a JSON object with key '{field}', got {type(record).__name__}"
@@ -82,10 +97,19 @@ def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, Iterator[b
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    handle = open_source(path)
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(handle)
     except (pa.ArrowException, OSError) as exc:
+        handle.close()
         raise StepFailed(f"{path}: not a readable Parquet file ({exc})") from None
+    with handle:
+        yield from _parquet_rows(parquet, path, column)
+
+
+def _parquet_rows(parquet: Any, path: Path, column: str) -> Iterator[tuple[str, Iterator[bytes]]]:
+    import pyarrow as pa
+
     schema = parquet.schema_arrow
     if column not in schema.names:
         names = ", ".join(schema.names[:8]) or "none"
@@ -101,13 +125,32 @@ def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, Iterator[b
             batches = parquet.iter_batches(
                 batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]
             )
+            row = 0
             for batch in batches:
                 values = batch.column(0)
                 if values.null_count:
                     raise StepFailed(
                         f"{where}: column '{column}' has {values.null_count} null value(s); drop or fill them"
                     )
-                for text in values.to_pylist():
+                for text in _texts(values, where, column, row):
                     yield where, iter((_utf8(text, where, column),))
+                row += len(values)
         except pa.ArrowException as exc:
             raise StepFailed(f"{where}: cannot be read ({exc})") from None
+
+
+def _texts(values: Any, where: str, column: str, first_row: int) -> list[str]:
+    """A batch's strings; Arrow stores string columns unchecked, so bytes that are not UTF-8 only
+    show when decoded: name the first such row."""
+    try:
+        return values.to_pylist()
+    except UnicodeDecodeError:
+        for index in range(len(values)):
+            try:
+                values[index].as_py()
+            except UnicodeDecodeError as exc:
+                raise StepFailed(
+                    f"{where}: column '{column}', row {first_row + index} of the group: not UTF-8 text "
+                    f"(byte {exc.object[exc.start]:#04x} at {exc.start}); fix or drop the row"
+                ) from None
+        raise

@@ -20,6 +20,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
 from buildtrain.errors import StepFailed
+from buildtrain.steps.formats import open_source
 from buildtrain.steps.pieces import pieces
 from buildtrain.steps.text import TextSettings, corpus
 from buildtrain.store.objects import hash_file, write_bytes_durably
@@ -61,7 +62,8 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     settings = step.tokenizer
     if step.text is None:
         (source,) = ctx.sources
-        raw = source.read_bytes()  # once: the bytes checked are the bytes stored
+        with open_source(source) as handle:  # a regular file only: a FIFO would block forever
+            raw = handle.read()  # once: the bytes checked are the bytes stored
         tokenizer = load_given(source, raw, settings.end_of_document)
     else:
         tokenizer = train_bpe(step.text, ctx.sources, settings)

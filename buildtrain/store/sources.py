@@ -7,20 +7,28 @@ damaged cache can cost time but never a wrong digest. Entries for files modified
 two seconds are not kept, since a write within the same timestamp tick could go unnoticed. The
 ctime is in the key because a file edited in place and given back its size and mtime still has a
 new ctime (the kernel sets it on every write and on every change of mtime).
+
+Data files are untrusted: only regular files are read. A FIFO would block the reader forever and a
+link to /dev/zero never ends, so every read here (and in the steps, through `open_regular`) checks
+the kind of file first and again on the open descriptor, never waiting on the file to open.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
+import stat as stat_module
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
+import blake3
 
-from buildtrain.store.objects import framed, hash_file, unframed, write_bytes_durably
+from buildtrain.store.objects import MMAP_THRESHOLD, framed, unframed, write_bytes_durably
 
 CACHE_FORMAT = 3  # 3: ctime in the key
 RACY_SECONDS = 2.0
@@ -32,6 +40,65 @@ class SourceFile:
 
     blake3: str
     size: int
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    if stat_module.S_ISDIR(mode):
+        return "a directory"
+    if stat_module.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat_module.S_ISSOCK(mode):
+        return "a socket"
+    if stat_module.S_ISCHR(mode) or stat_module.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+class NotRegularFile(OSError):
+    """A path that names a FIFO, device, socket or folder where a file's bytes are expected."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: int) -> None:
+        self.kind = kind_of(mode)
+        super().__init__(errno.EINVAL, f"is {self.kind}, not a regular file", os.fspath(path))
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """`path` opened for reading in binary, if it is a regular file; else `NotRegularFile`.
+
+    Checked before opening (a device is never opened) and again on the descriptor, which is opened
+    without blocking (opening a FIFO would wait for a writer), so a file swapped for a FIFO or a
+    link to /dev/zero between the two is refused too."""
+    mode = os.stat(path).st_mode
+    if not stat_module.S_ISREG(mode):
+        raise NotRegularFile(path, mode)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat_module.S_ISREG(mode):
+            raise NotRegularFile(path, mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def hash_regular(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """(blake3 hex, size) of a regular file's bytes, read through `open_regular`."""
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size >= MMAP_THRESHOLD:  # large files: mapped and hashed on every core
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                hasher.update(mapped)
+            return hasher.hexdigest(), size
+        hasher = blake3.blake3()
+        size = 0
+        while chunk := handle.read(1 << 20):
+            hasher.update(chunk)
+            size += len(chunk)
+        return hasher.hexdigest(), size
 
 
 def _stat_key(stat: os.stat_result) -> list[int]:
@@ -74,10 +141,12 @@ class StatCache:
     def digest_of(self, path: Path) -> SourceFile:
         real = os.path.abspath(path)  # the stat below identifies the file; no need to resolve links
         stat = os.stat(real)
+        if not stat_module.S_ISREG(stat.st_mode):
+            raise NotRegularFile(path, stat.st_mode)
         entry = self.entries.get(real)
         if entry is not None and entry["stat"] == _stat_key(stat):
             return SourceFile(blake3=entry["blake3"], size=stat.st_size)
-        file_digest, size = hash_file(Path(real))
+        file_digest, size = hash_regular(real)
         self.hashed_bytes += size
         if time.time() - stat.st_mtime > RACY_SECONDS:
             self.entries[real] = {"stat": _stat_key(stat), "blake3": file_digest}
@@ -114,3 +183,21 @@ def locate(cache: StatCache, source: SourceFile, hints: list[str]) -> Path | Non
         except OSError:
             continue
     return None
+
+
+def whereabouts(source: SourceFile, hints: list[str]) -> str:
+    """Why `locate` found no file with `source`'s content, for a message: what is at the paths
+    the plan recorded now (changed, not a regular file, or gone)."""
+    planned = f"blake3 {source.blake3[:16]}…, {source.size} bytes"
+    for hint in hints:
+        try:
+            info = os.stat(hint)
+        except (OSError, ValueError):
+            continue
+        if not stat_module.S_ISREG(info.st_mode):
+            return f"the data file {hint} is now {kind_of(info.st_mode)}, not a regular file (planned: {planned})"
+        return (
+            f"the data file {hint} changed since planning ({planned} when planned, {info.st_size} bytes now)"
+        )
+    where = ", ".join(hints) or "unknown"
+    return f"a data file ({planned}) is gone (it was at {where})"
