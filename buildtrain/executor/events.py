@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from buildtrain.store.objects import append_flushed
+
 FILE_VERSION = b"brain.Event:2"
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
 _MASK_DELTA = 0xA282EAD8
@@ -116,9 +118,8 @@ class EventWriter:
         if self._file is None:
             name = f"events.out.tfevents.{int(now)}.buildtrain"
             self._file = open(self.folder / name, "ab")  # noqa: SIM115 - closed in close()
-            self._file.write(tfrecord(version_event(now)))
-        self._file.write(tfrecord(scalar_event(now, step, values)))
-        self._file.flush()
+            append_flushed(self._file, tfrecord(version_event(now)))
+        append_flushed(self._file, tfrecord(scalar_event(now, step, values)))
 
     def close(self) -> None:
         if self._file is not None:
