@@ -186,6 +186,13 @@ def diamonds(draw: st.DrawFn, text: str) -> Files:
     return files
 
 
+NUL_PATHS = {
+    "extends": 'extends = "a\\u0000b"\n',
+    "data.files": '[data]\nsource = "files"\nfiles = ["a\\u0000b"]\n',
+    "tokenizer.file": 'data.tokenizer.file = "a\\u0000b"\n',
+}
+
+
 @st.composite
 def special_paths(draw: st.DrawFn) -> Files:
     """A FIFO or a link (to /dev/zero, a FIFO, nowhere, a folder) where `extends`, `data.files` or
@@ -193,6 +200,8 @@ def special_paths(draw: st.DrawFn) -> Files:
     place = draw(st.sampled_from(["extends", "data.files", "tokenizer.file"]))
     special = SPECIALS[draw(st.sampled_from(sorted(SPECIALS)))]
     files: Files = {"pipe": FIFO, "data/a.txt": b"hello"}
+    if draw(st.integers(0, 4)) == 0:  # a path no system call takes: it holds a NUL byte
+        return {**files, "p.toml": NUL_PATHS[place].encode()}
     if place == "extends":
         files["base.toml"] = special
         files["p.toml"] = b'extends = "base.toml"\n'

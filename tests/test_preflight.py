@@ -244,3 +244,12 @@ def test_bt_plan_refuses_a_tokenizer_vocabulary_larger_than_the_machine(tmp_path
     assert result.returncode == 2 and result.stdout == ""
     assert "p.toml: data.tokenizer.file: " in result.stderr
     assert "declares a vocabulary of 2,147,483,649 ids" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_tokenizer_path_with_a_nul_byte_is_a_problem_not_a_traceback(tmp_path: Path) -> None:
+    preset = write(tmp_path / "p.toml", 'data.tokenizer.file = "a\\u0000b"\n')
+    _, problems = preflight(load_preset(preset))
+    assert problems == [
+        f"{display(preset)}: data.tokenizer.file: '{tmp_path}/a\\x00b' is not a path a file can have "
+        "(a NUL byte); give a tokenizer.json"
+    ]

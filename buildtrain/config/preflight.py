@@ -114,10 +114,12 @@ def _given_vocabulary(
         return None
     try:
         return tokenizer.file, read_vocabulary(Path(tokenizer.file))
-    except OSError as exc:
-        message = f"cannot read {tokenizer.file}: {exc.strerror or exc}; give a tokenizer.json"
     except VocabularyError as exc:
         message = f"{tokenizer.file}: {exc}"
+    except OSError as exc:
+        message = f"cannot read {tokenizer.file}: {exc.strerror or exc}; give a tokenizer.json"
+    except ValueError:  # a path no system call takes
+        message = f"{tokenizer.file!r} is not a path a file can have (a NUL byte); give a tokenizer.json"
     problems.append(Problem(loaded.source_of(key), key, message))
     return None
 
