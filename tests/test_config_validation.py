@@ -450,6 +450,12 @@ HUGE_COUNTS = [
         f"[data]\nshard_tokens = {BIG}\n",
         f"data.shard_tokens: must be <= 1073741824 (got {BIG})",
     ),
+    (
+        "micro-batches",
+        "[train]\nbatch_size = 4611686018427387904\nmicro_batch_size = 1\n",
+        "train.micro_batch_size: 1 makes 4,611,686,018,427,387,904 micro-batches per update, more than 65,536; "
+        "raise train.micro_batch_size or lower train.batch_size",
+    ),
 ]
 
 

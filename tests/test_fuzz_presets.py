@@ -78,9 +78,9 @@ def materialize(root: Path, files: Files) -> None:
             path.write_bytes(content)
 
 
-def bt_plan(preset: Path, overrides: list[str], store: Path) -> tuple[int, str]:
+def bt_plan(preset: Path, overrides: list[str], store: Path, nproc: int = 1) -> tuple[int, str]:
     """`bt plan` in this process (milliseconds instead of a process start): exit code and stderr."""
-    argv = ["--store", str(store), "plan", "-q", str(preset)]
+    argv = ["--store", str(store), "plan", "-q", str(preset), "--nproc", str(nproc)]
     for assignment in overrides:
         argv.append(f"--set={assignment}")
     err = io.StringIO()
@@ -275,13 +275,15 @@ def hostile_tokenizers(draw: st.DrawFn) -> bytes:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=cases())
-def test_bt_plan_answers_every_preset_with_0_or_2_in_bounded_time(case: tuple[str, Files, list[str]]):
+@given(case=cases(), nproc=st.sampled_from([1, 1, 3]))
+def test_bt_plan_answers_every_preset_with_0_or_2_in_bounded_time(
+    case: tuple[str, Files, list[str]], nproc: int
+):
     kind, files, overrides = case
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         materialize(root, files)
-        code, err = bt_plan(root / "p.toml", overrides, root / ".bt")
+        code, err = bt_plan(root / "p.toml", overrides, root / ".bt", nproc)
     event(f"{kind}: exit {code}")
     assert code in (ExitCode.OK, ExitCode.USAGE), (code, err)
     assert "Traceback" not in err

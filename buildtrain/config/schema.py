@@ -28,6 +28,10 @@ MAX_SYNTHETIC_LINES = 100_000_000
 MAX_SYNTHETIC_DOCUMENTS = MAX_SYNTHETIC_LINES
 # A shard is built in memory before it is written: 2**30 tokens is 2 to 4 GiB of buffer.
 MAX_SHARD_TOKENS = 1 << 30
+# Gradient accumulation runs in tens or hundreds of micro-batches; 2**62 of them (batch_size 2**62,
+# micro_batch_size 1) is an update that never ends, and listing the world sizes that share them
+# hung `bt plan --nproc 3`.
+MAX_MICRO_BATCHES = 1 << 16
 
 
 @attrs.frozen(kw_only=True)
@@ -231,6 +235,11 @@ class TrainConfig:
             raise ValueError(
                 f"{value} does not divide train.batch_size {self.batch_size}; "
                 f"choose a divisor of {self.batch_size}"
+            )
+        if self.batch_size // value > MAX_MICRO_BATCHES:
+            raise ValueError(
+                f"{value} makes {self.batch_size // value:,} micro-batches per update, more than "
+                f"{MAX_MICRO_BATCHES:,}; raise train.micro_batch_size or lower train.batch_size"
             )
 
     @warmup_steps.validator
