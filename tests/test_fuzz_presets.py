@@ -224,6 +224,7 @@ NUMERIC_KEYS = [
 ] + ["data.synthetic.documents", "data.synthetic.lines", "data.synthetic.seed", "data.tokenizer.vocab_size"]
 HUGE_NUMBERS = st.sampled_from(
     [
+        str(2**62),
         str(2**63 - 1),
         str(2**63),
         str(-(2**63)),
