@@ -20,7 +20,7 @@ from buildtrain.config.problems import KeyPath, Problem
 from buildtrain.config.schema import Stage, TokenizerConfig, world_size_problem
 from buildtrain.config.shape import memory_estimate, planned_vocab_size
 from buildtrain.config.vocabulary import Vocabulary, VocabularyError, read_vocabulary
-from buildtrain.store.sources import kind_of
+from buildtrain.store.sources import StatCache, kind_of
 
 GIB = 1 << 30
 
@@ -60,9 +60,11 @@ def cuda_available() -> bool:
     return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
 
 
-def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list[Path]], list[str]]:
+def preflight(
+    loaded: LoadedPreset, world_size: int = 1, cache: StatCache | None = None
+) -> tuple[dict[str, list[Path]], list[str]]:
     """Source files per stage, and every machine-level problem with the preset for a run on
-    `world_size` processes."""
+    `world_size` processes (`cache` remembers what a tokenizer file's vocabulary is)."""
     config = loaded.config
     problems: list[Problem] = []
     sources: dict[str, list[Path]] = {}
@@ -79,7 +81,9 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
             key = stage_key(index, "train", "micro_batch_size")
             source = loaded.blame(key, stage_key(index, "train", "batch_size"))
             problems.append(Problem(source, key, unfit))
-        given = _given_vocabulary(loaded, stage, stage_key(index, "data", "tokenizer", "file"), problems)
+        given = _given_vocabulary(
+            loaded, stage, stage_key(index, "data", "tokenizer", "file"), problems, cache
+        )
         if given is not None:
             vocabularies[stage.name] = given
         if stage.data.source != "files":
@@ -105,7 +109,7 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
 
 
 def _given_vocabulary(
-    loaded: LoadedPreset, stage: Stage, key: KeyPath, problems: list[Problem]
+    loaded: LoadedPreset, stage: Stage, key: KeyPath, problems: list[Problem], cache: StatCache | None
 ) -> tuple[str, Vocabulary] | None:
     """The vocabulary of the stage's given tokenizer file, if it has one; a file that cannot be
     read as a tokenizer is a problem at `key`."""
@@ -113,7 +117,7 @@ def _given_vocabulary(
     if not isinstance(tokenizer, TokenizerConfig) or tokenizer.file is None:
         return None
     try:
-        return tokenizer.file, read_vocabulary(Path(tokenizer.file))
+        return tokenizer.file, read_vocabulary(Path(tokenizer.file), cache)
     except VocabularyError as exc:
         message = f"{tokenizer.file}: {exc}"
     except OSError as exc:

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from buildtrain.store.sources import open_regular
+from buildtrain.store.sources import StatCache, open_regular
 
 # Token shards hold uint32 ids (steps/tokenized.py), so no larger vocabulary can be trained on.
 MAX_VOCAB_SIZE = 1 << 32
@@ -37,11 +37,23 @@ class Vocabulary:
     tokens: int  # how many ids are listed (fewer than `size` when ids are skipped)
 
 
-def read_vocabulary(path: Path) -> Vocabulary:
+def read_vocabulary(path: Path, cache: StatCache | None = None) -> Vocabulary:
     """The vocabulary of the tokenizer.json at `path` (`OSError` if it cannot be read,
-    `VocabularyError` if it is not a tokenizer)."""
+    `VocabularyError` if it is not a tokenizer); remembered by content in `cache`, if given."""
+    source = cache.digest_of(path) if cache is not None else None
+    if cache is not None and source is not None:
+        known = cache.derived_fact("vocabulary", source)
+        if isinstance(known, list) and len(known) == 2 and all(type(n) is int and n > 0 for n in known):
+            return Vocabulary(size=known[0], tokens=known[1])
     with open_regular(path) as handle:
         raw = handle.read(MAX_TOKENIZER_BYTES + 1)
+    vocabulary = _parse(raw)
+    if cache is not None and source is not None:
+        cache.remember("vocabulary", raw, source, [vocabulary.size, vocabulary.tokens])
+    return vocabulary
+
+
+def _parse(raw: bytes) -> Vocabulary:
     if len(raw) > MAX_TOKENIZER_BYTES:
         raise VocabularyError(f"larger than {MAX_TOKENIZER_BYTES >> 20} MiB, not a tokenizer.json")
     try:
