@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,27 @@ MICRO_STAGES = REPO / "tests" / "presets" / "micro_stages.toml"
 
 
 BtRunner = Callable[..., subprocess.CompletedProcess]
+
+
+class Hang(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float, what: str = "the call") -> Iterator[None]:
+    """Fail a test that blocks (a FIFO opened for reading, a read that never ends) instead of
+    hanging the suite: SIGALRM interrupts the blocking system call in this process."""
+
+    def expire(*_: object) -> None:
+        raise Hang(f"{what} took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def run_bt(

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import attrs
 import pytest
+import tomli
+from conftest import time_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import (
@@ -25,8 +27,11 @@ from strategies import (
     write_preset,
 )
 
+from buildtrain.config import presets
 from buildtrain.config.convert import converter
 from buildtrain.config.loader import load_preset
+from buildtrain.config.problems import display
+from buildtrain.config.provenance import blame, merge_base, merge_layer
 from buildtrain.config.reference import reference, render
 from buildtrain.config.schema import (
     SECTIONS,
@@ -147,6 +152,92 @@ def test_problems_are_reported_in_the_file_that_set_the_key(tmp_path: Path) -> N
     assert any("base.toml: train.lr: must be > 0.0" in p for p in caught.value.problems)
     assert any("child.toml: model.n_layers" in p for p in caught.value.problems)
     assert not any("child.toml: train.lr" in p for p in caught.value.problems)
+
+
+def ladder(folder: Path, files: int) -> Path:
+    """`files` presets, each extending the next two: every file is reached along many paths
+    (2**30 for the first of 31), so a loader that follows each path never finishes."""
+    for i in range(files):
+        bases = [f"f{j}.toml" for j in (i + 1, i + 2) if j < files]
+        write(
+            folder / f"f{i}.toml",
+            f"extends = {bases}\n[train]\nseed = {i}\n" if bases else "[model]\ndim = 32\n",
+        )
+    return folder / "f0.toml"
+
+
+def test_an_extends_diamond_reads_each_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[Path] = []
+    read_toml = presets._read_toml
+    monkeypatch.setattr(presets, "_read_toml", lambda path: reads.append(path) or read_toml(path))
+    with time_bound(10, "loading a 31-file extends diamond"):
+        loaded = load_preset(ladder(tmp_path, 31))
+    assert sorted(reads) == sorted({path.resolve() for path in reads}) and len(reads) == 31
+    assert loaded.config.stages[0].train.seed == 0 and loaded.config.model.dim == 32
+    assert len(loaded.layers) == 31 and loaded.layers[-1] == display(tmp_path / "f0.toml")
+
+
+def naive_read(path: Path) -> tuple[dict, dict, list[str]]:
+    """The loader as it was before it kept what it merged: every path through the DAG re-read."""
+    raw = tomli.loads(path.read_text())
+    merged: dict = {}
+    provenance: dict = {}
+    layers: list[str] = []
+    for base_name in raw.pop("extends", []):
+        base, base_provenance, base_layers = naive_read((path.parent / base_name).resolve())
+        merged = presets.deep_merge(merged, base)
+        merge_base(provenance, base, base_provenance)
+        layers += base_layers
+    merge_layer(provenance, raw, display(path))
+    return presets.deep_merge(merged, raw), provenance, [*layers, display(path)]
+
+
+LAYER_VALUES = st.one_of(
+    st.integers(0, 9),
+    st.lists(st.integers(0, 9), max_size=2),
+    st.dictionaries(st.sampled_from("pq"), st.integers(0, 9), max_size=2),
+)
+LAYER_DOCS = st.dictionaries(
+    st.sampled_from("ab"), st.dictionaries(st.sampled_from("xyz"), LAYER_VALUES, max_size=3), max_size=2
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    docs=st.lists(LAYER_DOCS, min_size=2, max_size=6),
+    edges=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=12),
+)
+def test_a_preset_merged_once_per_file_equals_one_merged_along_every_path(docs, edges) -> None:
+    """The same raw preset, the same provenance, and the same blame for every key as the loader
+    that merged each file once per path to it (a repeated layer counts at its last application)."""
+    bases: dict[int, list[int]] = {i: [] for i in range(len(docs))}
+    for a, b in edges:  # only from a file to a later one: a DAG, with diamonds
+        if a < b < len(docs) and b not in bases[a]:
+            bases[a].append(b)
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch).resolve()
+        for i, doc in enumerate(docs):
+            extends = [f"f{j}.toml" for j in bases[i]]
+            text = f"extends = {extends}\n" + "".join(
+                f"[{table}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in keys.items())
+                for table, keys in doc.items()
+            )
+            write(root / f"f{i}.toml", text)
+        layered = presets.read_preset(root / "f0.toml")
+        raw, provenance, layers = naive_read(root / "f0.toml")
+    assert layered.raw == raw and layered.provenance == provenance
+    assert layered.layers == list(dict.fromkeys(reversed(layers)))[::-1]
+    for key in provenance:
+        for other in provenance:
+            assert blame(layered.provenance, layered.layers, key, (key, other), "-") == blame(
+                provenance, layers, key, (key, other), "-"
+            )
+
+
+def toml_value(value: object) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {v}" for k, v in value.items()) + " }"
+    return str(value)
 
 
 # -- --set ----------------------------------------------------------------------------------------

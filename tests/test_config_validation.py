@@ -427,6 +427,46 @@ def test_one_bad_value_is_one_problem(tmp_path: Path, text: str, problem: str) -
     assert _problems(tmp_path, {"p.toml": text}) == [f"{display(tmp_path / 'p.toml')}: {problem}"]
 
 
+BIG = 2**63 - 1
+HUGE_COUNTS = [
+    (
+        "documents",
+        f"[data]\nsynthetic = {{ documents = {BIG} }}\n",
+        f"data.synthetic.documents: must be <= 100000000 (got {BIG})",
+    ),
+    (
+        "lines",
+        f"[data]\nsynthetic = {{ lines = {BIG} }}\n",
+        f"data.synthetic.lines: must be <= 100000000 (got {BIG})",
+    ),
+    (
+        "documents-x-lines",
+        "[data]\nsynthetic = { documents = 100000, lines = 10000 }\n",
+        "data.synthetic.lines: 10000 lines x data.synthetic.documents 100000 = 1,000,000,000 lines, more than "
+        "the 100,000,000 the synthetic corpus allows; use data files for a larger corpus",
+    ),
+    (
+        "shard-tokens",
+        f"[data]\nshard_tokens = {BIG}\n",
+        f"data.shard_tokens: must be <= 1073741824 (got {BIG})",
+    ),
+    (
+        "micro-batches",
+        "[train]\nbatch_size = 4611686018427387904\nmicro_batch_size = 1\n",
+        "train.micro_batch_size: 1 makes 4,611,686,018,427,387,904 micro-batches per update, more than 65,536; "
+        "raise train.micro_batch_size or lower train.batch_size",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "problem"), [c[1:] for c in HUGE_COUNTS], ids=[c[0] for c in HUGE_COUNTS])
+def test_a_huge_count_is_refused_naming_the_key_and_the_limit(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    """2**63-1 synthetic documents planned, then wrote into tmp/ forever."""
+    assert _problems(tmp_path, {"p.toml": text}) == [f"{display(tmp_path / 'p.toml')}: {problem}"]
+
+
 def test_a_rule_broken_by_a_parent_preset_names_the_parent(tmp_path: Path) -> None:
     files = {
         "p.toml": 'extends = "base/b.toml"\n[model]\ndim = 32\n',

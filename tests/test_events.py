@@ -6,11 +6,13 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import MICRO, run_bt
 from hypothesis import given
 from hypothesis import strategies as st
 from sweeps_built import BuiltSweep, built_sweep
 
-from buildtrain.executor.events import EventWriter, crc32c, masked_crc
+from buildtrain.errors import ExitCode
+from buildtrain.executor.events import EventWriter, crc32c, float32, masked_crc
 
 event_file_loader = pytest.importorskip("tensorboard.backend.event_processing.event_file_loader")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -79,3 +81,34 @@ def test_tensorboard_logdir_experiments_finds_every_training_run(sweep: BuiltSwe
     assert len(runs) == 6
     for run in runs:
         assert "train:finetune/loss" in multiplexer.GetAccumulator(run).Tags()["tensors"]
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_a_value_is_written_as_its_float32_conversion_even_past_the_range(value: float) -> None:
+    """Past float32's range a value becomes an infinity of its sign, as a C cast (and numpy)
+    round it; `struct` alone raises OverflowError there."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        expected = np.float32(value)
+    (written,) = struct.unpack("<f", float32(value))
+    assert (np.isnan(expected) and np.isnan(written)) or written == expected
+
+
+def test_a_diverged_evaluation_is_recorded_as_infinity(tmp_path: Path) -> None:
+    """The perplexity of a held-out loss past 88.7 overflows float32: recorded, never a crash."""
+    writer = EventWriter(tmp_path)
+    writer.scalars(5, {"eval/perplexity": 1e50, "eval/loss": 115.1, "train:main/lr": -1e308})
+    writer.close()
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    events = list(event_file_loader.LegacyEventFileLoader(str(path)).Load())
+    values = {v.tag: v.simple_value for e in events[1:] for v in e.summary.value}
+    assert values["eval/perplexity"] == float("inf") and values["train:main/lr"] == float("-inf")
+    assert values["eval/loss"] == pytest.approx(115.1)
+
+
+def test_a_learning_rate_of_1e308_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    result = run_bt("run", str(MICRO), "--set", "train.lr=1e308", "--progress", "off", store=tmp_path / ".bt")
+    assert result.returncode == ExitCode.FAILED
+    assert "train:main failed: loss is nan at step 2" in result.stderr
+    assert "Traceback" not in result.stderr and "OverflowError" not in result.stderr

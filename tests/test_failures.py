@@ -9,6 +9,7 @@ names and paths that would escape the store or the export folder; wrong exit cod
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import io
 import os
@@ -29,6 +30,7 @@ from buildtrain.errors import ExitCode
 from buildtrain.executor.launch import Launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
+from buildtrain.store.objects import append_flushed
 from buildtrain.store.store import Store
 
 
@@ -125,9 +127,15 @@ def test_a_train_split_shorter_than_seq_len_fails_the_step_in_one_line(tmp_path)
 
 def _limited_run(store: Path, planned: str, limit: int) -> subprocess.CompletedProcess:
     """`bt run` whose processes cannot write a file beyond `limit` bytes (a disk that is full)."""
+    return _limited_bt(store, limit, "run", planned, "--progress", "off")
+
+
+def _limited_bt(store: Path, limit: int, *args: str) -> subprocess.CompletedProcess:
+    """`bt ARGS` whose processes cannot write a file beyond `limit` bytes: every write past it
+    fails as a full disk's does (EFBIG instead of ENOSPC, with no file name either)."""
     env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(store.parent / "experiments")}
     return subprocess.run(
-        [sys.executable, "-m", "buildtrain", "run", planned, "--progress", "off"],
+        [sys.executable, "-m", "buildtrain", *args],
         env=env,
         cwd=store.parent,
         capture_output=True,
@@ -158,6 +166,48 @@ def test_a_full_disk_fails_the_step_in_one_line_and_leaves_the_store_intact(micr
     assert "Traceback" not in failed.stderr
     assert run_bt("fsck", store=store).returncode == ExitCode.OK  # nothing damaged was left behind
     assert not Store(store).has_output(plan.by_label(label).hash)
+
+
+def test_a_full_disk_in_the_export_step_names_the_output_being_written(micro_built, tmp_path):
+    """A copy's error names its source first: the message named the train step's checkpoint."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    export = load_plan(Store(store), micro_built[1]).by_label("export").hash
+    shutil.rmtree(store / "steps" / export)
+    failed = _limited_run(store, micro_built[1], 64 << 10)  # the 109 kB of weights do not fit
+    assert failed.returncode == ExitCode.FAILED, failed.stderr
+    message = one_line_error(failed.stderr.splitlines()[-1])
+    assert message.startswith(f"bt run: export failed: cannot write {store / 'tmp'}"), message
+    assert "model.safetensors: File too large; nothing partial was published" in message
+    assert "steps" not in message and "checkpoints" not in message
+    assert not Store(store).has_output(export)
+
+
+def test_a_record_line_that_does_not_fit_names_its_file():
+    """/dev/full fails every write with ENOSPC, as a full disk does: without a file name."""
+    with open("/dev/full", "ab", buffering=0) as handle, pytest.raises(OSError) as caught:
+        append_flushed(handle, b"a line\n")
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == "/dev/full"
+
+
+@pytest.mark.parametrize("command", ["export", "record", "plan"])
+def test_a_full_disk_names_the_path_being_written(micro_built, tmp_path, command):
+    """`bt export` printed a Python list of tuples; the run record and `bt plan` named no path."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    if command == "export":
+        failed = _limited_bt(store, 64 << 10, "export", micro_built[1], str(tmp_path / "out"))
+        said = f"bt export: cannot use {tmp_path / 'out'}: File too large (writing "
+    elif command == "record":  # a null build: the first file it writes is the record's config.json
+        failed = _limited_bt(store, 1 << 10, "run", micro_built[1], "--progress", "off")
+        said = f"bt run: cannot use {tmp_path / 'experiments'}/"
+    else:
+        shutil.rmtree(store / "plans")
+        failed = _limited_bt(store, 1 << 10, "plan", str(MICRO))
+        said = f"bt plan: cannot use {store / 'plans' / micro_built[1]}.json: File too large"
+    assert failed.returncode == ExitCode.FAILED, failed.stderr
+    assert one_line_error(failed.stderr).startswith(said), failed.stderr
+    assert not list(tmp_path.glob(".out.*")) and not list((store / "plans").glob(".*.tmp"))
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ the file, line or row group and key, and nothing reaches the store."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import attrs
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, BtRunner, plan_hash
+from conftest import REPO, BtRunner, plan_hash, time_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_data_step import FakeLog
@@ -143,6 +144,71 @@ def test_parquet_problems_name_the_file_column_and_row_group(tmp_path: Path) -> 
     assert "column 'text' is int64, not a string column" in failure(tmp_path, "parquet", [path])
     path.write_bytes(b"not parquet")
     assert "not a readable Parquet file" in failure(tmp_path, "parquet", [path])
+
+
+def not_utf8_parquet(path: Path) -> None:
+    """Four rows in two row groups; row 1 of group 1 holds bytes that are not UTF-8 (Arrow does not
+    check a string column's bytes when it writes them)."""
+    values = pa.array([b"one", b"two", b"three", b"\xff\xfe four"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": values}), path, row_group_size=2)
+
+
+def test_bytes_that_are_not_utf8_name_the_file_row_group_column_and_row(tmp_path: Path) -> None:
+    path = tmp_path / "c.parquet"
+    not_utf8_parquet(path)
+    assert failure(tmp_path, "parquet", [path]) == (
+        f"{path}: row group 1: column 'text', row 1 of the group: not UTF-8 text (byte 0xff at 0); "
+        "fix or drop the row"
+    )
+
+
+def test_a_jsonl_record_nested_too_deep_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    assert (
+        failure(tmp_path, "jsonl", [path])
+        == f"{path}: line 2: nested too deep to read; fix or remove the line"
+    )
+
+
+@pytest.mark.parametrize("format", ["text", "jsonl", "parquet"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link"])
+def test_a_data_file_swapped_for_a_fifo_or_dev_zero_stops_the_step(
+    tmp_path: Path, format: str, kind: str
+) -> None:
+    """After `bt run` located the file and before the step opened it: refused, never read."""
+    path = tmp_path / "c.data"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    with time_bound(10, f"a data step reading a {kind}"):
+        message = failure(tmp_path, format, [path])
+    said = "a FIFO" if kind == "fifo" else "a device"
+    assert message.startswith(f"{path}: is {said}, not a regular file; plan again")
+
+
+@pytest.mark.parametrize("record", ["not-utf8", "too-deep"])
+def test_an_unreadable_record_fails_the_run_in_one_line(tmp_path: Path, bt: BtRunner, record: str) -> None:
+    if record == "not-utf8":
+        name, format, said = (
+            "c.parquet",
+            "parquet",
+            "row group 1: column 'text', row 1 of the group: not UTF-8",
+        )
+        not_utf8_parquet(tmp_path / name)
+    else:
+        name, format, said = "c.jsonl", "jsonl", "line 51: nested too deep to read"
+        (tmp_path / name).write_text('{"text": "fine"}\n' * 50 + "[" * 100_000 + "\n")
+    preset = tmp_path / "p.toml"
+    preset.write_text(
+        f'extends = "{REPO / "tests" / "presets" / "micro.toml"}"\n'
+        f'[data]\nsource = "files"\nfiles = ["{name}"]\nformat = "{format}"\n'
+    )
+    result = bt("run", plan_hash(bt("plan", str(preset))))
+    assert result.returncode == 1
+    assert f"{tmp_path / name}: {said}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_bad_record_fails_the_run_in_one_line_and_leaves_nothing_in_the_store(

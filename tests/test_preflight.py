@@ -6,10 +6,12 @@ the real model, beside the model, in test_model.py.)
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
-from conftest import BtRunner
+from conftest import MICRO, BtRunner
 
 from buildtrain.config import preflight as preflight_module
 from buildtrain.config.loader import load_preset
@@ -65,13 +67,13 @@ def test_glob_that_matches_no_file(tmp_path: Path) -> None:
 
 def test_a_directory_is_not_a_data_file(tmp_path: Path) -> None:
     (tmp_path / "corpus" / "sub.txt").mkdir(parents=True)
-    files, empty = expand_sources((str(tmp_path / "corpus" / "*.txt"),))
+    files, empty, _ = expand_sources((str(tmp_path / "corpus" / "*.txt"),))
     assert files == [] and empty == [str(tmp_path / "corpus" / "*.txt")]
 
 
 def test_a_file_matched_twice_is_read_once(tmp_path: Path) -> None:
     write(tmp_path / "corpus" / "a.txt", "hello")
-    files, empty = expand_sources((str(tmp_path / "corpus" / "*.txt"), str(tmp_path / "corpus" / "a.txt")))
+    files, empty, _ = expand_sources((str(tmp_path / "corpus" / "*.txt"), str(tmp_path / "corpus" / "a.txt")))
     assert len(files) == 1 and empty == []
 
 
@@ -162,3 +164,92 @@ def test_bt_plan_refuses_a_model_larger_than_the_machine(tmp_path: Path, bt: BtR
     assert "p.toml: model: training stage 'main' needs about " in result.stderr
     assert "but this machine has" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- what a path names, and what a tokenizer file declares ---------------------------------------
+
+
+def special_file(path: Path, kind: str) -> str:
+    """Make `path` a FIFO or a link to /dev/zero; the words a refusal uses for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "a FIFO"
+    path.symlink_to("/dev/zero")
+    return "a device"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link"])
+def test_bt_plan_refuses_a_fifo_or_device_among_the_data_files(
+    tmp_path: Path, bt: BtRunner, kind: str
+) -> None:
+    write(tmp_path / "corpus" / "a.txt", "hello")
+    said = special_file(tmp_path / "corpus" / "b.txt", kind)
+    write(tmp_path / "p.toml", '[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\n')
+    result = bt("plan", "p.toml", cwd=tmp_path, timeout=60)  # a read of either would never end
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[0] == (
+        f"p.toml: data.files: {tmp_path / 'corpus' / 'b.txt'} is {said}, not a regular file; "
+        f"remove it or narrow '{tmp_path / 'corpus' / '*.txt'}'"
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link"])
+def test_bt_plan_refuses_a_fifo_or_device_as_the_tokenizer_file(
+    tmp_path: Path, bt: BtRunner, kind: str
+) -> None:
+    said = special_file(tmp_path / "tok.json", kind)
+    write(tmp_path / "p.toml", 'data = { tokenizer = { file = "tok.json" } }\n')
+    result = bt("plan", "p.toml", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines()[0] == (
+        f"p.toml: data.tokenizer.file: cannot read {tmp_path / 'tok.json'}: is {said}, not a regular file; "
+        "give a tokenizer.json"
+    )
+
+
+def sparse_tokenizer(path: Path, largest: int) -> Path:
+    """A tokenizer.json of 257 tokens whose last id is `largest` (the tokenizers library loads it)."""
+    vocab = {chr(0x100 + i): i for i in range(256)} | {"<|endoftext|>": largest}
+    path.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": vocab, "merges": []}}))
+    return path
+
+
+def test_a_tokenizer_id_of_50_million_is_refused_with_the_file_and_the_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sized by the vocabulary the file really declares, not the byte tokenizer's 257: the train
+    step would otherwise take the machine's memory and be killed."""
+    sparse_tokenizer(tmp_path / "tok.json", 50_000_000)
+    preset = write(
+        tmp_path / "p.toml", f'extends = "{MICRO}"\ndata = {{ tokenizer = {{ file = "tok.json" }} }}\n'
+    )
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda: 24 << 30)  # the machine of the report
+    _, problems = preflight(load_preset(preset))
+    assert len(problems) == 1
+    assert problems[0].startswith(
+        f"{display(preset)}: data.tokenizer.file: {tmp_path / 'tok.json'} declares a vocabulary of 50,000,001 ids "
+        "(its largest id is 50,000,000; it lists 257 tokens), so training stage 'main' needs about "
+    )
+    assert problems[0].endswith("but this machine has 24.0 GiB; number its ids from 0 without gaps")
+    sparse_tokenizer(tmp_path / "tok.json", 256)
+    assert preflight(load_preset(preset))[1] == []
+
+
+def test_bt_plan_refuses_a_tokenizer_vocabulary_larger_than_the_machine(tmp_path: Path, bt: BtRunner) -> None:
+    sparse_tokenizer(tmp_path / "tok.json", 2**31)  # 2**31 rows of 32 floats: more than any machine
+    write(tmp_path / "p.toml", f'extends = "{MICRO}"\ndata = {{ tokenizer = {{ file = "tok.json" }} }}\n')
+    result = bt("plan", "p.toml", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "p.toml: data.tokenizer.file: " in result.stderr
+    assert "declares a vocabulary of 2,147,483,649 ids" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_tokenizer_path_with_a_nul_byte_is_a_problem_not_a_traceback(tmp_path: Path) -> None:
+    preset = write(tmp_path / "p.toml", 'data.tokenizer.file = "a\\u0000b"\n')
+    _, problems = preflight(load_preset(preset))
+    assert problems == [
+        f"{display(preset)}: data.tokenizer.file: '{tmp_path}/a\\x00b' is not a path a file can have "
+        "(a NUL byte); give a tokenizer.json"
+    ]

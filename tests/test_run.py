@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 from conftest import MICRO, MICRO_STAGES, actions, plan_hash, run_bt, step_digests, summaries
 
 from buildtrain.errors import ExitCode
@@ -281,6 +282,38 @@ def test_data_files_are_found_by_content_after_a_move(tmp_path):
     result = run_bt("run", planned, "--target", "data:main", store=store)
     assert result.returncode == ExitCode.FAILED
     assert "is gone" in result.stderr and "plan again" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("replacement", "said"),
+    [
+        ("edited", "changed since planning"),
+        ("fifo", "is now a FIFO, not a regular file"),
+        ("dev-zero-link", "is now a device, not a regular file"),
+    ],
+)
+def test_a_data_file_replaced_after_planning_fails_the_run_in_one_line(tmp_path, replacement, said):
+    """Never a hang: a FIFO would block the data step forever and /dev/zero never ends."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(400)))
+    preset = tmp_path / "files.toml"
+    preset.write_text(
+        f'extends = "{MICRO}"\n[data]\nsource = "files"\nfiles = ["corpus/*.txt"]\nsplit_block = 128\n'
+    )
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(preset), store=store))
+    (corpus / "a.txt").unlink()
+    if replacement == "edited":
+        (corpus / "a.txt").write_text("edited after planning\n")
+    elif replacement == "fifo":
+        os.mkfifo(corpus / "a.txt")
+    else:
+        (corpus / "a.txt").symlink_to("/dev/zero")
+    result = run_bt("run", planned, "--target", "data:main", "--progress", "off", store=store, timeout=120)
+    assert result.returncode == ExitCode.FAILED, result.stderr
+    assert f"the data file {corpus / 'a.txt'} {said}" in result.stderr
+    assert "plan again" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_export_copies_a_read_only_package_with_checksums(micro_built, tmp_path):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from buildtrain.errors import ExitCode, StepFailed
 from buildtrain.executor import worker
+from buildtrain.executor.job import Job, JobNumerics
 from buildtrain.plan.planner import plan_preset
 from buildtrain.steps import formats, sources
 from buildtrain.steps.sources import Source, SourceReader, read_source
@@ -64,13 +65,24 @@ def test_any_changed_byte_or_length_is_refused(raw: bytes, data: st.DataObject) 
             read_source(source)
 
 
-def test_a_file_that_grows_without_end_is_refused_after_its_planned_size(tmp_path: Path) -> None:
+def test_a_file_longer_than_planned_is_refused_after_its_planned_size(tmp_path: Path) -> None:
     path = tmp_path / "f.txt"
     path.write_bytes(b"abc")
     source = planned(path)
-    endless = Source(path=Path("/dev/zero"), blake3=source.blake3, size=source.size)
-    with pytest.raises(StepFailed, match="/dev/zero: changed since it was planned"):
-        read_source(endless)  # reads 4 bytes, not for ever
+    path.write_bytes(b"abc" + bytes(1 << 20))
+    reader = SourceReader(source)
+    with reader, pytest.raises(StepFailed, match="changed since it was planned"):
+        while reader.read():
+            pass
+    assert reader.count == source.size + 1  # one byte past the plan, never the rest
+
+
+def test_a_device_in_place_of_a_source_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"abc")
+    endless = Source(path=Path("/dev/zero"), blake3=planned(path).blake3, size=3)
+    with pytest.raises(StepFailed, match="/dev/zero: is a device, not a regular file"):
+        read_source(endless)
 
 
 class RewritingReader(SourceReader):
@@ -137,20 +149,20 @@ def text_plan(tmp_path: Path, fmt: str = "text") -> tuple[Store, Any, Path]:
 def run_data_step(store: Store, plan: Any, path: Path) -> tuple[int, Log]:
     """The data step of `plan` in this process, as a worker runs it, with `path` as its source."""
     step = next(s for s in plan.steps if s.kind == "data")
-    job = {
-        "store": str(store.root),
-        "plan": plan.hash,
-        "step": step.hash,
-        "kind": "data",
-        "numerics": {"profile": "portable", "device": "cpu", "dtype": "float32", "threads": 1},
-        "sources": [str(path)],
-        "hooks": {},
-        "commit": True,
-    }
+    job = Job(
+        store=str(store.root),
+        plan=plan.hash,
+        step=step.hash,
+        kind="data",
+        numerics=JobNumerics(profile="portable", device="cpu", dtype="float32", threads=1),
+        sources=(str(path),),
+    )
+    job_path = path.with_name("job.json")
+    job.write(job_path)
     handlers = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
     log = Log()
     try:
-        code = worker.run_job(job, log)
+        code = worker.run_job(job_path, log)
     finally:
         for number, handler in handlers.items():
             signal.signal(number, handler)

@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import blake3
+import pytest
+from conftest import time_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.store.sources import RACY_SECONDS, SourceFile, StatCache, locate
+from buildtrain.store import sources
+from buildtrain.store.objects import MMAP_THRESHOLD
+from buildtrain.store.sources import (
+    RACY_SECONDS,
+    NotRegularFile,
+    SourceFile,
+    StatCache,
+    hash_regular,
+    locate,
+    open_regular,
+    whereabouts,
+)
 
 OLD = time.time() - 3600  # an mtime well outside the racy window
 
@@ -202,3 +217,80 @@ def test_a_data_file_found_again_elsewhere_says_where_the_bytes_came_from(tmp_pa
     events = [json.loads(line) for line in log.splitlines()]
     found = [e for e in events if e.get("event") == "source_found_elsewhere"]
     assert len(found) == 1 and found[0]["found_at"] == copy, found
+
+
+# -- only regular files are read ------------------------------------------------------------------
+
+
+@pytest.fixture(params=["fifo", "dev-zero-link", "socket", "folder"])
+def not_a_file(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A path where a data file was, now something that a read would block on, never finish, or
+    fail on: a FIFO, a link to /dev/zero, a socket, a folder."""
+    path = tmp_path / "corpus.txt"
+    if request.param == "fifo":
+        os.mkfifo(path)
+        yield path, "a FIFO"
+    elif request.param == "dev-zero-link":
+        path.symlink_to("/dev/zero")
+        yield path, "a device"
+    elif request.param == "socket":
+        with socket.socket(socket.AF_UNIX) as server:
+            server.bind(str(path))
+            yield path, "a socket"
+    else:
+        path.mkdir()
+        yield path, "a directory"
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path, not_a_file: tuple[Path, str]
+) -> None:
+    path, kind = not_a_file
+    source = write_old(tmp_path / "kept.txt", b"the corpus")
+    cache = StatCache(tmp_path / "files.json")
+    with time_bound(5, f"reading {kind}"):
+        with pytest.raises(NotRegularFile, match=f"is {kind}, not a regular file") as caught:
+            open_regular(path)
+        assert caught.value.filename == str(path) and caught.value.kind == kind
+        with pytest.raises(NotRegularFile):
+            cache.digest_of(path)
+        assert locate(cache, source, [str(path)]) is None
+        assert whereabouts(source, [str(path)]).startswith(
+            f"the data file {path} is now {kind}, not a regular file"
+        )
+
+
+def test_a_fifo_swapped_in_after_the_check_is_refused_on_the_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regular = tmp_path / "regular.txt"
+    regular.write_bytes(b"text")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real_stat = os.stat
+    monkeypatch.setattr(
+        sources.os, "stat", lambda path, *a, **k: real_stat(regular if path == fifo else path)
+    )
+    with time_bound(5, "opening a FIFO"), pytest.raises(NotRegularFile, match="is a FIFO"):
+        open_regular(fifo)  # the first check saw a regular file; the descriptor's check does not
+
+
+@pytest.mark.parametrize("size", [0, 1000, MMAP_THRESHOLD + 3])
+def test_hash_regular_gives_the_digest_of_the_bytes(tmp_path: Path, size: int) -> None:
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    (tmp_path / "f").write_bytes(data)
+    assert hash_regular(tmp_path / "f") == (blake3.blake3(data).hexdigest(), size)
+
+
+def test_whereabouts_says_what_became_of_a_planned_file(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.txt"
+    source = write_old(path, b"the corpus as planned")
+    write_old(path, b"edited")
+    assert whereabouts(source, [str(path)]) == (
+        f"the data file {path} changed since planning "
+        f"(blake3 {source.blake3[:16]}…, {source.size} bytes when planned, 6 bytes now)"
+    )
+    path.unlink()
+    assert whereabouts(source, [str(path)]) == (
+        f"a data file (blake3 {source.blake3[:16]}…, {source.size} bytes) is gone (it was at {path})"
+    )

@@ -276,3 +276,33 @@ def test_a_recorded_output_edited_and_resealed_does_not_reproduce(micro_built, t
     verdict = by_label(report)[label]
     assert verdict["status"] == "diverged" and name in verdict["detail"]
     assert name in result.stderr and "reproduced:" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (
+            ("--resume-at", "500"),
+            "--resume-at 500: plan {h} would never be killed there (its longest train stage has 12 "
+            "updates); choose points from 1 to 11",
+        ),
+        (
+            ("--resume-at", "3,12"),
+            "--resume-at 12: plan {h} would never be killed there (its longest train stage has 12 "
+            "updates); choose points from 1 to 11",
+        ),
+        (
+            ("--steps", "5", "--resume-at", "3,7"),
+            "--resume-at 7: plan {h} would never be killed there (--steps 5 "
+            "re-executes 5 updates); choose points from 1 to 4",
+        ),
+    ],
+    ids=["past-the-plan", "at-the-end", "past-steps"],
+)
+def test_a_resume_point_the_plan_never_reaches_is_refused(micro_built, tmp_path, options, said):
+    """It said "killed and resumed at 500" of a plan of 12 updates."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    result = run_bt("verify", micro_built[1], *options, store=store)
+    assert result.returncode == ExitCode.USAGE
+    assert result.stderr.strip() == f"bt verify: {said.format(h=micro_built[1][:12])}"

@@ -1,7 +1,9 @@
 """Pre-flight checks that need the machine, not just the preset: data presence, memory, device.
 
 They run at `bt plan` time so that a doomed run fails in a fraction of a second instead of an hour
-in. The memory estimate is `shape.memory_estimate`.
+in. The memory estimate is `shape.memory_estimate`, with the vocabulary a given tokenizer file
+really declares (`vocabulary`). Data and tokenizer files must be regular files: a FIFO, a device or
+a socket (or a link to one) is refused here, never opened for reading.
 """
 
 from __future__ import annotations
@@ -10,20 +12,25 @@ import glob
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from buildtrain.config.loader import LoadedPreset
 from buildtrain.config.problems import KeyPath, Problem
-from buildtrain.config.schema import world_size_problem
+from buildtrain.config.schema import Stage, TokenizerConfig, world_size_problem
 from buildtrain.config.shape import memory_estimate, planned_vocab_size
+from buildtrain.config.vocabulary import Vocabulary, VocabularyError, read_vocabulary
+from buildtrain.store.sources import StatCache, kind_of
 
 GIB = 1 << 30
 
 
-def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str]]:
-    """Files matched by the patterns, each once; and the patterns that matched nothing."""
+def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str], list[str]]:
+    """Files matched by the patterns, each once; the patterns that matched nothing; and what they
+    matched that is no file to read (a FIFO, device or socket: folders are passed over)."""
     found: dict[tuple[int, int], Path] = {}  # by (device, inode): one stat per file, links count once
     empty: list[str] = []
+    refused: list[str] = []
     for pattern in patterns:
         matched = False
         for match in sorted(glob.glob(pattern, recursive=True)):
@@ -34,9 +41,14 @@ def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str]]:
             if stat.S_ISREG(info.st_mode):
                 matched = True
                 found.setdefault((info.st_dev, info.st_ino), Path(match))
+            elif not stat.S_ISDIR(info.st_mode):
+                matched = True
+                refused.append(
+                    f"{match} is {kind_of(info.st_mode)}, not a regular file; remove it or narrow '{pattern}'"
+                )
         if not matched:
             empty.append(pattern)
-    return list(found.values()), empty
+    return list(found.values()), empty, refused
 
 
 def machine_memory() -> int:
@@ -48,9 +60,11 @@ def cuda_available() -> bool:
     return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
 
 
-def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list[Path]], list[str]]:
+def preflight(
+    loaded: LoadedPreset, world_size: int = 1, cache: StatCache | None = None
+) -> tuple[dict[str, list[Path]], list[str]]:
     """Source files per stage, and every machine-level problem with the preset for a run on
-    `world_size` processes."""
+    `world_size` processes (`cache` remembers what a tokenizer file's vocabulary is)."""
     config = loaded.config
     problems: list[Problem] = []
     sources: dict[str, list[Path]] = {}
@@ -60,16 +74,22 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
         own = ("stages", index, *key)
         return own if own in loaded.provenance else key
 
+    vocabularies: dict[str, tuple[str, Vocabulary]] = {}
     for index, stage in enumerate(config.stages):
         unfit = world_size_problem(stage.train, world_size)
         if unfit is not None:
             key = stage_key(index, "train", "micro_batch_size")
             source = loaded.blame(key, stage_key(index, "train", "batch_size"))
             problems.append(Problem(source, key, unfit))
+        given = _given_vocabulary(
+            loaded, stage, stage_key(index, "data", "tokenizer", "file"), problems, cache
+        )
+        if given is not None:
+            vocabularies[stage.name] = given
         if stage.data.source != "files":
             sources[stage.name] = []
             continue
-        files, empty = expand_sources(stage.data.files)
+        files, empty, refused = expand_sources(stage.data.files)
         sources[stage.name] = files
         key = stage_key(index, "data", "files")
         for pattern in empty:
@@ -79,22 +99,9 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
                 else ""
             )
             problems.append(Problem(loaded.source_of(key), key, f"'{pattern}' matches no file{hint}"))
+        problems.extend(Problem(loaded.source_of(key), key, message) for message in refused)
 
-    available = machine_memory()
-    for stage in config.stages:
-        needed = memory_estimate(config.model, stage.train, planned_vocab_size(stage.data))
-        if needed > available:
-            problems.append(
-                Problem(
-                    loaded.source_of(("model",)),
-                    ("model",),
-                    f"training stage '{stage.name}' needs about {needed / GIB:.1f} GiB "
-                    f"(weights, gradients, AdamW state, activations) but this machine has {available / GIB:.1f} GiB; "
-                    "reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len",
-                )
-            )
-            break
-
+    problems.extend(_memory_problems(loaded, vocabularies, stage_key))
     if config.numerics.device == "cuda" and not cuda_available():
         problems.append(
             Problem(
@@ -104,3 +111,59 @@ def preflight(loaded: LoadedPreset, world_size: int = 1) -> tuple[dict[str, list
             )
         )
     return sources, [str(problem) for problem in dict.fromkeys(problems)]
+
+
+def _given_vocabulary(
+    loaded: LoadedPreset, stage: Stage, key: KeyPath, problems: list[Problem], cache: StatCache | None
+) -> tuple[str, Vocabulary] | None:
+    """The vocabulary of the stage's given tokenizer file, if it has one; a file that cannot be
+    read as a tokenizer is a problem at `key`."""
+    tokenizer = stage.data.tokenizer
+    if not isinstance(tokenizer, TokenizerConfig) or tokenizer.file is None:
+        return None
+    try:
+        return tokenizer.file, read_vocabulary(Path(tokenizer.file), cache)
+    except VocabularyError as exc:
+        message = f"{tokenizer.file}: {exc}"
+    except OSError as exc:
+        message = f"cannot read {tokenizer.file}: {exc.strerror or exc}; give a tokenizer.json"
+    except ValueError:  # a path no system call takes
+        message = f"{tokenizer.file!r} is not a path a file can have (a NUL byte); give a tokenizer.json"
+    problems.append(Problem(loaded.source_of(key), key, message))
+    return None
+
+
+def _memory_problems(
+    loaded: LoadedPreset,
+    vocabularies: dict[str, tuple[str, Vocabulary]],
+    stage_key: Callable[..., KeyPath],
+) -> list[Problem]:
+    """The first training stage that needs more memory than the machine has, if one does: blamed
+    on a given tokenizer file when its vocabulary is what makes the model large."""
+    config = loaded.config
+    available = machine_memory()
+    for index, stage in enumerate(config.stages):
+        file, given = vocabularies.get(stage.name, ("", None))
+        vocab_size = given.size if given is not None else planned_vocab_size(stage.data)
+        needed = memory_estimate(config.model, stage.train, vocab_size)
+        if needed <= available:
+            continue
+        numbers = f"about {needed / GIB:,.1f} GiB but this machine has {available / GIB:.1f} GiB"
+        if (
+            given is not None
+            and memory_estimate(config.model, stage.train, planned_vocab_size(stage.data)) <= available
+        ):
+            key = stage_key(index, "data", "tokenizer", "file")
+            fix = "number its ids from 0 without gaps" if given.tokens < given.size else "give a smaller one"
+            message = (
+                f"{file} declares a vocabulary of {given.size:,} ids (its largest id is "
+                f"{given.size - 1:,}; it lists {given.tokens:,} tokens), so training stage '{stage.name}' needs "
+                f"{numbers}; {fix}"
+            )
+            return [Problem(loaded.source_of(key), key, message)]
+        message = (
+            f"training stage '{stage.name}' needs {numbers} (weights, gradients, AdamW state, activations; "
+            f"vocabulary {vocab_size:,}); reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len"
+        )
+        return [Problem(loaded.source_of(("model",)), ("model",), message)]
+    return []

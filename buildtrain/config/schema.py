@@ -21,6 +21,17 @@ BYTE_VOCAB_SIZE = 257
 END_OF_DOCUMENT = 256
 # More intra-op threads than any machine has cores is a typo, not a setting (torch would fail late).
 MAX_THREADS = 4096
+# The synthetic corpus is generated in Python at about 3.3 us a line (9.4 bytes of text), so 10**8
+# lines is about 0.9 GB of text and 6 minutes of generation here: a larger one is a typo (2**63-1
+# documents would fill tmp/ forever), and a corpus that large belongs in data files.
+MAX_SYNTHETIC_LINES = 100_000_000
+MAX_SYNTHETIC_DOCUMENTS = MAX_SYNTHETIC_LINES
+# A shard is built in memory before it is written: 2**30 tokens is 2 to 4 GiB of buffer.
+MAX_SHARD_TOKENS = 1 << 30
+# Gradient accumulation runs in tens or hundreds of micro-batches; 2**62 of them (batch_size 2**62,
+# micro_batch_size 1) is an update that never ends, and listing the world sizes that share them
+# hung `bt plan --nproc 3`.
+MAX_MICRO_BATCHES = 1 << 16
 
 
 @attrs.frozen(kw_only=True)
@@ -28,9 +39,26 @@ class SyntheticConfig:
     """A built-in corpus generated from a seed, so a preset runs on any machine with no data."""
 
     kind: str = setting("arithmetic", "generator of the synthetic corpus", one_of("arithmetic"))
-    documents: int = setting(2000, "number of documents generated", at_least(1))
-    lines: int = setting(16, "lines (problems) per document", at_least(1))
+    documents: int = setting(
+        2000, "number of documents generated", at_least(1), at_most(MAX_SYNTHETIC_DOCUMENTS)
+    )
+    lines: int = setting(
+        16,
+        f"lines (problems) per document; documents x lines at most {MAX_SYNTHETIC_LINES:,}",
+        at_least(1),
+        at_most(MAX_SYNTHETIC_LINES),
+    )
     seed: int = setting(0, "seed of the generator", at_least(0))
+
+    @lines.validator
+    @reads("documents")
+    def _corpus_is_bounded(self, _: attrs.Attribute[Any], value: int) -> None:
+        total = self.documents * value
+        if total > MAX_SYNTHETIC_LINES:
+            raise ValueError(
+                f"{value} lines x data.synthetic.documents {self.documents} = {total:,} lines, more than "
+                f"the {MAX_SYNTHETIC_LINES:,} the synthetic corpus allows; use data files for a larger corpus"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -106,7 +134,12 @@ class DataConfig:
         at_least(16),
     )
     split_seed: int = setting(0, "seed of the train/held-out assignment", at_least(0))
-    shard_tokens: int = setting(1 << 20, "tokens per shard file", at_least(1024))
+    shard_tokens: int = setting(
+        1 << 20,
+        "tokens per shard file (held in memory while it fills)",
+        at_least(1024),
+        at_most(MAX_SHARD_TOKENS),
+    )
 
     @files.validator
     @reads("source")
@@ -202,6 +235,11 @@ class TrainConfig:
             raise ValueError(
                 f"{value} does not divide train.batch_size {self.batch_size}; "
                 f"choose a divisor of {self.batch_size}"
+            )
+        if self.batch_size // value > MAX_MICRO_BATCHES:
+            raise ValueError(
+                f"{value} makes {self.batch_size // value:,} micro-batches per update, more than "
+                f"{MAX_MICRO_BATCHES:,}; raise train.micro_batch_size or lower train.batch_size"
             )
 
     @warmup_steps.validator

@@ -5,14 +5,23 @@ CRC32C of the payload) whose payloads are `Event` protocol buffers. Scalars need
 fields (Event.wall_time, .step, .file_version, .summary; Summary.Value.tag, .simple_value), so
 they are encoded here by hand: `bt run` keeps its dependencies, and tests read the files back
 with TensorBoard's own reader to prove the framing. Event files are records, never hashed.
+
+A simple value is a float32. A finite value past float32's range (the perplexity of a diverged
+evaluation, e**88.8 and up; `train.lr = 1e308`) is written as the float32 conversion gives it,
+an infinity of its sign, as TensorBoard's own writer does: the value is a measurement to record
+(the run's metrics.jsonl keeps it exactly), not a failure of the run (it was an OverflowError that
+ended the run in a traceback and left the export unbuilt).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from pathlib import Path
 from typing import BinaryIO
+
+from buildtrain.store.objects import append_flushed
 
 FILE_VERSION = b"brain.Event:2"
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
@@ -67,10 +76,19 @@ def _bytes_field(number: int, data: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data
 
 
+def float32(value: float) -> bytes:
+    """`value` as a little-endian float32, rounded as a C cast rounds it: past the range, an
+    infinity of its sign (`struct` raises OverflowError there instead)."""
+    try:
+        return struct.pack("<f", value)
+    except OverflowError:
+        return struct.pack("<f", math.copysign(math.inf, value))
+
+
 def scalar_event(wall_time: float, step: int, values: dict[str, float]) -> bytes:
     """An `Event` with a `Summary` of simple values (one per tag), encoded as protobuf."""
     summary = b"".join(
-        _bytes_field(1, _bytes_field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
+        _bytes_field(1, _bytes_field(1, tag.encode()) + b"\x15" + float32(value))
         for tag, value in values.items()
     )
     return b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step) + _bytes_field(5, summary)
@@ -100,9 +118,8 @@ class EventWriter:
         if self._file is None:
             name = f"events.out.tfevents.{int(now)}.buildtrain"
             self._file = open(self.folder / name, "ab")  # noqa: SIM115 - closed in close()
-            self._file.write(tfrecord(version_event(now)))
-        self._file.write(tfrecord(scalar_event(now, step, values)))
-        self._file.flush()
+            append_flushed(self._file, tfrecord(version_event(now)))
+        append_flushed(self._file, tfrecord(scalar_event(now, step, values)))
 
     def close(self) -> None:
         if self._file is not None:

@@ -22,7 +22,7 @@ from buildtrain.executor import logs
 from buildtrain.executor.metrics import MetricsCollector
 from buildtrain.executor.outcome import StepResult
 from buildtrain.plan.plan import Plan
-from buildtrain.store.objects import write_bytes_durably
+from buildtrain.store.objects import append_flushed, write_bytes_durably
 
 METRIC_EVENTS = ("train_step", "eval")
 
@@ -72,16 +72,13 @@ class RunRecord:
         self._write_line(logs.event_line(event, **fields))
 
     def _write_line(self, line: str) -> None:
-        self._log.write(line + "\n")
-        self._log.flush()
+        append_flushed(self._log, line + "\n")
 
     def forward(self, line: dict[str, Any]) -> None:
-        self._log.write(json.dumps(line, sort_keys=True) + "\n")
-        self._log.flush()
+        append_flushed(self._log, json.dumps(line, sort_keys=True) + "\n")
         if line.get("event") in METRIC_EVENTS:
             metric = {k: v for k, v in line.items() if k not in ("level",)}
-            self._metrics.write(json.dumps(metric, sort_keys=True) + "\n")
-            self._metrics.flush()
+            append_flushed(self._metrics, json.dumps(metric, sort_keys=True) + "\n")
             self.metrics.event(line)
 
     def step_result(self, result: StepResult) -> None:

@@ -32,7 +32,7 @@ from buildtrain.executor.policy import step_launch
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses, Worker
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store.sources import SourceFile, locate
+from buildtrain.store.sources import SourceFile, locate, whereabouts
 from buildtrain.store.store import Store
 
 # Lines of torchrun's own log kept in the run record when a distributed step fails.
@@ -56,11 +56,10 @@ def source_paths(
     for source in sources:
         path = locate(cache, SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], []))
         if path is None:
-            where = ", ".join(hints.get(source["blake3"], [])) or "unknown"
-            raise StepFailed(
-                f"{step.label}: a data file with blake3 {source['blake3'][:16]}… ({source['size']} bytes) is gone "
-                f"(it was at {where}); restore it, or plan again from the preset"
+            missing = whereabouts(
+                SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], [])
             )
+            raise StepFailed(f"{step.label}: {missing}; restore it, or plan again from the preset")
         seen_at = hints.get(source["blake3"], [])
         if on_event is not None and str(path) not in seen_at:
             on_event(

@@ -179,7 +179,8 @@ def run_job(path: Path, log: Any, observer: ObserverFactory | None = None) -> in
         log.error("step_failed", message=str(exc), exit_code=int(exc.exit_code))
         return exc.exit_code
     except OSError as exc:  # disk full, permissions: the store and the last checkpoint stay intact
-        where = f" {exc.filename}" if exc.filename else ""
+        written = exc.filename2 or exc.filename  # a copy's error names its source first, its target second
+        where = f" {written}" if written else ""
         log.error("step_failed", message=f"cannot write{where}: {exc.strerror or exc}; {_kept(job)}")
         return ExitCode.FAILED
     except Exception as exc:

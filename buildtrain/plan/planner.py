@@ -37,11 +37,11 @@ def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_
 
 def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_size: int = 1) -> Planned:
     """`plan_preset` for a preset already loaded (with `overrides`, which the metadata records)."""
-    source_paths, problems = preflight(loaded, world_size)
+    cache = store.stat_cache()
+    source_paths, problems = preflight(loaded, world_size, cache)
     if problems:
         raise ConfigError(problems)
 
-    cache = store.stat_cache()
     sources: dict[str, list[SourceFile]] = {}
     locations: dict[str, list[str]] = {}
     for stage, paths in source_paths.items():

@@ -109,7 +109,7 @@ def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
     temporary = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
     try:
         package = temporary / "package"
-        shutil.copytree(output, package, ignore=shutil.ignore_patterns(objects.MANIFEST))
+        _copy_package(output, package, destination)
         readable = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
         for path in sorted(package.rglob("*"), reverse=True):  # hf/ after its files
             os.chmod(path, readable | (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH if path.is_dir() else 0))
@@ -119,3 +119,22 @@ def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return destination
+
+
+def _copy_package(output: Path, package: Path, destination: Path) -> None:
+    """Copy an output's files (not its manifest) to `package`; the first failure stops the copy,
+    named by the destination and the file (`shutil.copytree` goes on past every failure and then
+    raises the list of them, which read as a Python list of tuples)."""
+    for path in sorted(output.rglob("*")):
+        relative = path.relative_to(output)
+        if relative.as_posix() == objects.MANIFEST:
+            continue
+        try:
+            if path.is_dir():
+                (package / relative).mkdir(parents=True)
+            else:
+                (package / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, package / relative)
+        except OSError as exc:
+            message = f"{exc.strerror or exc} (writing {relative.as_posix()}); nothing was written there"
+            raise OSError(exc.errno, message, str(destination)) from None

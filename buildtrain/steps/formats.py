@@ -4,8 +4,10 @@ A plain text file is one document, read in chunks; a JSONL line or a Parquet row
 Nothing is read whole: JSONL goes line by line, Parquet record batch by record batch within each row
 group, so memory is bounded by the largest document (or batch), never by the corpus. A malformed
 line, a missing key or column, or a value that is not a string stops the step with the file, the
-line or row group and the key; the step's output folder is discarded, so nothing half-written
-reaches the store. Needs no torch.
+line or row group and the key (bytes that are not UTF-8 and records nested too deep to read
+included); the step's output folder is discarded, so nothing half-written reaches the store. Only
+regular files are opened (`open_regular`): a data file swapped for a FIFO or a link to /dev/zero
+after planning is refused, never read forever. Needs no torch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import StepFailed
 from buildtrain.steps.sources import open_source, private_copy
@@ -63,6 +65,8 @@ def jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, Iterator[byte
                 record = json.loads(line)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise StepFailed(f"{where}: not valid JSON ({exc}); fix or remove the line") from None
+            except RecursionError:  # Python's parser recurses per level: 100,000 `[` exhaust the stack
+                raise StepFailed(f"{where}: nested too deep to read; fix or remove the line") from None
             if not isinstance(record, dict):
                 raise StepFailed(
                     f"{where}: expected a JSON object with key '{field}', got {type(record).__name__}"
@@ -88,6 +92,12 @@ def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, Iterator[b
         parquet = pq.ParquetFile(readable)
     except (pa.ArrowException, OSError) as exc:
         raise StepFailed(f"{path}: not a readable Parquet file ({exc})") from None
+    yield from _parquet_rows(parquet, path, column)
+
+
+def _parquet_rows(parquet: Any, path: Path, column: str) -> Iterator[tuple[str, Iterator[bytes]]]:
+    import pyarrow as pa
+
     schema = parquet.schema_arrow
     if column not in schema.names:
         names = ", ".join(schema.names[:8]) or "none"
@@ -103,13 +113,32 @@ def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, Iterator[b
             batches = parquet.iter_batches(
                 batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[column]
             )
+            row = 0
             for batch in batches:
                 values = batch.column(0)
                 if values.null_count:
                     raise StepFailed(
                         f"{where}: column '{column}' has {values.null_count} null value(s); drop or fill them"
                     )
-                for text in values.to_pylist():
+                for text in _texts(values, where, column, row):
                     yield where, iter((_utf8(text, where, column),))
+                row += len(values)
         except pa.ArrowException as exc:
             raise StepFailed(f"{where}: cannot be read ({exc})") from None
+
+
+def _texts(values: Any, where: str, column: str, first_row: int) -> list[str]:
+    """A batch's strings; Arrow stores string columns unchecked, so bytes that are not UTF-8 only
+    show when decoded: name the first such row."""
+    try:
+        return values.to_pylist()
+    except UnicodeDecodeError:
+        for index in range(len(values)):
+            try:
+                values[index].as_py()
+            except UnicodeDecodeError as exc:
+                raise StepFailed(
+                    f"{where}: column '{column}', row {first_row + index} of the group: not UTF-8 text "
+                    f"(byte {exc.object[exc.start]:#04x} at {exc.start}); fix or drop the row"
+                ) from None
+        raise

@@ -16,12 +16,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import attrs
 import blake3
 
 from buildtrain.errors import StepFailed
+from buildtrain.store.regular import NotRegularFile, open_regular
 
 READ_CHUNK = 1 << 20
 
@@ -57,7 +58,7 @@ class SourceReader:
         self.source = source
         self.hasher = blake3.blake3()
         self.count = 0
-        self.handle = open(source.path, "rb")  # noqa: SIM115 (closed by close() / the with block)
+        self.handle = open_file(source.path)
 
     def __enter__(self) -> SourceReader:
         return self
@@ -103,7 +104,18 @@ def open_source(path: Source | Path) -> IO[bytes] | SourceReader:
     `Source` (what the executor hands a step), plain for a path (a library caller's own file)."""
     if isinstance(path, Source):
         return SourceReader(path)
-    return open(path, "rb")
+    return open_file(path)
+
+
+def open_file(path: str | os.PathLike[str]) -> BinaryIO:
+    """A regular file opened for reading; a FIFO, device or folder in its place stops the step
+    (a FIFO would block the read forever, /dev/zero never end it)."""
+    try:
+        return open_regular(path)
+    except NotRegularFile as exc:
+        raise StepFailed(
+            f"{path}: {exc.strerror}; plan again from the preset with a data file there"
+        ) from None
 
 
 def read_source(path: Source | Path) -> bytes:

@@ -15,7 +15,7 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import blake3
 
@@ -61,14 +61,28 @@ def write_bytes_durably(path: Path, data: bytes, *, durable: bool = True) -> Non
     """Write a file next to its final name, fsync it, rename it into place, fsync the folder.
     `durable=False` (caches, recomputed when lost) keeps the atomic rename and skips the fsyncs."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+    except OSError as exc:  # a full disk fails the write, flush or close: no name comes with it
+        temporary.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     os.replace(temporary, path)
     if durable:
         fsync_dir(path.parent)
+
+
+def append_flushed(handle: IO[Any], data: str | bytes) -> None:
+    """Append to an open record file and flush, naming the file when that fails: a full disk's
+    error carries no name of its own (it read "cannot use: No space left on device")."""
+    try:
+        handle.write(data)
+        handle.flush()
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, handle.name) from None
 
 
 def framed(body: bytes) -> bytes:

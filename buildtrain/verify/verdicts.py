@@ -22,6 +22,29 @@ class VerifyOptions:
     experiments: Path = Path("experiments")
     launch: Launch = SINGLE_PROCESS  # re-execute the train steps at this world size
 
+    def resume_problem(self, plan: Plan) -> str | None:
+        """Why a `--resume-at` point would never be reached in `plan`, if one would not: a kill
+        is made after an update the re-execution runs and before its last (the header and the
+        verdicts said "killed and resumed at 500" of a plan of 12 updates)."""
+        if not self.resume_at:
+            return None
+        lengths = [int(step.config["train"]["steps"]) for step in plan.steps if step.kind == "train"]
+        if not lengths:
+            return f"--resume-at: plan {plan.hash[:12]} has no train step to kill and resume"
+        end = min(max(lengths), self.steps) if self.steps else max(lengths)
+        beyond = [point for point in self.resume_at if point >= end]
+        if not beyond:
+            return None
+        runs = (
+            f"--steps {self.steps} re-executes {end}"
+            if end == self.steps
+            else f"its longest train stage has {end}"
+        )
+        return (
+            f"--resume-at {','.join(map(str, beyond))}: plan {plan.hash[:12]} would never be killed there "
+            f"({runs} updates); choose points from 1 to {end - 1}"
+        )
+
 
 # What a step's re-execution came to: reproduced bit for bit; diverged from the recorded build;
 # not compared (a comparison it stands for was not made: fails closed); damaged (the recorded output

@@ -60,6 +60,9 @@ def verify_plan(
             f"plan {plan.hash[:12]} uses the native profile: its hash pins {pinned_threads(plan)} threads, so it "
             "promises nothing at another thread count. Use the portable profile to check thread invariance."
         )
+    unreachable = options.resume_problem(plan)
+    if unreachable:
+        raise UsageError(unreachable)
     launch = options.launch
     threads = prepare(plan, options.threads, launch, list(plan.steps))
     if not all(store.has_output(step.hash) for step in plan.steps):
