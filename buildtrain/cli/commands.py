@@ -219,25 +219,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from buildtrain.steps.export import export_to
+    from buildtrain.executor.deliver import export_plan
 
     store = store_of(args)
     plan = load_plan(store, args.plan)
-    destination = export_to(store, plan, Path(args.dest) if args.dest else None)
+    destination = export_plan(store, plan, Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from buildtrain.steps.sample import SampleOptions, sample
+    from buildtrain.executor.deliver import sample_text
 
     store = store_of(args)
-    options = SampleOptions(
+    text = sample_text(
+        store,
+        load_plan(store, args.plan),
         prompt=args.prompt,
         tokens=args.tokens,
         temperature=args.temperature,
         top_k=args.top_k or 0,
         seed=args.seed,
     )
-    print(args.prompt + sample(store, load_plan(store, args.plan), options))
+    print(args.prompt + text)
     return ExitCode.OK

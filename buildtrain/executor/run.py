@@ -122,7 +122,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
     # Steps of one numerics environment share a process (and the plans of a sweep, when `shared`).
     processes = shared if shared is not None else StepProcesses()
     try:
-        with signals_interrupt(plan):
+        with signals_interrupt(plan), store.running(plan.hash):
             for step in steps:
                 if launch.follower and step.kind == "train":
                     record.step_result(**join_step(store, plan, step, threads, record, reporter, launch))

@@ -17,12 +17,11 @@ from buildtrain.config.schema import NumericsConfig
 from buildtrain.errors import CorruptObject
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
+from buildtrain.store.layout import RESULT
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.steps.train.controls import TrainControls
-
-RESULT = "result.json"
 
 
 @attrs.frozen(kw_only=True)

@@ -7,28 +7,25 @@
     hf/                 the same weights and tokenizer for Hugging Face transformers (steps/hf_export.py)
     BLAKE3SUMS          `<blake3>  <file>` per file (hf/ included), checkable with b3sum -c
 
-`bt export PLAN DEST` copies the package out of the store, read-only.
+`bt export PLAN DEST` copies the package out of the store, read-only (`executor/deliver.py`).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.config.checks import name_problem
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ExportConfig
 from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
+from buildtrain.store.layout import EVAL_RESULT
 from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
 
@@ -56,7 +53,6 @@ class ExportStep:
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
-    from buildtrain.steps.eval_cache import EVAL_RESULT
     from buildtrain.steps.hf_export import HF_FOLDER, write_hf
     from buildtrain.steps.tokenizer import export_files
 
@@ -75,7 +71,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     (out / "tokenizer.json").write_bytes(
         canonical_bytes(config.tokenizer if "tokenizer" not in ctx.inputs else description)
     )
-    shutil.copyfile(ctx.inputs["eval"] / EVAL_RESULT, out / "eval.json")
+    shutil.copyfile(ctx.inputs["eval"] / EVAL_RESULT, out / EVAL_RESULT)
     write_hf(
         out / HF_FOLDER,
         out / WEIGHTS,
@@ -107,33 +103,3 @@ def built_export(store: Store, plan: Plan, wanted_for: str = "") -> Path:
     if problems:
         raise CorruptObject(f"the export output {step.hash[:12]} does not verify: {problems[0]}; run bt fsck")
     return store.output(step.hash)
-
-
-def export_to(store: Store, plan: Plan, destination: Path | None) -> Path:
-    """Copy a built plan's export package to `destination` (default ./export/NAME-HASH), read-only."""
-    output = built_export(store, plan)
-    if destination is None:
-        # The plan's name was checked to be a safe file name when it was loaded; check again here,
-        # where it becomes a path, so that no name can place the export outside ./export.
-        problem = name_problem(plan.name)
-        if problem:
-            raise CorruptObject(f"plan {plan.hash[:12]}: name: {problem}; run bt fsck")
-        destination = Path("export") / f"{plan.name}-{plan.hash[:12]}"
-    if os.path.lexists(destination):
-        raise UsageError(f"{destination} already exists; exports are immutable, choose another destination")
-    parent = destination.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    # A fresh temporary folder beside the destination: never one of the user's, never reused.
-    temporary = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=parent))
-    try:
-        package = temporary / "package"
-        shutil.copytree(output, package, ignore=shutil.ignore_patterns(objects.MANIFEST))
-        readable = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
-        for path in sorted(package.rglob("*"), reverse=True):  # hf/ after its files
-            os.chmod(path, readable | (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH if path.is_dir() else 0))
-        if os.path.lexists(destination):
-            raise UsageError(f"{destination} appeared while exporting; nothing was written there")
-        os.rename(package, destination)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
-    return destination

@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from buildtrain.errors import BuildtrainError
 from buildtrain.store.objects import framed, hash_file, unframed, write_bytes_durably
 
 CACHE_FORMAT = 3  # 3: ctime in the key
@@ -39,8 +40,14 @@ def _stat_key(stat: os.stat_result) -> list[int]:
 
 
 class StatCache:
-    def __init__(self, path: Path, set_aside: Callable[[Path], object] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        set_aside: Callable[[Path], object] | None = None,
+        folder: Callable[[Path], object] | None = None,
+    ) -> None:
         self.path = path
+        self._folder = folder  # makes the cache's folder: the store's, which refuses a link there
         self.entries: dict[str, Any] = {}
         self.dirty = False
         self.hashed_bytes = 0
@@ -93,13 +100,16 @@ class StatCache:
             return
         raw = json.dumps({"format": CACHE_FORMAT, "entries": self.entries}, separators=(",", ":")).encode()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._folder is not None:
+                self._folder(self.path.parent)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_symlink() or self.path.is_dir():
                 if self._set_aside is None:
                     return
                 self._set_aside(self.path)
             write_bytes_durably(self.path, framed(raw))
-        except OSError:
+        except (OSError, BuildtrainError):  # read-only, a link in the folder's place, not a store
             return
         self.dirty = False
 

@@ -11,14 +11,11 @@ from typing import Any
 from buildtrain.executor.outcome import raise_for_status
 from buildtrain.executor.spawn import StepJob, run_isolated
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.store.layout import CHECKPOINTS, RESULT, TRAIN_STATE
 from buildtrain.store.store import Store
 from buildtrain.verify.verdicts import VerifyOptions
 
 RESUMED_KILL_STATUS = -9
-
-
-# `steps.train.state.TRAIN_STATE`, named here so that the bt process does not import torch for it.
-TRAIN_STATE = "train_state.json"
 
 
 def read_report(report: Path) -> dict[str, Any] | None:
@@ -67,11 +64,11 @@ def foreign(step: Step, recorded_output: Path) -> str | None:
     """Why a recorded train output is not this step's own, if it is not: its checkpoints carry
     the hash of the step that wrote them, and its result the number of updates."""
     try:
-        result = json.loads((recorded_output / "result.json").read_bytes())
+        result = json.loads((recorded_output / RESULT).read_bytes())
         if result.get("steps") != train_steps(step):
             return f"it records {result.get('steps')} updates, the step has {train_steps(step)}"
         for name in result["checkpoints"]:
-            state = json.loads((recorded_output / "checkpoints" / name / TRAIN_STATE).read_bytes())
+            state = json.loads((recorded_output / CHECKPOINTS / name / TRAIN_STATE).read_bytes())
             if state.get("step_hash") != step.hash:
                 found = str(state.get("step_hash"))[:12]
                 return f"checkpoints/{name} was written by step {found}, not {step.hash[:12]}"

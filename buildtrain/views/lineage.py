@@ -16,10 +16,10 @@ from typing import Any
 from buildtrain.errors import UsageError
 from buildtrain.plan.card import load_card
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.store.layout import SHORT
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import HEX, Store
 
-SHORT = 12
 MIN_DIGEST = 8
 WEIGHTS_FILE = "model.safetensors"  # the export's weights (steps/export.py), the usual question
 
