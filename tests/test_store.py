@@ -570,3 +570,22 @@ def test_an_edited_step_metrics_summary_is_never_read(tmp_path: Path) -> None:
     assert store.read_step_metrics(step) is None
     os.replace(path, store.step_metrics_path("c" * 64))  # sound, but another step's
     assert store.read_step_metrics("c" * 64) is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(update=st.integers(min_value=0, max_value=10**12))
+def test_a_checkpoint_name_stands_for_its_update(update: int) -> None:
+    from buildtrain.store import layout
+
+    assert layout.checkpoint_update(layout.checkpoint_name(update)) == update
+    assert layout.checkpoint_update("." + layout.checkpoint_name(update) + ".tmp") is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(position=st.integers(min_value=0), mask=st.integers(min_value=1, max_value=255))
+def test_any_flipped_byte_of_a_metrics_summary_makes_it_unread(position: int, mask: int) -> None:
+    with tempfile.TemporaryDirectory() as folder, no_fsync():
+        store = Store(Path(folder) / ".bt")
+        store.save_step_metrics("a" * 64, {"label": "train:main", "train": {"final_loss": 3.5}})
+        flip_byte(Path(store.step_metrics_path("a" * 64)), position, mask)
+        assert store.read_step_metrics("a" * 64) is None
