@@ -32,9 +32,7 @@ HEX = re.compile(r"^[0-9a-f]+$")
 MIN_PREFIX = 4
 STAMP_FORMAT = 2  # sealed, names its output, stats include ctime
 META_SUFFIX = ".meta.json"
-
-
-MARKER_BODY = {"format": 1, "store": "buildtrain"}
+MARKER_BODY = {"format": 1, "store": "buildtrain"}  # the bytes of STORE.json, canonical
 
 
 class Store:
@@ -320,10 +318,11 @@ class Store:
         overlap), so that `bt gc --drop` never drops a plan whose steps are being built. Checks
         the layout first: a run never writes through a link or into a file in a folder's place."""
         self.check_layout()
-        try:
+        fd = None
+        with contextlib.suppress(OSError):  # a read-only store: nothing can drop the plan either
             self.folder(self.locks)
             fd = os.open(self.plan_lock(plan_hash), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError:  # a read-only store: nothing can drop the plan either
+        if fd is None:
             yield
             return
         try:

@@ -207,12 +207,13 @@ def _work(store: Store, referrers: dict[str, list[str]]) -> Found:
     for work in _listing(store.work):
         guard = work.name if layout.HASH_NAME.match(work.name) else None
         folder = store.checkpoints_dir(work.name)
-        problem = _not_a_folder(work) or (_not_a_folder(folder) if os.path.lexists(folder) else None)
-        if problem is not None:
+        # A file or link in place of the work folder or its checkpoints: resume could not write there.
+        misplaced = next((p for p in (work, folder) if os.path.lexists(p) and _not_a_folder(p)), None)
+        if misplaced is not None:
             checked += 1
-            where = work if _not_a_folder(work) else folder
+            problem = _not_a_folder(misplaced) or ""
             found.append(
-                Damage(object=_relative(store, where), kind="work folder", problems=[problem], step=guard)
+                Damage(object=_relative(store, misplaced), kind="work folder", problems=[problem], step=guard)
             )
             continue
         for path in _listing(folder):
