@@ -184,3 +184,47 @@ def test_a_plan_being_run_is_not_dropped(micro_built, tmp_path):
     assert "is being built by a bt run" in refused.stderr
     assert store.plan_hashes() == [micro_built[1]]
     assert step_digests(root, micro_built[1]) == micro_built[2]
+
+
+def test_gc_drop_during_a_bt_run_of_the_plan_is_refused_and_the_run_succeeds(micro_built, tmp_path):
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+    plan = load_plan(store, micro_built[1])
+    for label in ("train:main", "eval", "export"):  # so that the run trains for a while
+        shutil.rmtree(store.output(plan.by_label(label).hash))
+    env = {**os.environ, "BT_STORE": str(root), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "run", micro_built[1], "--progress", "off"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lock, deadline = store.plan_lock(micro_built[1]), time.monotonic() + 60
+        while True:  # until the run holds its plan lock (shared): an exclusive try fails
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended before it was seen"
+            if lock.exists():
+                fd = os.open(lock, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    break
+                finally:
+                    os.close(fd)
+            time.sleep(0.05)
+        refused = run_bt("gc", "--drop", micro_built[1][:8], store=root)
+        assert refused.returncode == 7, refused.stderr
+        assert "is being built by a bt run" in refused.stderr
+    finally:
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert step_digests(root, micro_built[1]) == micro_built[2]

@@ -104,6 +104,8 @@ class Store:
         if not HEX.match(ref) or len(ref) < MIN_PREFIX:
             raise UsageError(f"'{ref}' is not a plan hash or a prefix of at least {MIN_PREFIX} hex digits")
         matches = [h for h in self.plan_hashes() if h.startswith(ref)]
+        if not matches and _not_a_folder(self.plans):
+            self.check_layout()  # plans/ is a file or a link: say so, not "no such plan"
         if not matches:
             raise UsageError(f"no plan {ref} in the store {self.root}; compile one with: bt plan PRESET")
         if len(matches) > 1:
