@@ -460,6 +460,8 @@ def test_no_module_spells_a_store_folder_but_the_layout() -> None:
         layout.RESULT,
         layout.EVAL_RESULT,
         layout.TRAIN_STATE,
+        layout.TRACE,
+        layout.CHECKSUMS,
         "verified",
         "files.json",
     }

@@ -25,12 +25,11 @@ from buildtrain.errors import CorruptObject, UsageError
 from buildtrain.plan.plan import Plan
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
-from buildtrain.store.layout import EVAL_RESULT
+from buildtrain.store.layout import CHECKSUMS, EVAL_RESULT, EXPORT_WEIGHTS
 from buildtrain.store.store import Store
 from buildtrain.store.tensors import combine, safetensors_digests
 
-WEIGHTS = "model.safetensors"
-CHECKSUMS = "BLAKE3SUMS"
+WEIGHTS = EXPORT_WEIGHTS
 
 
 @attrs.frozen(kw_only=True)

@@ -78,6 +78,9 @@ STATE_FORMAT = 1
 RESULT = "result.json"
 # An eval step's output, and the copy an export package carries.
 EVAL_RESULT = "eval.json"
+# An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
+EXPORT_WEIGHTS = "model.safetensors"
+CHECKSUMS = "BLAKE3SUMS"
 
 
 def checkpoint_name(update: int) -> str:
