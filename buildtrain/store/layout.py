@@ -4,7 +4,7 @@ Named here and nowhere else: the store (`Store`), fsck, gc, the step code that w
 and the tables that read them all take the names from this module, which imports nothing heavy,
 so the CLI and the views read what a torch-side step wrote without importing torch or a step.
 
-    STORE.json                    the marker: this folder is a buildtrain store (see Store.claim)
+    STORE.json                    the marker: this folder is a buildtrain store (see plan/stored.claim_store)
     plans/<plan hash>.json        canonical plan bytes; <plan hash>.meta.json: when and from where
     sweeps/<sweep hash>.json      a sweep's axes and plans (content-addressed)
     steps/<step hash>/            completed step outputs, sealed by MANIFEST.json

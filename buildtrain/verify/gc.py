@@ -8,7 +8,7 @@ a whole grid: once one of its plans is dropped, the rest stay as plain plans). A
 to a step whose lock is held (a `bt run` in progress) is left alone, and a plan being run cannot
 be dropped (`Locked`, exit 7).
 
-gc only ever works in a store that identifies itself (its marker, see `Store.claim`): pointed at
+gc only ever works in a store that identifies itself (its marker, see `plan.stored.claim_store`): pointed at
 any other folder it refuses before touching anything (exit 2).
 
 gc fails safe: a plan that cannot be read might reference any output, so while one is damaged no
