@@ -214,7 +214,7 @@ def test_a_sweep_is_checked_against_its_hash_and_its_plans(micro_built, tmp_path
 
 
 @pytest.mark.parametrize(
-    "name", ["plans", "locks", "tmp", "quarantine", "work", "evals", "metrics", "steps", "sweeps"]
+    "name", ["plans", "locks", "tmp", "quarantine", "work", "evals", "metrics", "steps", "sweeps", "cache"]
 )
 @pytest.mark.parametrize("kind", ["file", "link"])
 def test_a_file_or_link_in_place_of_a_store_folder_is_reported_and_repaired(
