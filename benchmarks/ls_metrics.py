@@ -45,22 +45,21 @@ AXES = (
 
 
 def fake_summaries(store, plans: list[str]) -> None:
-    """A step summary for each plan's train step, in the shape executor/metrics.py writes."""
-    folder = store / "metrics" / "steps"
-    folder.mkdir(parents=True, exist_ok=True)
+    """A sealed step summary for each plan's train step, written as the executor writes them."""
+    from buildtrain.store.store import Store
+
+    sealed = Store(store)
     for index, plan_hash in enumerate(plans):
-        plan = json.loads((store / "plans" / f"{plan_hash}.json").read_bytes())
+        plan = json.loads(sealed.plan_path(plan_hash).read_bytes())
         for step in plan["steps"]:
             if step["kind"] == "train":
                 body = {
-                    "format": 1,
-                    "step": step["hash"],
                     "label": step["label"],
                     "kind": "train",
                     "wall_s": 10.0 + index % 7,
                     "train": {"final_loss": 2.0 + index / 1000, "final_step": 200, "tokens_per_s": 30000.0},
                 }
-                (folder / f"{step['hash']}.json").write_text(json.dumps(body))
+                sealed.save_step_metrics(step["hash"], body)
 
 
 def main() -> int:

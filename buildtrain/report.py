@@ -12,21 +12,19 @@ from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.train.identity import newest_first
+from buildtrain.store.layout import SHORT, newest_first
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:  # `bt show` and `bt ls` do not load the verifier
     from buildtrain.verify.verdicts import StepVerdict, Verification
 
-SHORT = 12
-
 
 def step_status(store: Store, step: Step) -> tuple[str, str]:
     """(action, reason) for one step, without hashing anything: the dry run of `bt run`."""
     if store.has_output(step.hash):
         return "cached", "output in store"
-    folder = store.work_dir(step.hash) / "checkpoints"
+    folder = store.checkpoints_dir(step.hash)
     saved = newest_first(folder.iterdir()) if folder.is_dir() else []
     sealed = [update for update, path in saved if (path / MANIFEST).is_file()]
     if sealed:

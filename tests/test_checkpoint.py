@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
-from buildtrain.steps.train import checkpoint, identity
+from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
@@ -29,7 +29,7 @@ from buildtrain.steps.train.state import (
     save_tensors,
     state_tensors,
 )
-from buildtrain.store import objects
+from buildtrain.store import layout, objects
 
 CONFIG = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32)
 IDENTITY = {"step_hash": "a" * 64, "seed": 0}
@@ -263,20 +263,20 @@ def test_prune_keeps_what_an_uninterrupted_build_keeps(tmp_path: Path) -> None:
 
 def test_checkpoint_name_is_zero_padded_and_matches_the_pattern() -> None:
     assert checkpoint.checkpoint_name(50) == "step-000050"
-    assert identity.checkpoint_update(checkpoint.checkpoint_name(1_234_567)) == 1_234_567
-    assert identity.checkpoint_update(".step-000050.tmp") is None
+    assert layout.checkpoint_update(checkpoint.checkpoint_name(1_234_567)) == 1_234_567
+    assert layout.checkpoint_update(".step-000050.tmp") is None
 
 
 @pytest.mark.parametrize("name", [".step-000050.tmp", "step-000050.tmp", "step-50", "damaged-step-000050.1"])
 def test_only_checkpoint_names_parse(name: str) -> None:
-    assert identity.checkpoint_update(name) is None
+    assert layout.checkpoint_update(name) is None
 
 
 def test_checkpoint_names_sort_by_update_not_as_strings() -> None:
     names = [checkpoint.checkpoint_name(at) for at in (999_999, 1_000_000, 2)]
     assert sorted(names)[-1] == "step-999999"  # as strings, the newest would be wrong
-    assert [at for at, _ in identity.newest_first(Path(name) for name in names)] == [1_000_000, 999_999, 2]
-    assert identity.newest_first([Path("notes.txt"), Path(".step-000001.tmp")]) == []
+    assert [at for at, _ in layout.newest_first(Path(name) for name in names)] == [1_000_000, 999_999, 2]
+    assert layout.newest_first([Path("notes.txt"), Path(".step-000001.tmp")]) == []
 
 
 def test_load_model_refuses_a_different_tensor_set(tmp_path: Path) -> None:
@@ -321,5 +321,5 @@ def test_a_checkpoint_renamed_or_linked_under_another_step_is_never_resumed(
     assert checkpoint.candidates(folder) == [(1, folder / "step-000001")]
 
 
-def test_the_torch_free_identity_module_names_the_same_state_file() -> None:
-    assert identity.TRAIN_STATE == TRAIN_STATE
+def test_the_torch_free_layout_names_the_same_state_file() -> None:
+    assert layout.TRAIN_STATE == TRAIN_STATE

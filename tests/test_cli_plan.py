@@ -223,3 +223,20 @@ def test_more_threads_than_cores_warns(micro_built, tmp_path: Path) -> None:  # 
     )
     quiet = run_bt("run", micro_built[1], "--threads", "1", "--progress", "off", store=store)
     assert "warning" not in quiet.stderr
+
+
+def test_planning_into_a_folder_that_is_not_a_store_writes_nothing_there(tmp_path: Path) -> None:
+    """`--store ~` is one typo away: the plan is refused before anything is written there, the
+    stat cache of the data files included; a new folder becomes a store with its marker."""
+    from conftest import REPO, run_bt
+
+    home = tmp_path / "home"
+    (home / "tmp").mkdir(parents=True)
+    (home / "letter.txt").write_text("mine")
+    refused = run_bt("plan", str(REPO / "examples" / "own_text.toml"), store=home)
+    assert refused.returncode == ExitCode.USAGE, refused.stderr
+    assert f"{home} is not a buildtrain store" in refused.stderr
+    assert sorted(p.relative_to(home).as_posix() for p in home.rglob("*")) == ["letter.txt", "tmp"]
+    fresh = tmp_path / "fresh"
+    assert run_bt("plan", str(REPO / "examples" / "own_text.toml"), store=fresh).returncode == 0
+    assert Store(fresh).identity() == "marked"

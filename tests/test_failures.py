@@ -338,6 +338,41 @@ def test_export_never_touches_what_it_did_not_create(micro_built, tmp_path, monk
     assert not any(name.endswith(".tmp") and name != ".package.tmp" for name in leftovers), leftovers
 
 
+@pytest.mark.parametrize("inside", ["steps/copy", "copy", "tmp/copy", "quarantine/deep/copy"])
+def test_export_into_the_store_is_refused(micro_built, tmp_path, inside):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    code, err = bt_main("--store", str(store), "export", micro_built[1], str(store / inside))
+    assert code == ExitCode.USAGE, err
+    assert "is inside the store" in one_line_error(err)
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_export_leaves_no_partial_copy(micro_built, tmp_path, monkeypatch, number):
+    """The signal arrives once the copy is half made (a deterministic hook, not a sleep)."""
+    from buildtrain.executor import deliver
+
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    copy = shutil.copytree
+
+    def copy_then_signal(source: Path, target: Path, *args: object, **kwargs: object) -> object:
+        copied = copy(source, target, *args, **kwargs)  # type: ignore[arg-type]
+        if Path(target).name == "package":  # the whole package, not one of its subfolders
+            os.kill(os.getpid(), number)
+        return copied
+
+    monkeypatch.setattr(deliver.shutil, "copytree", copy_then_signal)
+    code, err = bt_main("--store", str(store), "export", micro_built[1], "package")
+    assert code == ExitCode.INTERRUPTED, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bt"]  # no package, no hidden copy
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_a_closed_stdout_ends_quietly(micro_built, tmp_path):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)

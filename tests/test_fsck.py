@@ -165,3 +165,111 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
         store, load_plan(store, micro_built[1]), RunOptions(experiments=tmp_path / "exp", progress=False)
     )
     assert code == ExitCode.OK
+
+
+# -- every folder: metrics, sweeps, the store's own folders, work folders --------------------------
+
+
+def test_an_edited_metrics_summary_is_reported_and_never_shown(micro_built, tmp_path):
+    import json
+
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    train = load_plan(Store(store), micro_built[1]).by_label("train:main").hash
+    path = Path(Store(store).step_metrics_path(train))
+    shown = json.loads(run_bt("ls", "--metrics", "--json", store=store).stdout)
+    assert isinstance(shown[0]["train_loss"], float)
+    body = path.read_bytes()
+    loss = json.loads(body.partition(b"\n")[2])["train"]["final_loss"]
+    path.write_bytes(body.replace(json.dumps(loss).encode(), b"0.125", 1))
+    found = run_bt("fsck", "--json", store=store)
+    assert found.returncode == ExitCode.CORRUPT
+    named = {item["object"]: item["kind"] for item in json.loads(found.stdout)["damaged"]}
+    assert named == {f"metrics/steps/{train}.json": "metrics summary"}
+    shown = json.loads(run_bt("ls", "--metrics", "--json", store=store).stdout)
+    assert shown[0]["train_loss"] is None and shown[0]["tokens_per_s"] is None  # a blank, never 0.125
+    assert run_bt("fsck", "--repair", store=store).returncode == ExitCode.OK
+    assert not path.exists() and run_bt("fsck", store=store).returncode == ExitCode.OK
+
+
+def test_a_sweep_is_checked_against_its_hash_and_its_plans(micro_built, tmp_path):
+    import json
+
+    from conftest import MICRO
+
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    planned = run_bt("plan", str(MICRO), "--sweep", "train.lr=0.001,0.002", store=store)
+    assert planned.returncode == 0, planned.stderr
+    (sweep,) = (store / "sweeps").iterdir()
+    assert run_bt("fsck", store=store).returncode == ExitCode.OK
+    body = json.loads(sweep.read_bytes())
+    (store / "plans" / f"{body['points'][0]['plan']}.json").unlink()
+    found = run_bt("fsck", "--json", store=store)
+    assert found.returncode == ExitCode.CORRUPT
+    (item,) = json.loads(found.stdout)["damaged"]
+    assert item["object"] == f"sweeps/{sweep.name}" and "not in the store" in item["problems"][0]
+    sweep.write_bytes(sweep.read_bytes().replace(b"0.002", b"0.003"))
+    assert "does not match its hash" in run_bt("fsck", store=store).stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["plans", "locks", "tmp", "quarantine", "work", "evals", "metrics", "steps", "sweeps", "cache"]
+)
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_link_in_place_of_a_store_folder_is_reported_and_repaired(
+    micro_built, tmp_path, name, kind
+):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    place = store / name
+    if place.exists():
+        shutil.rmtree(place)
+    place.symlink_to(outside, target_is_directory=True) if kind == "link" else place.write_text("x")
+    found = run_bt("fsck", store=store)
+    assert found.returncode == ExitCode.CORRUPT and f"damaged store folder: {name}" in found.stderr
+    refused = run_bt("run", micro_built[1], store=store)
+    assert refused.returncode == ExitCode.CORRUPT, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()[-1:]
+    assert f"{name} is a {'symbolic link' if kind == 'link' else 'file'}, not a store folder" in line
+    assert "free space" not in refused.stderr and "Traceback" not in refused.stderr
+    repaired = run_bt("fsck", "--repair", store=store)
+    assert repaired.returncode == ExitCode.OK, repaired.stderr
+    assert f"repaired {name}: moved to quarantine/{name}." in repaired.stderr
+    assert list(outside.iterdir()) == []  # never written through
+    assert run_bt("fsck", store=store).returncode == ExitCode.OK
+
+
+def test_a_file_in_place_of_a_step_s_checkpoints_is_reported_and_named_by_run(micro_built, tmp_path):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    train = load_plan(Store(store), micro_built[1]).by_label("train:main").hash
+    shutil.rmtree(store / "steps" / train)  # so that bt run trains it again
+    checkpoints = Store(store).checkpoints_dir(train)
+    checkpoints.parent.mkdir(parents=True, exist_ok=True)
+    checkpoints.write_text("not a folder")
+    found = run_bt("fsck", store=store)
+    assert found.returncode == ExitCode.CORRUPT
+    assert f"damaged work folder: work/{train}/checkpoints" in found.stderr
+    failed = run_bt("run", micro_built[1], store=store)
+    assert failed.returncode == ExitCode.CORRUPT, failed.stderr
+    assert "not a folder of checkpoints; run bt fsck --repair" in failed.stderr
+    assert "free space" not in failed.stderr and "Traceback" not in failed.stderr
+    assert run_bt("fsck", "--repair", store=store).returncode == ExitCode.OK
+    result = run_bt("run", micro_built[1], store=store)
+    assert result.returncode == 0, result.stderr
+    assert step_digests(store, micro_built[1]) == micro_built[2]
+
+
+def test_fsck_refuses_a_folder_that_is_not_a_store(tmp_path):
+    home = tmp_path / "home"
+    (home / "tmp").mkdir(parents=True)
+    (home / "tmp" / "notes.txt").write_text("mine")
+    (home / "letter.txt").write_text("mine")
+    for args in (["fsck"], ["fsck", "--repair"]):
+        refused = run_bt(*args, store=home)
+        assert refused.returncode == ExitCode.USAGE, refused.stderr
+        assert f"{home} is not a buildtrain store" in refused.stderr
+    assert (home / "tmp" / "notes.txt").read_text() == "mine" and not (home / "quarantine").exists()

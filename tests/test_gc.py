@@ -126,3 +126,105 @@ def test_what_gc_could_not_remove_is_reported_as_left_never_as_removed(micro_bui
     report = gc.collect(store, drop=[])
     assert report.removed == [] and report.freed == 0
     assert report.left == [f"tmp/{leftover.name}: still there (permissions?)"]
+
+
+def test_gc_refuses_a_folder_that_is_not_a_store_and_touches_nothing(tmp_path):
+    home = tmp_path / "home"
+    files = [
+        home / "work" / "thesis" / "ch1.tex",
+        home / "steps" / "photos" / "a.jpg",
+        home / "tmp" / "notes.txt",
+    ]
+    for path in files:
+        path.parent.mkdir(parents=True)
+        path.write_text("mine")
+    result = run_bt("gc", store=home)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{home} is not a buildtrain store" in line and "--store" in line
+    assert all(path.read_text() == "mine" for path in files)
+    assert not (home / "STORE.json").exists()
+
+
+def test_a_store_made_before_markers_is_collected_and_marked(micro_built, tmp_path):
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    (root / "STORE.json").unlink()  # as an earlier bt left it: recognised by a plan that verifies
+    leftover = Store(root).new_temp("train-main")
+    result = run_bt("gc", store=root)
+    assert result.returncode == 0, result.stderr
+    assert not leftover.exists() and (root / "STORE.json").is_file()
+
+
+def test_dropping_a_plan_drops_the_sweeps_that_name_it(micro_built, tmp_path):
+    import json
+
+    from conftest import MICRO
+
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    planned = run_bt("plan", str(MICRO), "--sweep", "train.lr=0.001,0.002", store=root)
+    first, second = planned.stdout.split()
+    (sweep,) = (root / "sweeps").iterdir()
+    assert run_bt("gc", store=root).returncode == 0 and sweep.exists()  # all its plans are kept
+    result = run_bt("gc", "--drop", first, store=root)
+    assert result.returncode == 0, result.stderr
+    assert f"removed sweeps/{sweep.name}" in result.stderr and not sweep.exists()
+    assert Store(root).plan_hashes() == sorted([micro_built[1], second])
+    assert json.loads(run_bt("fsck", "--json", store=root).stdout)["damaged"] == []
+
+
+def test_a_plan_being_run_is_not_dropped(micro_built, tmp_path):
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+    with store.running(micro_built[1]):  # what bt run holds while it builds the plan's steps
+        refused = run_bt("gc", "--drop", micro_built[1][:8], store=root)
+    assert refused.returncode == 7, refused.stderr
+    assert "is being built by a bt run" in refused.stderr
+    assert store.plan_hashes() == [micro_built[1]]
+    assert step_digests(root, micro_built[1]) == micro_built[2]
+
+
+def test_gc_drop_during_a_bt_run_of_the_plan_is_refused_and_the_run_succeeds(micro_built, tmp_path):
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], root)
+    store = Store(root)
+    plan = load_plan(store, micro_built[1])
+    for label in ("train:main", "eval", "export"):  # so that the run trains for a while
+        shutil.rmtree(store.output(plan.by_label(label).hash))
+    env = {**os.environ, "BT_STORE": str(root), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "run", micro_built[1], "--progress", "off"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lock, deadline = store.plan_lock(micro_built[1]), time.monotonic() + 60
+        while True:  # until the run holds its plan lock (shared): an exclusive try fails
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended before it was seen"
+            if lock.exists():
+                fd = os.open(lock, os.O_RDONLY)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    break
+                finally:
+                    os.close(fd)
+            time.sleep(0.05)
+        refused = run_bt("gc", "--drop", micro_built[1][:8], store=root)
+        assert refused.returncode == 7, refused.stderr
+        assert "is being built by a bt run" in refused.stderr
+    finally:
+        _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert step_digests(root, micro_built[1]) == micro_built[2]

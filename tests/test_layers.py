@@ -134,3 +134,91 @@ def test_presentation_never_imports_torch_itself() -> None:
                     else []
                 )
                 assert not any(n.split(".")[0] == "torch" for n in names), f"{module} imports torch"
+
+
+# Presentation reads the store and calls one entry point per command of the layers beneath it; it
+# never reaches into a step for a fact about a file (those live in store/layout.py and beside it).
+ENTRY_POINTS = {
+    "presentation": (
+        "buildtrain.executor.run",
+        "buildtrain.executor.batch",
+        "buildtrain.executor.launch",
+        "buildtrain.executor.deliver",
+    ),
+}
+NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    # (what, modules, prefixes they must not import)
+    ("presentation", ("buildtrain.cli", "buildtrain.report", "buildtrain.views"), ("buildtrain.steps",)),
+    ("views", ("buildtrain.views", "buildtrain.report"), ("buildtrain.executor", "buildtrain.verify.verify")),
+    (
+        "fsck and gc",
+        ("buildtrain.verify.fsck", "buildtrain.verify.gc"),
+        ("buildtrain.steps", "buildtrain.executor"),
+    ),
+    ("the store", ("buildtrain.store",), ("buildtrain.config", "buildtrain.plan", "buildtrain.steps")),
+]
+
+
+def owner(name: str, known: dict[str, Path]) -> str:
+    """The module an imported name lives in (`buildtrain.executor.run.RunOptions` -> `...run`)."""
+    parts = name.split(".")
+    while parts:
+        found = known_module(".".join(parts), known)
+        if found is not None:
+            return found.removesuffix(".__init__")
+        parts.pop()
+    return name
+
+
+def reaches(known: dict[str, Path]) -> list[str]:
+    wrong = []
+    for what, owners, forbidden in NO_REACH:
+        for module, path in known.items():
+            if not any(module == o or module.startswith(o + ".") for o in owners):
+                continue
+            for line, name in sorted(set(imports(path))):
+                target = owner(name, known)
+                if any(target == f or target.startswith(f + ".") for f in forbidden):
+                    wrong.append(f"{module}:{line} ({what}) imports {target}")
+                    break
+    for module, path in known.items():
+        if LAYERS[layer_of(module)][0] != "presentation":
+            continue
+        for line, name in imports(path):
+            target = owner(name, known)
+            if target.startswith("buildtrain.executor") and target not in ENTRY_POINTS["presentation"]:
+                wrong.append(f"{module}:{line} (presentation) imports {target}, not an entry point")
+    return wrong
+
+
+def test_presentation_fsck_and_gc_reach_no_step_for_a_fact_about_a_file() -> None:
+    wrong = reaches(modules())
+    assert not wrong, "imports past the entry points:\n" + "\n".join(wrong)
+
+
+def test_the_reach_rule_catches_a_view_reading_a_step(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from buildtrain.steps.eval_cache import cache_key\nfrom buildtrain.store import layout\n"
+    )
+    known = {**modules(), "buildtrain.views.probe": probe}
+    assert [line for line in reaches(known) if "probe" in line] == [
+        "buildtrain.views.probe:1 (presentation) imports buildtrain.steps.eval_cache"
+    ]
+
+
+def test_the_facts_about_files_import_nothing_heavy() -> None:
+    """store/layout.py is read by torch-side steps and by `bt ls` alike: standard library only."""
+    for name in ("layout",):
+        tree = ast.parse((PACKAGE / "store" / f"{name}.py").read_bytes())
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        } | {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+        }
+        assert imported <= {"__future__", "re", "collections", "pathlib"}, imported

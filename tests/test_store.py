@@ -412,7 +412,7 @@ def test_an_in_place_edit_that_restores_size_and_mtime_is_rehashed(tmp_path: Pat
 
 
 def test_quarantine_names_never_collide_and_links_are_moved_not_followed(tmp_path: Path) -> None:
-    store = Store(tmp_path)
+    store = Store(tmp_path / ".bt")
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "keep").write_bytes(b"x")
     for _ in range(3):
@@ -435,3 +435,159 @@ def test_a_folder_or_link_where_a_lock_belongs_is_set_aside(tmp_path: Path) -> N
                 store.locks / f"{name}.lock"
             ).is_symlink()
     assert not (tmp_path / "outside.lock").exists()  # never created through the link
+
+
+# -- the layout: one owner, a marker, real folders ------------------------------------------------
+
+
+def test_no_module_spells_a_store_folder_but_the_layout() -> None:
+    """Every folder and file name of a store is named in store/layout.py; the Store turns them
+    into paths and everything else asks it (fsck and gc included)."""
+    import ast
+
+    from buildtrain.store import layout
+
+    names = {
+        layout.SWEEPS,
+        layout.METRICS,
+        layout.EVALS,
+        layout.LOCKS,
+        layout.TMP,
+        layout.QUARANTINE,
+        layout.CACHE,
+        layout.MARKER,
+        layout.CHECKPOINTS,
+        layout.RESULT,
+        layout.EVAL_RESULT,
+        layout.TRAIN_STATE,
+        layout.TRACE,
+        layout.CHECKSUMS,
+        "verified",
+        "files.json",
+    }
+    package = Path(__file__).resolve().parent.parent / "buildtrain"
+
+    def path_parts(node: ast.AST) -> list[ast.AST]:
+        """Operands that become a path: `x / "name"`, `os.path.join(x, "name")`."""
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            return [node.left, node.right]
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "os.path.join":
+            return list(node.args)
+        return []
+
+    spelled = [
+        f"{path.relative_to(package)}:{node.lineno} {part.value!r}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "layout.py"
+        for node in ast.walk(ast.parse(path.read_bytes()))
+        for part in path_parts(node)
+        if isinstance(part, ast.Constant) and part.value in names
+    ]
+    assert not spelled, "store names spelled outside store/layout.py:\n" + "\n".join(spelled)
+
+
+def test_a_new_store_is_marked_and_a_foreign_folder_is_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path / ".bt")
+    assert store.identity() == "new"
+    save_plan(store, make_plan())
+    assert store.identity() == "marked" and store.marker.is_file()
+    home = tmp_path / "home"
+    (home / "work" / "thesis").mkdir(parents=True)
+    (home / "work" / "thesis" / "ch1.tex").write_text("chapter one")
+    (home / "notes.txt").write_text("mine")
+    foreign = Store(home)
+    assert foreign.identity() == "foreign"
+    with pytest.raises(UsageError, match="is not a buildtrain store"):
+        save_plan(foreign, make_plan())
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "work"]  # nothing written
+
+
+def test_a_store_made_before_markers_is_recognised_by_a_plan_that_verifies(tmp_path: Path) -> None:
+    from buildtrain.plan.stored import claim_store
+
+    store = Store(tmp_path / ".bt")
+    save_plan(store, make_plan())
+    store.marker.unlink()  # as an earlier bt left it
+    assert store.identity() == "unmarked"
+    assert claim_store(store, create=False) and store.identity() == "marked"
+    # Only store folders, but no plan that verifies (a user's work/ and tmp/): not a store.
+    lookalike = Store(tmp_path / "lookalike")
+    (lookalike.work / "thesis").mkdir(parents=True)
+    lookalike.plans.mkdir()
+    (lookalike.plans / f"{'a' * 64}.json").write_text("{}")
+    assert lookalike.identity() == "unmarked"
+    with pytest.raises(UsageError, match="not a buildtrain store"):
+        claim_store(lookalike, create=False)
+    assert not lookalike.marker.exists()
+
+
+@pytest.mark.parametrize("name", ["locks", "tmp", "work", "quarantine", "evals", "metrics", "steps", "plans"])
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_a_link_or_file_in_place_of_a_store_folder_is_never_written_through(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    store = Store(tmp_path / ".bt")
+    save_plan(store, make_plan())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    place = store.root / name
+    if place.is_dir():
+        place.rmdir() if not any(place.iterdir()) else os.rename(place, tmp_path / "moved")
+    place.symlink_to(outside) if kind == "link" else place.write_text("x")
+    with pytest.raises(CorruptObject, match=f"{name} is a (symbolic link|file), not a store folder"):
+        store.check_layout()
+    with pytest.raises(CorruptObject, match="bt fsck --repair"), store.lock("a" * 64):
+        pass
+    assert list(outside.iterdir()) == []
+    assert store.clear_folder(name) is not None
+    store.check_layout()
+    assert any(p.name.startswith(name) for p in store.quarantined.iterdir())
+
+
+def test_a_run_of_a_plan_keeps_it_from_being_dropped(tmp_path: Path) -> None:
+    store = Store(tmp_path / ".bt")
+    plan = make_plan()
+    save_plan(store, plan)
+    with (
+        store.running(plan.hash),
+        pytest.raises(Locked, match="is being built by a bt run"),
+        store.dropping(plan.hash),
+    ):
+        pass
+    with store.dropping(plan.hash):
+        store.plan_path(plan.hash).unlink()
+    with pytest.raises(UsageError, match="was dropped by bt gc"), store.running(plan.hash):
+        pass
+
+
+def test_an_edited_step_metrics_summary_is_never_read(tmp_path: Path) -> None:
+    store = Store(tmp_path / ".bt")
+    step = "b" * 64
+    store.save_step_metrics(
+        step, {"label": "train:main", "train": {"final_loss": 4.25, "tokens_per_s": 1000.0}}
+    )
+    assert store.read_step_metrics(step)["train"]["final_loss"] == 4.25
+    path = Path(store.step_metrics_path(step))
+    path.write_bytes(path.read_bytes().replace(b"4.25", b"1.25"))
+    assert store.read_step_metrics(step) is None
+    os.replace(path, store.step_metrics_path("c" * 64))  # sound, but another step's
+    assert store.read_step_metrics("c" * 64) is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(update=st.integers(min_value=0, max_value=10**12))
+def test_a_checkpoint_name_stands_for_its_update(update: int) -> None:
+    from buildtrain.store import layout
+
+    assert layout.checkpoint_update(layout.checkpoint_name(update)) == update
+    assert layout.checkpoint_update("." + layout.checkpoint_name(update) + ".tmp") is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(position=st.integers(min_value=0), mask=st.integers(min_value=1, max_value=255))
+def test_any_flipped_byte_of_a_metrics_summary_makes_it_unread(position: int, mask: int) -> None:
+    with tempfile.TemporaryDirectory() as folder, no_fsync():
+        store = Store(Path(folder) / ".bt")
+        store.save_step_metrics("a" * 64, {"label": "train:main", "train": {"final_loss": 3.5}})
+        flip_byte(Path(store.step_metrics_path("a" * 64)), position, mask)
+        assert store.read_step_metrics("a" * 64) is None

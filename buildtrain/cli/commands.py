@@ -264,11 +264,10 @@ def _gc_records(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from buildtrain.steps.export import export_to
+    from buildtrain.executor.deliver import export_plan
 
     store = store_of(args)
-    plan = one_plan(args, store)
-    destination = export_to(store, plan, Path(args.dest) if args.dest else None)
+    destination = export_plan(store, one_plan(args, store), Path(args.dest) if args.dest else None)
     print(destination)
     return ExitCode.OK
 
@@ -301,17 +300,18 @@ def _prompt(text: str) -> str:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from buildtrain.steps.sample import SampleOptions, sample
+    from buildtrain.executor.deliver import sample_text
 
     store = store_of(args)
-    options = SampleOptions(
+    result = sample_text(
+        store,
+        one_plan(args, store),
         prompt=_prompt(args.prompt),
         tokens=args.tokens,
         temperature=args.temperature,
         top_k=args.top_k or 0,
         seed=args.seed,
     )
-    result = sample(store, one_plan(args, store), options)
     print(args.prompt + result.text, flush=True)
     if result.stop == "end of document":
         err(f"bt sample: stopped at an end-of-document token after {result.tokens} of {args.tokens} tokens")

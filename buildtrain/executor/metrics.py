@@ -1,6 +1,6 @@
 """Metrics of executed steps: TensorBoard scalars while a run goes, a small summary when a step ends.
 
-The summary of a step (`<store>/metrics/steps/<step hash>.json`) is what `bt ls --metrics` and
+The summary of a step (`metrics/steps/<step hash>.json`, sealed: `store/metrics.py`) is what `bt ls --metrics` and
 `bt report` read instead of parsing every run's metrics.jsonl: final training loss, held-out
 results, median tokens/s and the wall time of the execution that built the output. It is keyed by
 step hash because a step is built once and shared by every plan that contains it (a sweep's
@@ -11,34 +11,16 @@ in a table, never a wrong number.
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 from pathlib import Path
 from typing import Any
 
+from buildtrain.errors import BuildtrainError
 from buildtrain.executor.events import EventWriter
-from buildtrain.store.objects import write_bytes_durably
+from buildtrain.store.store import Store
 
-METRICS_FORMAT = 1
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
 EVAL_SCALARS = ("loss", "bits_per_token", "perplexity")
-
-
-def step_metrics_path(store_root: Path | str, step_hash: str) -> str:
-    """A plain string: a table asks for thousands of these, and `os.path` is cheaper than Path."""
-    return os.path.join(store_root, "metrics", "steps", step_hash + ".json")
-
-
-def read_step_metrics(store_root: Path, step_hash: str) -> dict[str, Any] | None:
-    """The summary of a built step, or None when absent or unreadable (a blank, never an error)."""
-    try:
-        with open(step_metrics_path(store_root, step_hash), "rb") as file:
-            body = json.loads(file.read())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(body, dict) or body.get("format") != METRICS_FORMAT or body.get("step") != step_hash:
-        return None
-    return body
 
 
 class MetricsCollector:
@@ -75,8 +57,6 @@ class MetricsCollector:
             return
         seen = self._steps.get(result["label"], {"train": [], "eval": None})
         body: dict[str, Any] = {
-            "format": METRICS_FORMAT,
-            "step": result["hash"],
             "label": result["label"],
             "kind": kind,
             "wall_s": result.get("duration_s"),
@@ -92,12 +72,8 @@ class MetricsCollector:
             }
         if seen["eval"]:
             body["eval"] = seen["eval"]
-        path = Path(step_metrics_path(self.store_root, result["hash"]))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_bytes_durably(path, json.dumps(body, indent=1, sort_keys=True).encode())
-        except OSError:  # a read-only store: the table shows a blank, the run still succeeds
-            pass
+        with contextlib.suppress(OSError, BuildtrainError):  # read-only or damaged: a blank in tables
+            Store(self.store_root).save_step_metrics(result["hash"], body)
 
     def close(self) -> None:
         self.writer.close()

@@ -116,7 +116,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
         processes=processes,
     )
     try:
-        with signals_interrupt(plan):
+        with signals_interrupt(plan), store.running(plan.hash):
             for step in steps:
                 joins = launch.follower and kind_of(step.kind).ranks
                 record.step_result(builder.join(step) if joins else builder.build(step))

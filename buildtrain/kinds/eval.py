@@ -11,6 +11,7 @@ from buildtrain.config.schema import Stage
 from buildtrain.config.steps import EvalStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
+from buildtrain.store.evals import key_of_output
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -41,8 +42,6 @@ class EvalKind(StepKind):
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 
     def references(self, output: Path) -> list[str]:
-        from buildtrain.steps.eval_cache import key_of_output  # (moves below: a torch-free fact)
-
         key = key_of_output(output)
         return [] if key is None else [key]
 

@@ -14,6 +14,7 @@ from buildtrain.config.schema import ModelConfig, NumericsConfig, Stage, TrainCo
 from buildtrain.config.steps import TrainStep
 from buildtrain.kinds.kind import RankBudget, StepKind
 from buildtrain.plan.plan import Step
+from buildtrain.store.layout import CHECKPOINTS, RESULT, TRAIN_STATE
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -71,15 +72,13 @@ class TrainKind(StepKind):
     def output_problems(self, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
         """A recorded train output is this step's own when its result records the step's number
         of updates and every checkpoint in it carries the step's hash."""
-        from buildtrain.steps.train.identity import TRAIN_STATE  # (moves below: torch-free fact)
-
         updates = self.updates(config)
         try:
-            result = json.loads((output / "result.json").read_bytes())
+            result = json.loads((output / RESULT).read_bytes())
             if result.get("steps") != updates:
                 return [f"it records {result.get('steps')} updates, the step has {updates}"]
             for name in result["checkpoints"]:
-                state = json.loads((output / "checkpoints" / name / TRAIN_STATE).read_bytes())
+                state = json.loads((output / CHECKPOINTS / name / TRAIN_STATE).read_bytes())
                 if state.get("step_hash") != step_hash:
                     found = str(state.get("step_hash"))[:12]
                     return [f"checkpoints/{name} was written by step {found}, not {step_hash[:12]}"]

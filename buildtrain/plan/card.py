@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from buildtrain.errors import BuildtrainError
 from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import flatten
 from buildtrain.plan.plan import Plan
@@ -44,7 +44,7 @@ class Card:
 
 
 def card_path(store: Store, plan_hash: str) -> str:
-    return os.path.join(store.root, "metrics", "plans", plan_hash + ".json")
+    return store.card_path(plan_hash)
 
 
 def save_card(store: Store, plan: Plan, created: str) -> Card:
@@ -58,8 +58,8 @@ def save_card(store: Store, plan: Plan, created: str) -> Card:
     }
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     path = Path(card_path(store, plan.hash))
-    with contextlib.suppress(OSError):  # a read-only store: computed again next time
-        path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError, BuildtrainError):  # read-only or damaged: computed next time
+        store.folder(store.cards)
         write_bytes_durably(path, framed(raw), durable=False)
     return _card(body)
 

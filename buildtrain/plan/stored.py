@@ -8,13 +8,15 @@ import json
 from typing import Any
 
 from buildtrain.canonical import canonical_bytes
-from buildtrain.errors import CorruptObject
+from buildtrain.errors import BuildtrainError, CorruptObject
 from buildtrain.plan.plan import Plan
 from buildtrain.store.store import Store
 
 
 def save_plan(store: Store, plan: Plan, **meta: Any) -> dict[str, Any]:
-    """Store the plan's canonical bytes; returns its metadata record (when and from where)."""
+    """Store the plan's canonical bytes; returns its metadata record (when and from where).
+    Creates the store in a new or empty folder, and refuses a folder that is not a store."""
+    claim_store(store)
     return store.save_plan(plan.hash, canonical_bytes(plan.to_body()), **meta)
 
 
@@ -31,3 +33,30 @@ def load_plan(store: Store, ref: str) -> Plan:
     if plan.hash != plan_hash or canonical_bytes(plan.to_body()) != raw:
         raise CorruptObject(f"plan {plan_hash[:12]} does not match its hash; run bt fsck")
     return plan
+
+
+def claim_store(store: Store, *, create: bool = True) -> bool:
+    """Make sure `store.root` is a buildtrain store before anything writes or removes there:
+    marked; new or empty (marked now, with `create`); or made by a bt from before markers: only
+    store folders at its top and a plan that verifies (marked now). Anything else (a home folder,
+    a project: `--store ~` is one typo away) raises `UsageError` and nothing is touched. False
+    when there is nothing there and `create` is off."""
+    found = store.identity()
+    if found == "marked":
+        return True
+    if found == "new":
+        if create:
+            store.mark()
+        return create
+    if found == "unmarked" and any(_verifies(store, plan_hash) for plan_hash in store.plan_hashes()):
+        store.mark()
+        return True
+    raise store.not_a_store()
+
+
+def _verifies(store: Store, plan_hash: str) -> bool:
+    try:
+        load_plan(store, plan_hash)
+    except BuildtrainError:
+        return False
+    return True

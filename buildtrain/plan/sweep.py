@@ -21,7 +21,6 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import describe
 from buildtrain.errors import ConfigError, UsageError
-from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
@@ -227,34 +226,43 @@ def _as_sweep(line: str) -> str:
     return line.replace("--set ", "--sweep ", 1) if line.startswith("--set ") else line
 
 
-def sweeps_dir(store: Store) -> Path:
-    return store.root / "sweeps"
-
-
 def save_sweep(store: Store, sweep: SweepPlans) -> None:
     """Store the sweep's canonical bytes under its hash (immutable, like a plan)."""
     body = sweep_body(sweep.axes, [(p.assignments, p.planned.plan.hash) for p in sweep.points])
-    path = sweeps_dir(store) / f"{sweep.hash}.json"
+    path = store.sweep_path(sweep.hash)
     raw = canonical_bytes(body)
-    if not path.is_file() or path.read_bytes() != raw:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_durably(path, raw)
+    if path.is_symlink() or not path.is_file() or path.read_bytes() != raw:
+        store.replace_file(path, raw)
+
+
+def sweep_problem(path: Path) -> tuple[list[str], str | None]:
+    """(the plan hashes of the stored sweep at `path`, None), or ([], why it is not sound): its
+    bytes must hash to its name, like a plan's (`bt fsck` and `bt gc` read sweeps through this)."""
+    if path.is_symlink() or not path.is_file():
+        return [], "a symbolic link or a folder, not a stored sweep"
+    try:
+        body = json.loads(path.read_bytes())
+        if digest("sweep", body) != path.name.removesuffix(".json"):
+            return [], "content does not match its hash"
+        plans = [point["plan"] for point in body["points"]]
+        if not all(isinstance(plan, str) for plan in plans):
+            raise TypeError("a point's plan is not a hash")
+        return plans, None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [], f"unreadable ({exc})"
 
 
 def load_sweep_plans(store: Store, ref: str) -> list[str] | None:
     """The plan hashes of the stored sweep `ref` (a hash or unique prefix); None if none matches.
 
     A sweep whose bytes do not match its hash is not trusted: that is a `UsageError` naming it."""
-    folder = sweeps_dir(store)
-    matches = sorted(p for p in folder.glob(f"{ref.lower()}*.json")) if folder.is_dir() else []
+    folder = store.sweeps
+    matches = (
+        sorted(folder.glob(f"{ref.lower()}*.json")) if folder.is_dir() and not folder.is_symlink() else []
+    )
     if len(matches) != 1:
         return None
-    try:
-        body = json.loads(matches[0].read_bytes())
-        if digest("sweep", body) != matches[0].stem:
-            raise ValueError("content does not match its hash")
-        return [point["plan"] for point in body["points"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(
-            f"sweep {matches[0].stem[:12]} in {folder} is damaged ({exc}); plan it again"
-        ) from None
+    plans, problem = sweep_problem(matches[0])
+    if problem is not None:
+        raise UsageError(f"sweep {matches[0].stem[:12]} in {folder} is damaged ({problem}); plan it again")
+    return plans

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from buildtrain.store.layout import RESULT
+
 if TYPE_CHECKING:
     from buildtrain.config.schema import NumericsConfig
     from buildtrain.plan.plan import Step
     from buildtrain.steps.sources import Source
     from buildtrain.steps.train.controls import TrainControls
-
-RESULT = "result.json"
 
 
 class ResultCache(Protocol):

@@ -1,15 +1,13 @@
 """The evaluation cache: results addressed by what determines them, so weights evaluated once are
 not evaluated again, whichever plan or stage produced them.
 
-The key is computed here and nowhere else (`key_of`): the eval step, the executor completing a
-cached evaluation without a process, `bt gc` keeping the entries its outputs name, and `bt fsck`
-checking entries all call it. Torch-free. Each entry is sealed by a digest over its key, its
-identity and its result (`seal_entry`), and is used only if that verifies.
+What an evaluation's identity is (`cache_key`) is decided here, from the plan's step; the entry's
+file format (its key, seal and checks) is `store/evals.py`, which `bt gc` and `bt fsck` read
+without importing a step. Torch-free.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,19 +16,13 @@ import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
+from buildtrain.store.evals import entry_problem, key_of, seal_entry
+from buildtrain.store.layout import EVAL_RESULT
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
     from buildtrain.plan.plan import Step
     from buildtrain.store.store import Store
-
-
-def key_of(identity: dict[str, Any]) -> str:
-    """The content address of an evaluation with this identity."""
-    return digest("eval", identity)
-
-
-EVAL_RESULT = "eval.json"
 
 
 def _declared(output: Path, step_hash: str, name: str) -> str:
@@ -57,43 +49,9 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
     return key_of(identity), identity
 
 
-ENTRY_FORMAT = 1
-
-
-def seal_entry(key: str, body: dict[str, Any]) -> bytes:
-    """The bytes of `evals/<key>.json`: the key, the identity and the result under one digest, so
-    an edited value, or an entry copied under another key, does not verify."""
-    sealed = {"format": ENTRY_FORMAT, "key": key, "identity": body["identity"], "result": body["result"]}
-    return canonical_bytes({**sealed, "seal": digest("eval-entry", sealed)})
-
-
-def entry_problem(path: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(the result body, None) when `path` holds the sealed result of `key`; (None, why) when it
-    is damaged or foreign; (None, None) when there is nothing there."""
-    if not path.exists() and not path.is_symlink():
-        return None, None
-    if path.is_symlink():
-        return None, "a symbolic link, not an evaluation result"
-    if not path.is_file():
-        return None, "not a regular file"
-    try:
-        raw = path.read_bytes()
-        entry = json.loads(raw)
-        claimed = entry.pop("seal")
-        if entry.get("format") != ENTRY_FORMAT or entry.get("key") != key:
-            return None, "sealed for another key (a foreign result)"
-        if claimed != digest("eval-entry", entry) or canonical_bytes({**entry, "seal": claimed}) != raw:
-            return None, "content does not match its seal"
-        if key_of(entry["identity"]) != key or not isinstance(entry["result"], dict):
-            return None, "identity does not match its key"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return None, f"unreadable ({type(exc).__name__})"
-    return {"identity": entry["identity"], "result": entry["result"]}, None
-
-
 def lookup(store: Store, key: str) -> dict[str, Any] | None:
     """The cached result of `key`, only if its entry verifies (a damaged one is never used)."""
-    body, _ = entry_problem(store.evals / f"{key}.json", key)
+    body, _ = entry_problem(store.eval_path(key), key)
     return body
 
 
@@ -113,7 +71,7 @@ def write_result(body: dict[str, Any], out: Path) -> dict[str, str]:
 
 def record_entry(store: Store, key: str, body: dict[str, Any]) -> None:
     """Seal `body` into the cache under `key`, unless a verifying entry is there already."""
-    path = store.evals / f"{key}.json"
+    path = store.eval_path(key)
     if lookup(store, key) is None:
         if os.path.lexists(path):
             store.set_aside(path)
@@ -133,18 +91,6 @@ class StoreResults:
         record_entry(self.store, key, body)
 
 
-def key_of_output(output: Path) -> str | None:
-    """The cache key an eval step's output names, if it holds a readable result (`bt gc` keeps
-    that entry)."""
-    path = output / EVAL_RESULT
-    if path.is_symlink() or not path.is_file():
-        return None
-    try:
-        return key_of(json.loads(path.read_bytes())["identity"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
     """An evaluation of the same weights and data may already be in the store: no process needed.
     Called holding the step's lock; a damaged or foreign cache entry is set aside, never used."""
@@ -152,9 +98,9 @@ def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
         key, _ = cache_key(step, store.output(step.inputs["weights"]), store.output(step.inputs["data"]))
     except (OSError, ValueError, KeyError):
         return None  # an input's manifest does not verify: the step process says which
-    cached, problem = entry_problem(store.evals / f"{key}.json", key)
+    cached, problem = entry_problem(store.eval_path(key), key)
     if problem is not None:
-        store.set_aside(store.evals / f"{key}.json")
+        store.set_aside(store.eval_path(key))
     if cached is None:
         return None
     out = store.new_temp("eval")

@@ -19,9 +19,6 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import UsageError
-from buildtrain.plan.plan import Plan
-from buildtrain.steps.export import built_export
-from buildtrain.store.store import Store
 
 # Below this a temperature divides float32 logits into infinities (1e-39 did); 0 means greedy.
 MIN_TEMPERATURE = 1e-3
@@ -66,11 +63,11 @@ def prompt_ids(tokenizer: Any, prompt: str, end: int, context: int) -> list[int]
     return ids
 
 
-def sample(store: Store, plan: Plan, options: SampleOptions) -> Sampled:
-    """The text generated after `options.prompt` (the prompt itself not included)."""
+def sample(folder: Path, options: SampleOptions) -> Sampled:
+    """The text the export package in `folder` generates after `options.prompt` (the prompt itself
+    not included)."""
     from tokenizers import Tokenizer
 
-    folder = built_export(store, plan, "; enable it to sample")
     hf_config = json.loads((folder / "hf" / "config.json").read_bytes())
     tokenizer = Tokenizer.from_file(str(folder / "hf" / "tokenizer.json"))
     end, context = hf_config["eos_token_id"], hf_config["max_position_embeddings"]

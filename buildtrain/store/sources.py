@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 import blake3
 
+from buildtrain.errors import BuildtrainError
 from buildtrain.store.objects import MMAP_THRESHOLD, framed, unframed, write_bytes_durably
 from buildtrain.store.regular import NotRegularFile, kind_of, open_regular
 
@@ -64,8 +65,14 @@ def _stat_key(stat: os.stat_result) -> list[int]:
 
 
 class StatCache:
-    def __init__(self, path: Path, set_aside: Callable[[Path], object] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        set_aside: Callable[[Path], object] | None = None,
+        folder: Callable[[Path], object] | None = None,
+    ) -> None:
         self.path = path
+        self._folder = folder  # makes the cache's folder: the store's, which refuses a link there
         self.entries: dict[str, Any] = {}
         # Small facts derived from a file's content, by its blake3 (a tokenizer's vocabulary):
         # parsing a 10 MB tokenizer.json took 200-300 ms of every `bt plan` here.
@@ -137,13 +144,16 @@ class StatCache:
         body = {"format": CACHE_FORMAT, "entries": self.entries, "derived": self.derived}
         raw = json.dumps(body, separators=(",", ":")).encode()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._folder is not None:
+                self._folder(self.path.parent)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.is_symlink() or self.path.is_dir():
                 if self._set_aside is None:
                     return
                 self._set_aside(self.path)
             write_bytes_durably(self.path, framed(raw))
-        except OSError:
+        except (OSError, BuildtrainError):  # read-only, a link in the folder's place, not a store
             return
         self.dirty = False
 

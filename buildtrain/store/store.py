@@ -1,36 +1,29 @@
 """The store: plans by hash, step outputs by step hash, and the working state of steps in progress.
 
-Layout under the store root (default `./.bt`, or `--store` / `BT_STORE`):
-
-    plans/<plan hash>.json        the canonical plan bytes (the hash is of exactly these bytes)
-    plans/<plan hash>.meta.json   when and from which preset it was planned (sealed, not in the hash)
-    steps/<step hash>/            a completed step output, sealed by MANIFEST.json, immutable
-    work/<step hash>/             checkpoints of a step in progress
-    evals/<key>.json              evaluation results by (suite, version, weights, data)
-    locks/<step hash>.lock        one writer per step
-    tmp/                          outputs being built; renamed into steps/ when complete
-    quarantine/                   outputs that failed verification, moved aside, never loaded
-    cache/files.json              stat cache of source file digests
-    cache/verified/<step>.json    stamps: an output's file stats at its last full re-hash
+Its layout (every folder and file name) is in `store/layout.py`; this class is the one owner of
+the paths: fsck, gc, the executor and the tables ask it for them and never spell one. A store
+identifies itself by a marker (`STORE.json`, written when it is created), and a folder in place
+of a store folder must be a real folder: a link or a file there is damage, never written through.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from buildtrain import clock
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.errors import CorruptObject, UsageError
-from buildtrain.store import locks, objects
+from buildtrain.errors import CorruptObject, Locked, UsageError
+from buildtrain.store import layout, locks, metrics, objects
 from buildtrain.store.meta import read_meta, seal_meta
 from buildtrain.store.sources import StatCache
 
@@ -38,18 +31,28 @@ DEFAULT_STORE = ".bt"
 HEX = re.compile(r"^[0-9a-f]+$")
 MIN_PREFIX = 4
 STAMP_FORMAT = 2  # sealed, names its output, stats include ctime
+META_SUFFIX = ".meta.json"
+MARKER_BODY = {"format": 1, "store": "buildtrain"}  # the bytes of STORE.json, canonical
 
 
 class Store:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.plans = root / "plans"
-        self.steps = root / "steps"
-        self.work = root / "work"
-        self.evals = root / "evals"
-        self.locks = root / "locks"
-        self.tmp = root / "tmp"
-        self.quarantined = root / "quarantine"
+        self.marker = root / layout.MARKER
+        self.plans = root / layout.PLANS
+        self.sweeps = root / layout.SWEEPS
+        self.steps = root / layout.STEPS
+        self.work = root / layout.WORK
+        self.evals = root / layout.EVALS
+        self.metrics = root / layout.METRICS
+        self.cards = root / layout.CARDS
+        self.step_metrics = root / layout.STEP_METRICS
+        self.locks = root / layout.LOCKS
+        self.tmp = root / layout.TMP
+        self.quarantined = root / layout.QUARANTINE
+        self.stamps = root / layout.STAMPS
+        self.stat_cache_path = root / layout.STAT_CACHE
+        self._claimed = False  # known to be a store (or made one) by `folder`
 
     @classmethod
     def at(cls, option: str | None) -> Store:
@@ -66,9 +69,9 @@ class Store:
         Planning an already-stored plan in a read-only store still works: the metadata is only a
         record of when and from where, so failing to refresh it is not an error.
         """
-        path = self.plans / f"{plan_hash}.json"
+        path = self.plan_path(plan_hash)
         if not self._holds(path, raw):
-            self.plans.mkdir(parents=True, exist_ok=True)
+            self.folder(self.plans)
             if os.path.lexists(path):
                 self.set_aside(path)
             objects.write_bytes_durably(path, raw)
@@ -76,7 +79,7 @@ class Store:
         now = clock.iso_seconds()
         record = {"created": previous.get("created", now), **previous, **meta, "planned": now}
         try:
-            self.replace_file(self.plans / f"{plan_hash}.meta.json", seal_meta(plan_hash, record))
+            self.replace_file(self.plan_meta_path(plan_hash), seal_meta(plan_hash, record))
         except OSError:
             if not self._holds(path, raw):
                 raise
@@ -93,7 +96,7 @@ class Store:
     def plan_hashes(self) -> list[str]:
         if not self.plans.is_dir():
             return []
-        return sorted(p.name[:-5] for p in self.plans.glob("*.json") if not p.name.endswith(".meta.json"))
+        return sorted(p.name[:-5] for p in self.plans.glob("*.json") if not p.name.endswith(META_SUFFIX))
 
     def resolve(self, ref: str) -> str:
         """The full hash of the one stored plan that `ref` (a hash or unique prefix) names."""
@@ -101,10 +104,12 @@ class Store:
         if not HEX.match(ref) or len(ref) < MIN_PREFIX:
             raise UsageError(f"'{ref}' is not a plan hash or a prefix of at least {MIN_PREFIX} hex digits")
         matches = [h for h in self.plan_hashes() if h.startswith(ref)]
+        if not matches and _not_a_folder(self.plans):
+            self.check_layout()  # plans/ is a file or a link: say so, not "no such plan"
         if not matches:
             raise UsageError(f"no plan {ref} in the store {self.root}; compile one with: bt plan PRESET")
         if len(matches) > 1:
-            listed = ", ".join(m[:12] for m in matches[:5])
+            listed = ", ".join(m[: layout.SHORT] for m in matches[:5])
             raise UsageError(f"plan prefix {ref} is ambiguous ({listed}); give more digits")
         return matches[0]
 
@@ -112,7 +117,7 @@ class Store:
         """(full hash, stored bytes) of the plan `ref` names; unchecked: `plan.stored.load_plan`
         trusts them only once they decode to a plan with that hash."""
         plan_hash = self.resolve(ref)
-        path = self.plans / f"{plan_hash}.json"
+        path = self.plan_path(plan_hash)
         try:
             if path.is_symlink():
                 raise ValueError("a symbolic link, not a stored plan")
@@ -126,7 +131,36 @@ class Store:
     def plan_meta(self, plan_hash: str) -> dict[str, Any]:
         """When and from where the plan was made; {} when absent or damaged (it only holds hints:
         data files are found by content, so lost metadata costs a search, never a wrong file)."""
-        return read_meta(self.plans / f"{plan_hash}.meta.json", plan_hash) or {}
+        return read_meta(self.plan_meta_path(plan_hash), plan_hash) or {}
+
+    def plan_path(self, plan_hash: str) -> Path:
+        return self.plans / layout.json_name(plan_hash)
+
+    def plan_meta_path(self, plan_hash: str) -> Path:
+        return self.plans / f"{plan_hash}{META_SUFFIX}"
+
+    def sweep_path(self, sweep_hash: str) -> Path:
+        return self.sweeps / layout.json_name(sweep_hash)
+
+    def card_path(self, plan_hash: str) -> str:
+        """A plain string: a table asks for thousands of these, and `os.path` is cheaper than Path."""
+        return os.path.join(self.cards, plan_hash + ".json")
+
+    def step_metrics_path(self, step_hash: str) -> str:
+        return os.path.join(self.step_metrics, step_hash + ".json")
+
+    def read_step_metrics(self, step_hash: str) -> dict[str, Any] | None:
+        """A built step's sealed metrics summary; None when absent or not sound (a blank)."""
+        return metrics.read_step_metrics(self.step_metrics_path(step_hash), step_hash)
+
+    def save_step_metrics(self, step_hash: str, body: dict[str, Any]) -> None:
+        self.folder(self.step_metrics)
+        self.replace_file(
+            Path(self.step_metrics_path(step_hash)), metrics.encode({**body, "step": step_hash})
+        )
+
+    def eval_path(self, key: str) -> Path:
+        return self.evals / layout.json_name(key)
 
     # -- step outputs -----------------------------------------------------------------------------
 
@@ -141,7 +175,7 @@ class Store:
         return objects.verify(self.output(step_hash), contents=contents)
 
     def stamp_path(self, step_hash: str) -> Path:
-        return self.root / "cache" / "verified" / f"{step_hash}.json"
+        return self.stamps / layout.json_name(step_hash)
 
     def _stats(self, step_hash: str) -> dict[str, list[int]] | None:
         """(size, mtime, inode, ctime) of every file of an output; None if it is not a plain folder.
@@ -227,7 +261,7 @@ class Store:
         if not keep and (path.is_symlink() or (os.path.lexists(path) and not path.is_dir())):
             path.unlink(missing_ok=True)
             return None
-        self.quarantined.mkdir(parents=True, exist_ok=True)
+        self.folder(self.quarantined)
         target = self.quarantined / f"{path.name}.{time.time_ns()}.{os.getpid()}"
         try:
             os.rename(path, target)
@@ -246,7 +280,7 @@ class Store:
 
     def replace_file(self, path: Path, data: bytes) -> None:
         """Write a small store file durably, first setting aside a folder or link in its place."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.folder(path.parent)
         if path.is_symlink() or path.is_dir():
             self.set_aside(path)
         objects.write_bytes_durably(path, data)
@@ -254,20 +288,180 @@ class Store:
     def work_dir(self, step_hash: str) -> Path:
         return self.work / step_hash
 
+    def checkpoints_dir(self, step_hash: str) -> Path:
+        return self.work / step_hash / layout.CHECKPOINTS
+
     def new_temp(self, label: str) -> Path:
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.folder(self.tmp)
         return Path(tempfile.mkdtemp(prefix=f"{label}.", dir=self.tmp))
 
     def stat_cache(self) -> StatCache:
-        return StatCache(self.root / "cache" / "files.json", set_aside=self.set_aside)
+        return StatCache(self.stat_cache_path, set_aside=self.set_aside, folder=self.folder)
 
     # -- locks ------------------------------------------------------------------------------------
 
     def lock(
         self, step_hash: str, *, wait: bool = True, on_wait: Callable[[str], None] | None = None
     ) -> contextlib.AbstractContextManager[int]:
-        """Hold the step's lock (see `locks.hold`); yields the descriptor a child may inherit."""
-        self.locks.mkdir(parents=True, exist_ok=True)
+        """Hold the step's lock (see `locks.hold`); yields the descriptor a child may inherit.
+        Every write into the store happens under one, so the layout is checked here too."""
+        self.check_layout()
+        self.folder(self.locks)
         return locks.hold(
             self.locks / f"{step_hash}.lock", step_hash, self.set_aside, wait=wait, on_wait=on_wait
         )
+
+    def plan_lock(self, plan_hash: str) -> Path:
+        return self.locks / f"{layout.PLAN_LOCK_PREFIX}{plan_hash}.lock"
+
+    @contextlib.contextmanager
+    def running(self, plan_hash: str) -> Iterator[None]:
+        """Held by `bt run` for the whole run of a plan (shared: several runs of one plan may
+        overlap), so that `bt gc --drop` never drops a plan whose steps are being built. Checks
+        the layout first: a run never writes through a link or into a file in a folder's place."""
+        self.check_layout()
+        fd = None
+        with contextlib.suppress(OSError):  # a read-only store: nothing can drop the plan either
+            self.folder(self.locks)
+            fd = os.open(self.plan_lock(plan_hash), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        if fd is None:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not self.plan_path(plan_hash).is_file():  # dropped between the load and the lock
+                raise UsageError(
+                    f"plan {plan_hash[: layout.SHORT]} was dropped by bt gc as this run started; plan it again"
+                )
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def dropping(self, plan_hash: str) -> Iterator[None]:
+        """Held while a plan is dropped; raises `Locked` if a `bt run` of it is going on."""
+        path = self.plan_lock(plan_hash)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            yield  # no run of this plan has started since its lock was last removed
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise Locked(
+                    f"plan {plan_hash[: layout.SHORT]} is being built by a bt run; drop it once that run ends"
+                ) from None
+            yield
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+    # -- layout and identity ----------------------------------------------------------------------
+
+    def folder_problems(self) -> list[tuple[str, str]]:
+        """(folder relative to the root, what is wrong) for each store folder that is a link, or
+        something other than a folder, in its place."""
+        found = []
+        for name in layout.FOLDERS:
+            problem = _not_a_folder(self.root / name)
+            if problem is not None:
+                found.append((name, problem))
+        return found
+
+    def check_layout(self) -> None:
+        """Refuse (exit 5) a store with a link or a file in place of one of its folders: writing
+        through a link would put locks, builds or outputs somewhere else entirely."""
+        problems = self.folder_problems()
+        if problems:
+            name, problem = problems[0]
+            raise CorruptObject(
+                f"{self.root / name} is {problem}, not a store folder; run bt fsck --repair "
+                "(it moves it to quarantine/), then bt run again"
+            )
+
+    def folder(self, path: Path) -> Path:
+        """Make the store folder `path` (and its parents), refusing a link or a file in its place,
+        and a root that is not a store: the first folder made in a new or empty root marks it."""
+        if not self._claimed:
+            found = self.identity()
+            if found == "foreign":
+                raise self.not_a_store()
+            if found == "new":
+                self.mark()
+            self._claimed = True
+        full = self.root
+        for part in path.relative_to(self.root).parts:
+            full = full / part
+            problem = _not_a_folder(full)
+            if problem is not None:
+                raise CorruptObject(
+                    f"{full} is {problem}, not a store folder; run bt fsck --repair (it moves it to quarantine/)"
+                )
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def clear_folder(self, name: str) -> Path | None:
+        """Move the link or file found in place of the store folder `name` into quarantine/
+        (when it is quarantine/ itself: out of the way first, then into a fresh quarantine/)."""
+        path = self.root / name
+        if _not_a_folder(path) is None:
+            return None
+        if name != layout.QUARANTINE:
+            return self.set_aside(path)
+        aside = self.root / f".{name}.{time.time_ns()}.{os.getpid()}"  # hidden: no listing sees it
+        os.rename(path, aside)
+        self.quarantined.mkdir()
+        target = self.quarantined / f"{name}.{time.time_ns()}.{os.getpid()}"
+        os.rename(aside, target)
+        return target
+
+    def identity(self) -> str:
+        """'marked' (it holds the marker), 'new' (absent or empty), 'unmarked' (only store folders
+        at its top: possibly a store made before markers existed) or 'foreign'."""
+        if _is_marker(self.marker):
+            return "marked"
+        try:
+            names = set(os.listdir(self.root))
+        except FileNotFoundError:
+            return "new"
+        except NotADirectoryError:
+            return "foreign"
+        if not names:
+            return "new"
+        return "unmarked" if names <= layout.TOP_LEVEL and not os.path.lexists(self.marker) else "foreign"
+
+    def mark(self) -> None:
+        """Write the marker that makes this folder a store (creating the folder)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        objects.write_bytes_durably(self.marker, canonical_bytes(MARKER_BODY))
+
+    def not_a_store(self) -> UsageError:
+        return UsageError(
+            f"{self.root} is not a buildtrain store (no {layout.MARKER}, and it holds other files); "
+            "give --store (or BT_STORE) a store's folder, or a new or empty one"
+        )
+
+
+def _not_a_folder(path: Path) -> str | None:
+    """What is in place of a folder at `path` ('a symbolic link', 'a file'); None for a real
+    folder or nothing."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None  # a parent is not a folder: reported for the parent
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return None
+    return "a file" if stat.S_ISREG(mode) else "neither a folder nor a file"
+
+
+def _is_marker(path: Path) -> bool:
+    try:
+        return not path.is_symlink() and path.is_file() and json.loads(path.read_bytes()) == MARKER_BODY
+    except (OSError, ValueError):
+        return False

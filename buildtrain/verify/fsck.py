@@ -7,34 +7,41 @@ name it is found under, ignoring every stamp:
 - step outputs and checkpoints: every file against the sealed manifest, the manifest against its
   own digest and against the folder name (a checkpoint's state also records its step and step hash);
 - evaluation results: a seal over their key, identity and value;
+- sweeps: their bytes must hash to their name, and every plan they name must be stored;
+- plan cards and step metrics summaries (`metrics/`): framed by a digest and bound to their name;
 - stamps, locks and the stat cache: sealed (stamps, cache) and plain files where files belong.
 
-Links, and folders or files where the other is expected, are damage too. `check` only reads, apart
-from dropping the stamp of an output it finds damaged, so the next `bt run` re-hashes and rebuilds
-it; `repair` moves every damaged object to quarantine/ (or removes it, for the caches), each step's
-objects under that step's lock, after which `bt run` rebuilds what is missing.
+Links, and folders or files where the other is expected, are damage too, the store's own folders
+included. `check` only reads, apart from dropping the stamp of an output it finds damaged, so the
+next `bt run` re-hashes and rebuilds it; `repair` first moves a link or file found in place of a
+store folder aside, then moves every damaged object to quarantine/ (or removes it, for the caches
+and summaries), each step's objects under that step's lock, after which `bt run` rebuilds what is
+missing. Every path comes from the `Store` and `store/layout.py`; fsck spells none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from buildtrain.errors import BuildtrainError, Locked
-from buildtrain.plan.stored import load_plan
-from buildtrain.steps.eval_cache import entry_problem
-from buildtrain.steps.train.identity import checkpoint_problems, checkpoint_update
+from buildtrain.plan.card import read_card
+from buildtrain.plan.stored import claim_store, load_plan
+from buildtrain.plan.sweep import sweep_problem
+from buildtrain.store import layout
+from buildtrain.store.checkpoints import checkpoint_problems
+from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
-from buildtrain.store.store import Store
+from buildtrain.store.metrics import step_metrics_problem
+from buildtrain.store.store import META_SUFFIX, Store
 
-HASH_NAME = re.compile(r"^[0-9a-f]{64}$")
-# The folders of a store; each must be a real folder (a link would take fsck and gc elsewhere).
-FOLDERS = ("plans", "steps", "work", "evals", "locks", "tmp", "quarantine", "cache", "cache/verified")
+# Derived records: a damaged one is removed, never kept (they are recomputed or left blank).
+CACHES = ("stamp", "stat cache", "plan card", "metrics summary")
 
 
 @attrs.frozen(kw_only=True)
@@ -63,11 +70,18 @@ class Report:
     not_repaired: list[str] = attrs.Factory(list)  # 'object: why not'
 
 
+Found = tuple[int, list[Damage]]  # (objects checked, the damaged ones)
+
+
 def _listing(folder: Path) -> list[Path]:
     """The entries of a store folder, leaving out the temporary files of atomic writes."""
     if folder.is_symlink() or not folder.is_dir():
         return []
     return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def _relative(store: Store, path: Path | str) -> str:
+    return Path(path).relative_to(store.root).as_posix()
 
 
 def _referrers(store: Store) -> dict[str, list[str]]:
@@ -79,7 +93,9 @@ def _referrers(store: Store) -> dict[str, list[str]]:
         except BuildtrainError:  # reported as a damaged plan
             continue
         for step in plan.steps:
-            found.setdefault(step.hash, []).append(f"{step.label} of plan {plan_hash[:12]} '{plan.name}'")
+            found.setdefault(step.hash, []).append(
+                f"{step.label} of plan {plan_hash[: layout.SHORT]} '{plan.name}'"
+            )
     return found
 
 
@@ -99,150 +115,254 @@ def check(store: Store) -> tuple[list[dict[str, Any]], int]:
 
 def scan(store: Store) -> Report:
     """Re-hash every object in full; drop the stamps of damaged outputs (best effort)."""
-    damaged: list[Damage] = []
-    checked = 0
     referrers = _referrers(store)
-    root = store.root
+    checks: list[Callable[[Store, dict[str, list[str]]], Found]] = [
+        _folders,
+        _plans,
+        _sweeps,
+        _outputs,
+        _work,
+        _evals,
+        _metrics,
+        _caches,
+        _locks,
+    ]
+    checked, damaged = 0, []
+    for run_check in checks:
+        count, found = run_check(store, referrers)
+        checked += count
+        damaged += found
+    return Report(store=str(store.root), checked=checked, damaged=damaged)
 
-    for name in FOLDERS:
-        folder = root / name
-        if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
-            checked += 1
-            damaged.append(
-                Damage(object=name, kind="store folder", problems=["not a folder (a link or a file)"])
-            )
 
-    for path in _listing(store.plans):
-        checked += 1
-        relative = f"plans/{path.name}"
-        if path.name.endswith(".meta.json"):
-            plan_hash = path.name[: -len(".meta.json")]
-            if read_meta(path, plan_hash) is None:
-                problem = _plain_file_problem(path, "plan metadata") or "does not match its seal or its plan"
-                damaged.append(Damage(object=relative, kind="plan metadata", problems=[problem]))
-        elif path.name.endswith(".json") and HASH_NAME.match(path.name[:-5]):
-            try:
-                load_plan(store, path.name[:-5])
-            except BuildtrainError as exc:
-                damaged.append(Damage(object=relative, kind="plan", problems=[str(exc)]))
-        else:
-            damaged.append(
+def _folders(store: Store, _: dict[str, list[str]]) -> Found:
+    """A link or a file in place of a store folder: bt run refuses to write through it."""
+    problems = store.folder_problems()
+    found = [
+        Damage(object=name, kind="store folder", problems=[f"{problem}, not a folder"])
+        for name, problem in problems
+    ]
+    return len(problems), found
+
+
+def _plans(store: Store, _: dict[str, list[str]]) -> Found:
+    found, entries = [], _listing(store.plans)
+    for path in entries:
+        relative = _relative(store, path)
+        plan_hash = layout.hash_of(path.name, META_SUFFIX) or layout.hash_of(path.name)
+        if plan_hash is None:
+            found.append(
                 Damage(object=relative, kind="foreign file", problems=["not a plan or plan metadata"])
             )
+        elif path.name.endswith(META_SUFFIX):
+            if read_meta(path, plan_hash) is None:
+                problem = _plain_file_problem(path, "plan metadata") or "does not match its seal or its plan"
+                found.append(Damage(object=relative, kind="plan metadata", problems=[problem]))
+        else:
+            try:
+                load_plan(store, plan_hash)
+            except BuildtrainError as exc:
+                found.append(Damage(object=relative, kind="plan", problems=[str(exc)]))
+    return len(entries), found
 
-    for path in _listing(store.steps):
-        checked += 1
-        problems = store.verify_output(path.name)
-        if problems:
-            store.drop_stamp(path.name)
-            damaged.append(
-                Damage(
-                    object=f"steps/{path.name}",
-                    kind="step output",
-                    problems=problems,
-                    referenced_by=referrers.get(path.name, ["no stored plan"]),
-                    step=path.name,
-                )
-            )
 
+def _sweeps(store: Store, _: dict[str, list[str]]) -> Found:
+    """A sweep must hash to its name and name only stored plans (`bt run SWEEP` runs them all)."""
+    stored = set(store.plan_hashes())
+    found, entries = [], _listing(store.sweeps)
+    for path in entries:
+        plans, problem = sweep_problem(path) if layout.hash_of(path.name) else ([], "not a stored sweep")
+        missing = [plan[: layout.SHORT] for plan in plans if plan not in stored]
+        if problem is None and missing:
+            problem = f"names plan(s) {', '.join(missing)} that are not in the store (dropped or lost)"
+        if problem is not None:
+            found.append(Damage(object=_relative(store, path), kind="sweep", problems=[problem]))
+    return len(entries), found
+
+
+def output_damage(store: Store, step_hash: str, referrers: dict[str, list[str]]) -> Damage | None:
+    """The check of one step output: every file against its sealed manifest, the manifest
+    against its digest and its folder name. Drops the output's stamp when it is damaged."""
+    problems = store.verify_output(step_hash)
+    if not problems:
+        return None
+    store.drop_stamp(step_hash)
+    return Damage(
+        object=_relative(store, store.output(step_hash)),
+        kind="step output",
+        problems=problems,
+        referenced_by=referrers.get(step_hash, ["no stored plan"]),
+        step=step_hash,
+    )
+
+
+def _outputs(store: Store, referrers: dict[str, list[str]]) -> Found:
+    entries = _listing(store.steps)
+    found = [damage for path in entries if (damage := output_damage(store, path.name, referrers))]
+    return len(entries), found
+
+
+def _work(store: Store, referrers: dict[str, list[str]]) -> Found:
+    checked, found = 0, []
     for work in _listing(store.work):
-        if work.is_symlink() or not work.is_dir():
+        guard = work.name if layout.HASH_NAME.match(work.name) else None
+        folder = store.checkpoints_dir(work.name)
+        # A file or link in place of the work folder or its checkpoints: resume could not write there.
+        misplaced = next((p for p in (work, folder) if os.path.lexists(p) and _not_a_folder(p)), None)
+        if misplaced is not None:
             checked += 1
-            damaged.append(Damage(object=f"work/{work.name}", kind="work folder", problems=["not a folder"]))
+            problem = _not_a_folder(misplaced) or ""
+            found.append(
+                Damage(object=_relative(store, misplaced), kind="work folder", problems=[problem], step=guard)
+            )
             continue
-        for path in _listing(work / "checkpoints"):
-            update = checkpoint_update(path.name)
+        for path in _listing(folder):
+            update = layout.checkpoint_update(path.name)
             if update is None:
                 continue  # set aside by resume (damaged-step-...), removed with the work folder
             checked += 1
             problems = checkpoint_problems(path, update, {"step_hash": work.name})
             if problems:
-                damaged.append(
+                found.append(
                     Damage(
-                        object=f"work/{work.name}/checkpoints/{path.name}",
+                        object=_relative(store, path),
                         kind="checkpoint",
                         problems=problems,
                         referenced_by=referrers.get(work.name, ["no stored plan"]),
                         note="resume skips it and falls back to an older checkpoint",
-                        step=work.name,
+                        step=guard,
                     )
                 )
+    return checked, found
 
-    for path in _listing(store.evals):
-        checked += 1
-        key = path.name[:-5] if path.name.endswith(".json") else ""
-        _, problem = entry_problem(path, key) if HASH_NAME.match(key) else (None, "not an evaluation result")
-        if problem is not None:
-            damaged.append(Damage(object=f"evals/{path.name}", kind="evaluation result", problems=[problem]))
 
-    for path in _listing(root / "cache" / "verified"):
-        checked += 1
-        step_hash = path.name[:-5] if path.name.endswith(".json") else ""
-        problem = store.stamp_problem(step_hash) if HASH_NAME.match(step_hash) else "not a stamp"
+def _not_a_folder(path: Path) -> str | None:
+    if path.is_symlink():
+        return "a symbolic link, not a folder"
+    return None if path.is_dir() else "a file, not a folder"
+
+
+def _evals(store: Store, _: dict[str, list[str]]) -> Found:
+    found, entries = [], _listing(store.evals)
+    for path in entries:
+        key = layout.hash_of(path.name)
+        _, problem = entry_problem(path, key) if key else (None, "not an evaluation result")
         if problem is not None:
-            damaged.append(
-                Damage(
-                    object=f"cache/verified/{path.name}",
-                    kind="stamp",
-                    problems=[problem],
-                    note="a stamp only saves a re-hash; a damaged one is ignored",
-                )
+            found.append(Damage(object=_relative(store, path), kind="evaluation result", problems=[problem]))
+    return len(entries), found
+
+
+def _metrics(store: Store, _: dict[str, list[str]]) -> Found:
+    """Plan cards and step summaries: what `bt ls --metrics` and `bt report` show."""
+    found = []
+    cards, summaries = _listing(store.cards), _listing(store.step_metrics)
+    for path in cards:
+        plan_hash = layout.hash_of(path.name)
+        problem = _plain_file_problem(path, "a plan card") or (
+            None if plan_hash and read_card(store, plan_hash) else "does not match its digest or its plan"
+        )
+        if problem is not None:
+            note = "a cache: it is computed again from the plan"
+            found.append(
+                Damage(object=_relative(store, path), kind="plan card", problems=[problem], note=note)
             )
+    for path in summaries:
+        step_hash = layout.hash_of(path.name)
+        problem = _plain_file_problem(path, "a metrics summary") or (
+            step_metrics_problem(str(path), step_hash)[1] if step_hash else "not a step's metrics summary"
+        )
+        if problem is not None:
+            note = "never shown: tables leave its numbers blank"
+            found.append(
+                Damage(object=_relative(store, path), kind="metrics summary", problems=[problem], note=note)
+            )
+    return len(cards) + len(summaries), found
 
-    cache_path = root / "cache" / "files.json"
-    if os.path.lexists(cache_path):
+
+def _caches(store: Store, _: dict[str, list[str]]) -> Found:
+    found, entries = [], _listing(store.stamps)
+    for path in entries:
+        step_hash = layout.hash_of(path.name)
+        problem = store.stamp_problem(step_hash) if step_hash else "not a stamp"
+        if problem is not None:
+            note = "a stamp only saves a re-hash; a damaged one is ignored"
+            found.append(Damage(object=_relative(store, path), kind="stamp", problems=[problem], note=note))
+    checked = len(entries)
+    if os.path.lexists(store.stat_cache_path):
         checked += 1
         if store.stat_cache().damaged:
-            problem = _plain_file_problem(cache_path, "the stat cache") or "does not match its digest"
-            damaged.append(
-                Damage(
-                    object="cache/files.json",
-                    kind="stat cache",
-                    problems=[problem],
-                    note="no digest is trusted from it; it is rebuilt",
-                )
+            path = store.stat_cache_path
+            problem = _plain_file_problem(path, "the stat cache") or "does not match its digest"
+            note = "no digest is trusted from it; it is rebuilt"
+            found.append(
+                Damage(object=_relative(store, path), kind="stat cache", problems=[problem], note=note)
             )
+    return checked, found
 
-    for path in _listing(store.locks):
-        checked += 1
+
+def _locks(store: Store, _: dict[str, list[str]]) -> Found:
+    found, entries = [], _listing(store.locks)
+    for path in entries:
         problem = _plain_file_problem(path, "a lock file")
         if problem is not None:
-            damaged.append(Damage(object=f"locks/{path.name}", kind="lock", problems=[problem]))
-
-    return Report(store=str(root), checked=checked, damaged=damaged)
+            found.append(Damage(object=_relative(store, path), kind="lock", problems=[problem]))
+    return len(entries), found
 
 
 def repair(store: Store, report: Report) -> Report:
     """Move every damaged object to quarantine/ (caches are removed), under its step's lock; an
-    object whose step is being built right now is left for a later `bt fsck --repair`."""
+    object whose step is being built right now is left for a later `bt fsck --repair`. Links or
+    files in place of store folders go first (quarantine/ itself before the rest), since every
+    other repair writes into those folders."""
     repaired, not_repaired = [], []
-    for item in report.damaged:
-        path = store.root / item.object
+    folders = sorted(
+        (item for item in report.damaged if item.kind == "store folder"),
+        key=lambda item: item.object != layout.QUARANTINE,
+    )
+    for item in folders:
         try:
-            with contextlib.ExitStack() as stack:
-                if item.step is not None and HASH_NAME.match(item.step):
-                    stack.enter_context(store.lock(item.step, wait=False))
-                if item.kind in ("stamp", "stat cache"):
-                    store.set_aside(path, keep=False)
-                    repaired.append(f"{item.object}: removed")
-                elif item.kind == "store folder":
-                    not_repaired.append(f"{item.object}: move it aside by hand, then bt run")
-                else:
-                    if item.kind == "step output":
-                        store.drop_stamp(item.step or "")
-                    moved = store.set_aside(path)
-                    if moved is not None:
-                        repaired.append(f"{item.object}: moved to {moved.relative_to(store.root)}")
-        except Locked:
-            not_repaired.append(f"{item.object}: its step is being built by another bt run; try again later")
+            moved = store.clear_folder(item.object)
+            if moved is not None:
+                repaired.append(f"{item.object}: moved to {_relative(store, moved)}")
         except OSError as exc:
             not_repaired.append(f"{item.object}: {exc.strerror or exc}")
+    for item in report.damaged:
+        if item.kind != "store folder":
+            _repair_one(store, item, repaired, not_repaired)
     return attrs.evolve(report, repaired=repaired, not_repaired=not_repaired)
 
 
+def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: list[str]) -> None:
+    path = store.root / item.object
+    try:
+        with contextlib.ExitStack() as stack:
+            if item.step is not None and layout.HASH_NAME.match(item.step):
+                stack.enter_context(store.lock(item.step, wait=False))
+            if item.kind in CACHES:
+                store.set_aside(path, keep=False)
+                repaired.append(f"{item.object}: removed")
+                return
+            if item.kind == "step output":
+                store.drop_stamp(item.step or "")
+            moved = store.set_aside(path)
+            if moved is not None:
+                repaired.append(f"{item.object}: moved to {_relative(store, moved)}")
+    except Locked:
+        not_repaired.append(f"{item.object}: its step is being built by another bt run; try again later")
+    except BuildtrainError as exc:
+        not_repaired.append(f"{item.object}: {exc}")
+    except OSError as exc:
+        not_repaired.append(f"{item.object}: {exc.strerror or exc}")
+
+
 def fsck(store: Store, *, fix: bool = False) -> Report | None:
-    """The report of a full check (and repair, with `fix`); None when there is no store."""
-    if not store.root.is_dir():
+    """The report of a full check (and repair, with `fix`); None when there is no store. A
+    folder that is not a store is refused (`UsageError`), and `--repair` needs a store that
+    identifies itself (a store made before markers is recognised and marked first)."""
+    found = store.identity()
+    if found == "new":
         return None
+    if found == "foreign" or fix:
+        claim_store(store, create=False)
     report = scan(store)
     return repair(store, report) if fix and report.damaged else report

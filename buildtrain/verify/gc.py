@@ -2,8 +2,14 @@
 
 Removed: step outputs that no plan references, work folders of steps that are complete or no
 longer referenced, leftover temporary folders, quarantined objects, stamps of outputs that are
-gone, and evaluation results that no step output holds. Anything belonging to a step whose lock is
-held (a `bt run` in progress) is left alone.
+gone, evaluation results that no step output holds, the cards and metrics summaries of plans and
+steps that are gone, and stored sweeps that name a plan no longer stored (a sweep is a record of
+a whole grid: once one of its plans is dropped, the rest stay as plain plans). Anything belonging
+to a step whose lock is held (a `bt run` in progress) is left alone, and a plan being run cannot
+be dropped (`Locked`, exit 7).
+
+gc only ever works in a store that identifies itself (its marker, see `plan.stored.claim_store`): pointed at
+any other folder it refuses before touching anything (exit 2).
 
 gc fails safe: a plan that cannot be read might reference any output, so while one is damaged no
 step output, work folder or evaluation result is removed (and gc says so). It never follows a
@@ -22,7 +28,8 @@ import attrs
 
 from buildtrain.errors import BuildtrainError
 from buildtrain.kinds import kind_of
-from buildtrain.plan.stored import load_plan
+from buildtrain.plan.stored import claim_store, load_plan
+from buildtrain.plan.sweep import sweep_problem
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -84,56 +91,20 @@ def _busy(store: Store) -> bool:
 
 def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
     report = Collected()
+    if not claim_store(store, create=False):
+        return report  # nothing there
+    report.warnings += [
+        f"{name} is {problem}; run bt fsck --repair" for name, problem in store.folder_problems()
+    ]
     for ref in drop:
         plan_hash = store.resolve(ref)
         report.dropped.append(plan_hash)
         if not dry_run:
-            for path in (store.plans / f"{plan_hash}.json", store.plans / f"{plan_hash}.meta.json"):
-                objects.remove_tree(path)
-
-    referenced: dict[str, str] = {}  # step hash -> its kind
-    damaged_plans: list[str] = []
-    for plan_hash in store.plan_hashes():
-        if dry_run and plan_hash in report.dropped:
-            continue
-        try:
-            referenced.update((step.hash, step.kind) for step in load_plan(store, plan_hash).steps)
-        except BuildtrainError:
-            damaged_plans.append(plan_hash)
-    if damaged_plans:
-        listed = ", ".join(h[:12] for h in damaged_plans)
-        report.warnings.append(
-            f"plan(s) {listed} cannot be read and may reference any output: no step output, work "
-            "folder or evaluation result is removed; run bt fsck"
-        )
-
-    doomed: list[Path] = []
-    outputs = _listing(store.steps)
-    report.busy = _busy(store)
-    if not damaged_plans:
-        doomed += [p for p in outputs if p.name not in referenced]
-        if not report.busy:
-            doomed += [
-                p for p in _listing(store.work) if p.name not in referenced or store.has_output(p.name)
-            ]
-    if not report.busy:
-        doomed += _listing(store.tmp)
-    doomed += _listing(store.quarantined)
-    kept_outputs = {p.name for p in outputs if p not in doomed}
-    doomed += [p for p in _listing(store.root / "cache" / "verified", "*.json") if p.stem not in kept_outputs]
-    # What bt ls --metrics reads: a plan's card and a step's metrics summary go with their object.
-    kept_plans = set(store.plan_hashes()) - set(report.dropped)
-    doomed += [p for p in _listing(store.root / "metrics" / "plans", "*.json") if p.stem not in kept_plans]
-    if not damaged_plans:
-        doomed += [
-            p for p in _listing(store.root / "metrics" / "steps", "*.json") if p.stem not in referenced
-        ]
-    if not damaged_plans:
-        kept_evals = {
-            key for p in outputs if p.name in referenced for key in kind_of(referenced[p.name]).references(p)
-        }
-        doomed += [p for p in _listing(store.evals, "*.json") if p.stem not in kept_evals]
-
+            with store.dropping(plan_hash):
+                for path in (store.plan_path(plan_hash), store.plan_meta_path(plan_hash)):
+                    objects.remove_tree(path)
+    referenced, damaged_plans = _referenced(store, report, dry_run)
+    doomed = _doomed(store, report, referenced, damaged_plans)
     for path in doomed:
         relative = str(path.relative_to(store.root))
         size = _size(path)
@@ -149,3 +120,59 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
         report.freed += size
         report.removed.append(relative)
     return report
+
+
+def _referenced(store: Store, report: Collected, dry_run: bool) -> tuple[dict[str, str], list[str]]:
+    """(step hashes the kept plans reference, the plans that cannot be read)."""
+    referenced: dict[str, str] = {}  # step hash -> its kind
+    damaged_plans: list[str] = []
+    for plan_hash in store.plan_hashes():
+        if dry_run and plan_hash in report.dropped:
+            continue
+        try:
+            referenced.update((step.hash, step.kind) for step in load_plan(store, plan_hash).steps)
+        except BuildtrainError:
+            damaged_plans.append(plan_hash)
+    if damaged_plans:
+        listed = ", ".join(h[:12] for h in damaged_plans)
+        report.warnings.append(
+            f"plan(s) {listed} cannot be read and may reference any output: no step output, work "
+            "folder or evaluation result is removed; run bt fsck"
+        )
+    return referenced, damaged_plans
+
+
+def _doomed(
+    store: Store, report: Collected, referenced: dict[str, str], damaged_plans: list[str]
+) -> list[Path]:
+    doomed: list[Path] = []
+    outputs = _listing(store.steps)
+    report.busy = _busy(store)
+    if not damaged_plans:
+        doomed += [p for p in outputs if p.name not in referenced]
+        if not report.busy:
+            doomed += [
+                p for p in _listing(store.work) if p.name not in referenced or store.has_output(p.name)
+            ]
+    if not report.busy:
+        doomed += _listing(store.tmp)
+    doomed += _listing(store.quarantined)
+    kept_outputs = {p.name for p in outputs if p not in doomed}
+    doomed += [p for p in _listing(store.stamps, "*.json") if p.stem not in kept_outputs]
+    # What bt ls --metrics reads: a plan's card and a step's metrics summary go with their object.
+    kept_plans = set(store.plan_hashes()) - set(report.dropped)
+    doomed += [p for p in _listing(store.cards, "*.json") if p.stem not in kept_plans]
+    doomed += [p for p in _listing(store.sweeps, "*.json") if _names_a_gone_plan(p, kept_plans)]
+    if not damaged_plans:
+        doomed += [p for p in _listing(store.step_metrics, "*.json") if p.stem not in referenced]
+        kept_evals = {
+            key for p in outputs if p.name in referenced for key in kind_of(referenced[p.name]).references(p)
+        }
+        doomed += [p for p in _listing(store.evals, "*.json") if p.stem not in kept_evals]
+    return doomed
+
+
+def _names_a_gone_plan(path: Path, kept_plans: set[str]) -> bool:
+    """A sound sweep that names a plan no longer stored (a damaged one is left to bt fsck)."""
+    plans, problem = sweep_problem(path)
+    return problem is None and any(plan not in kept_plans for plan in plans)

@@ -18,10 +18,6 @@ from buildtrain.verify.verdicts import VerifyOptions
 RESUMED_KILL_STATUS = -9
 
 
-# `steps.train.state.TRAIN_STATE`, named here so that the bt process does not import torch for it.
-TRAIN_STATE = "train_state.json"
-
-
 def read_report(report: Path) -> dict[str, Any] | None:
     try:
         body = json.loads(report.read_bytes())

@@ -10,6 +10,7 @@ import attrs
 
 from buildtrain.errors import ExitCode
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan
 
 
@@ -28,7 +29,11 @@ class VerifyOptions:
         verdicts said "killed and resumed at 500" of a plan of 12 updates)."""
         if not self.resume_at:
             return None
-        lengths = [int(step.config["train"]["steps"]) for step in plan.steps if step.kind == "train"]
+        lengths = [
+            kind_of(step.kind).updates(step.config)
+            for step in plan.steps
+            if kind_of(step.kind).verify_by_updates
+        ]
         if not lengths:
             return f"--resume-at: plan {plan.hash[:12]} has no train step to kill and resume"
         end = min(max(lengths), self.steps) if self.steps else max(lengths)

@@ -23,11 +23,17 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from buildtrain.steps.context import RESULT
 from buildtrain.steps.train.checkpoint import read_trace
-from buildtrain.steps.train.identity import checkpoint_name, checkpoint_update
 from buildtrain.steps.train.observer import Observer
-from buildtrain.steps.train.state import MODEL, OPTIMIZER, TRACE
+from buildtrain.store.layout import (
+    CHECKPOINTS,
+    MODEL,
+    OPTIMIZER,
+    RESULT,
+    TRACE,
+    checkpoint_name,
+    checkpoint_update,
+)
 
 COMPARED = ("loss", "grad_norm", "lr", "cursor", "weights", "state")
 REPORTED_TENSORS = 10
@@ -114,7 +120,7 @@ class Watcher(Observer):
     def _measure(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.divergence is not None
         differences: list[dict[str, Any]] = []
-        folder = self.recorded_output / "checkpoints" / checkpoint_name(step)
+        folder = self.recorded_output / CHECKPOINTS / checkpoint_name(step)
         if self.compare_at == step and folder.is_dir():
             recorded = {f"model.{k}": v for k, v in safetensors.torch.load_file(str(folder / MODEL)).items()}
             recorded.update(

@@ -15,9 +15,8 @@ from typing import Any
 import attrs
 
 from buildtrain.plan.card import Card
+from buildtrain.store.layout import TRACE
 from buildtrain.store.store import Store
-
-TRACE = "trace.jsonl"  # steps/train/state.py's file name; not imported (that module loads torch)
 
 
 @attrs.frozen

@@ -16,12 +16,11 @@ from typing import Any
 from buildtrain.errors import UsageError
 from buildtrain.plan.card import load_card
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.store.layout import CHECKSUMS, EXPORT_WEIGHTS, SHORT
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import HEX, Store
 
-SHORT = 12
 MIN_DIGEST = 8
-WEIGHTS_FILE = "model.safetensors"  # the export's weights (steps/export.py), the usual question
 
 
 def _sealed(store: Store, step_hash: str) -> dict[str, str]:
@@ -114,8 +113,8 @@ def _wanted(text: str) -> tuple[str, str]:
     any other file (its own blake3: an exported model.safetensors names the weights it holds)."""
     path = Path(text)
     if path.is_dir():
-        path = path / "BLAKE3SUMS"
-    if path.is_file() and path.name != "BLAKE3SUMS":
+        path = path / CHECKSUMS
+    if path.is_file() and path.name != CHECKSUMS:
         from buildtrain.store.objects import hash_file
 
         try:
@@ -126,11 +125,11 @@ def _wanted(text: str) -> tuple[str, str]:
         try:
             for line in path.read_text(encoding="utf-8").splitlines():
                 value, _, name = line.partition("  ")
-                if name.strip() == WEIGHTS_FILE:
-                    return value.strip().lower(), f"{WEIGHTS_FILE} in {path}"
+                if name.strip() == EXPORT_WEIGHTS:
+                    return value.strip().lower(), f"{EXPORT_WEIGHTS} in {path}"
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{text}: cannot read ({exc})") from None
-        raise UsageError(f"{path}: no {WEIGHTS_FILE} line; give a digest from it instead")
+        raise UsageError(f"{path}: no {EXPORT_WEIGHTS} line; give a digest from it instead")
     value = text.strip().lower()
     if not HEX.match(value) or len(value) < MIN_DIGEST:
         raise UsageError(

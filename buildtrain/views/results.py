@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from buildtrain.executor.metrics import read_step_metrics
 from buildtrain.plan.card import Card
-from buildtrain.steps.eval_cache import EVAL_RESULT  # torch-free
+from buildtrain.store.evals import output_result
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
@@ -21,19 +19,14 @@ def _built(store: Store, step_hash: str) -> bool:
 
 def eval_result(store: Store, step_hash: str) -> dict[str, Any] | None:
     """The held-out result of a built eval step, read from its (small) output file."""
-    try:
-        body = json.loads((store.output(step_hash) / EVAL_RESULT).read_bytes())
-        result = body["result"]
-        return result if isinstance(result, dict) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return output_result(store.output(step_hash))
 
 
 def plan_results(store: Store, card: Card) -> dict[str, Any]:
     """The numbers of one plan: final train loss and speed (last stage), held-out loss and bits
     per token, wall time (the sum over the executions that built its steps), build status."""
     built = [_built(store, h) for _, _, h in card.steps]
-    summaries = {h: read_step_metrics(store.root, h) for _, _, h in card.steps}
+    summaries = {h: store.read_step_metrics(h) for _, _, h in card.steps}
     trains = card.summarizing("training")
     last = summaries.get(trains[-1][2]) if trains else None
     train = (last or {}).get("train") or {}

@@ -2,11 +2,43 @@
 
 from __future__ import annotations
 
-from buildtrain.executor.batch import BatchSummary
+from typing import Protocol
+
 from buildtrain.plan.sweep import SweepPlans
+from buildtrain.store.layout import SHORT
 from buildtrain.store.store import Store
 
-SHORT = 12
+
+class BatchCounts(Protocol):
+    """What `bt run` over several plans counts (`executor.batch.BatchSummary`), read here without
+    importing the executor: `bt plan --sweep` prints its summary from this module too."""
+
+    @property
+    def plans(self) -> int: ...
+
+    @property
+    def ran(self) -> int: ...
+
+    @property
+    def distinct(self) -> int: ...
+
+    @property
+    def step_slots(self) -> int: ...
+
+    @property
+    def executed(self) -> int: ...
+
+    @property
+    def cached(self) -> int: ...
+
+    @property
+    def saved(self) -> int: ...
+
+    @property
+    def stopped_at(self) -> str | None: ...
+
+    @property
+    def error(self) -> str | None: ...
 
 
 def sweep_summary(store: Store, sweep: SweepPlans) -> str:
@@ -40,7 +72,7 @@ def sweep_summary(store: Store, sweep: SweepPlans) -> str:
     return "\n".join(lines)
 
 
-def batch_text(summary: BatchSummary) -> str:
+def batch_text(summary: BatchCounts) -> str:
     text = (
         f"bt run: {summary.ran} of {summary.plans} plans done; {summary.distinct} distinct steps for "
         f"{summary.step_slots} step slots: {summary.executed} executed, {summary.cached} already "

@@ -13,10 +13,10 @@ from typing import Any
 
 from buildtrain.errors import UsageError
 from buildtrain.plan.card import Card, load_card
+from buildtrain.store.layout import SHORT
 from buildtrain.store.store import Store
 from buildtrain.views.results import plan_results
 
-SHORT = 12
 RESULT_COLUMNS = ("train_loss", "heldout_loss", "bits_per_token", "tokens_per_s", "wall_s", "status")
 HEADINGS = {
     "train_loss": "train loss",

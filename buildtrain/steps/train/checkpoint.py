@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from buildtrain.canonical import canonical_bytes
-from buildtrain.steps.train.identity import STATE_FORMAT, checkpoint_name, checkpoint_problems, newest_first
+from buildtrain.errors import CorruptObject
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
@@ -37,6 +37,8 @@ from buildtrain.steps.train.state import (
     save_tensors,
 )
 from buildtrain.store import objects
+from buildtrain.store.checkpoints import checkpoint_problems
+from buildtrain.store.layout import STATE_FORMAT, checkpoint_name, newest_first
 
 
 @attrs.frozen
@@ -80,6 +82,7 @@ def save(
 ) -> Path:
     """Write a complete checkpoint for `update` atomically; returns its folder. `midway` is called
     with the update once the weights are written and nothing else is (a fault can strike there)."""
+    require_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(update)
     temporary = folder / f".{checkpoint_name(update)}.tmp"
@@ -96,6 +99,17 @@ def save(
         objects.remove_tree(final)
     objects.commit(temporary, final)
     return final
+
+
+def require_folder(folder: Path) -> None:
+    """Refuse a file or a link in place of the checkpoints folder or its work folder: writing a
+    checkpoint there fails (or goes elsewhere), and the message would blame the disk."""
+    for path in (folder.parent, folder):
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+            raise CorruptObject(
+                f"{path} is {'a symbolic link' if path.is_symlink() else 'a file'}, not a folder of "
+                "checkpoints; run bt fsck --repair (it moves it to quarantine/), then bt run again"
+            )
 
 
 def candidates(folder: Path) -> list[tuple[int, Path]]:
@@ -141,6 +155,7 @@ def load_newest(
 ) -> Resumed | None:
     """Restore the newest checkpoint that verifies and belongs to this step; None to start fresh.
     Every newer one that does not is reported through `on_skip` and moved aside."""
+    require_folder(folder)
     for _, path in newest_first(folder.iterdir()) if folder.is_dir() else []:
         if path.is_symlink():  # never a checkpoint, whatever it points to
             on_skip(path, "a symbolic link, not a checkpoint folder")

@@ -14,13 +14,10 @@ import safetensors.torch
 import torch
 
 from buildtrain.steps.train.optimizer import AdamW
-from buildtrain.store.tensors import DTYPE_CODES, tensor_digest
 
-# File names inside a checkpoint; constants because resume, verify and export all read them.
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
-TRAIN_STATE = "train_state.json"
-TRACE = "trace.jsonl"
+# File names inside a checkpoint (resume, verify, export and fsck read them): store/layout.py.
+from buildtrain.store.layout import MODEL, OPTIMIZER, TRACE, TRAIN_STATE  # noqa: F401
+from buildtrain.store.tensors import DTYPE_CODES, tensor_digest
 
 
 def digest_tensor(name: str, tensor: torch.Tensor) -> str:

@@ -19,12 +19,13 @@ from buildtrain.steps.context import RESULT, StepContext, final_weights, read_js
 from buildtrain.steps.data_index import DATA_INDEX
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
-from buildtrain.steps.train.identity import checkpoint_problems
 from buildtrain.steps.train.job import TrainJob
 from buildtrain.steps.train.schedule import checkpoint_due
 from buildtrain.steps.train.state import MODEL, TRACE
 from buildtrain.steps.train.trainer import TrainResult, train
 from buildtrain.store import objects
+from buildtrain.store.checkpoints import checkpoint_problems
+from buildtrain.store.layout import CHECKPOINTS
 from buildtrain.store.tensors import combine, safetensors_digests
 
 RESULT_FORMAT = 1
@@ -46,7 +47,7 @@ def make_job(ctx: StepContext) -> TrainJob:
         data=data_dir,
         index=read_json(data_dir / DATA_INDEX),
         init_weights=final_weights(init) if init is not None else None,
-        work=ctx.work / "checkpoints",
+        work=ctx.work / CHECKPOINTS,
         identity={"step_hash": ctx.step.hash},
     )
 
@@ -79,7 +80,7 @@ def assemble_output(job: TrainJob, result: TrainResult, out: Path, log: Any = No
         )
     final_step, final_path = retained[0]
     for _, path in retained:
-        objects.link_tree(path, out / "checkpoints" / path.name)  # the work copy stays valid until commit
+        objects.link_tree(path, out / CHECKPOINTS / path.name)  # the work copy stays valid until commit
     (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in result.trace))
     weights = f"checkpoints/{final_path.name}/{MODEL}"
     weights_digest = combine(safetensors_digests(out / weights))

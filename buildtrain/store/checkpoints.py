@@ -9,35 +9,11 @@ step hash). A folder renamed, linked or copied from another step or another plan
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from buildtrain.store import objects
-
-CHECKPOINT = re.compile(r"^step-(\d{6,})$")
-STATE_FORMAT = 1
-TRAIN_STATE = "train_state.json"  # = state.TRAIN_STATE (state.py imports torch; a test pins them equal)
-
-
-def checkpoint_name(update: int) -> str:
-    """The folder name of the checkpoint taken after `update` (at least six digits, zero-padded)."""
-    return f"step-{update:06d}"
-
-
-def checkpoint_update(name: str) -> int | None:
-    """The update a checkpoint folder name stands for; None for any other name (temporary,
-    set aside, foreign)."""
-    match = CHECKPOINT.match(name)
-    return int(match.group(1)) if match else None
-
-
-def newest_first(paths: Iterable[Path]) -> list[tuple[int, Path]]:
-    """(update, path) of the checkpoint folder names among `paths`, newest first. By number, never
-    as strings: `step-1000000` is newer than `step-999999`."""
-    found = [(update, path) for path in paths if (update := checkpoint_update(path.name)) is not None]
-    return sorted(found, key=lambda item: item[0], reverse=True)
+from buildtrain.store.layout import STATE_FORMAT, TRAIN_STATE
 
 
 def checkpoint_problems(path: Path, update: int, expect: dict[str, Any]) -> list[str]:

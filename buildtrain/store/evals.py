@@ -1,0 +1,76 @@
+"""The evaluation cache's files: `evals/<key>.json`, addressed by what determines the result.
+
+The key is computed here and nowhere else (`key_of`): the eval step, the executor completing a
+cached evaluation without a process, `bt gc` keeping the entries its outputs name, and `bt fsck`
+checking entries all call it. Torch-free and plan-free. Each entry is sealed by a digest over its
+key, its identity and its result (`seal_entry`), and is used only if that verifies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.store.layout import EVAL_RESULT
+
+ENTRY_FORMAT = 1
+
+
+def key_of(identity: dict[str, Any]) -> str:
+    """The content address of an evaluation with this identity."""
+    return digest("eval", identity)
+
+
+def seal_entry(key: str, body: dict[str, Any]) -> bytes:
+    """The bytes of `evals/<key>.json`: the key, the identity and the result under one digest, so
+    an edited value, or an entry copied under another key, does not verify."""
+    sealed = {"format": ENTRY_FORMAT, "key": key, "identity": body["identity"], "result": body["result"]}
+    return canonical_bytes({**sealed, "seal": digest("eval-entry", sealed)})
+
+
+def entry_problem(path: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the result body, None) when `path` holds the sealed result of `key`; (None, why) when it
+    is damaged or foreign; (None, None) when there is nothing there."""
+    if not path.exists() and not path.is_symlink():
+        return None, None
+    if path.is_symlink():
+        return None, "a symbolic link, not an evaluation result"
+    if not path.is_file():
+        return None, "not a regular file"
+    try:
+        raw = path.read_bytes()
+        entry = json.loads(raw)
+        claimed = entry.pop("seal")
+        if entry.get("format") != ENTRY_FORMAT or entry.get("key") != key:
+            return None, "sealed for another key (a foreign result)"
+        if claimed != digest("eval-entry", entry) or canonical_bytes({**entry, "seal": claimed}) != raw:
+            return None, "content does not match its seal"
+        if key_of(entry["identity"]) != key or not isinstance(entry["result"], dict):
+            return None, "identity does not match its key"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return None, f"unreadable ({type(exc).__name__})"
+    return {"identity": entry["identity"], "result": entry["result"]}, None
+
+
+def key_of_output(output: Path) -> str | None:
+    """The cache key an eval step's output names, if it holds a readable result (`bt gc` keeps
+    that entry)."""
+    path = output / EVAL_RESULT
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        return key_of(json.loads(path.read_bytes())["identity"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def output_result(output: Path) -> dict[str, Any] | None:
+    """The held-out result an eval step's output records (read from its small file; the output's
+    manifest is checked by fsck and by every step that reads it as an input)."""
+    try:
+        result = json.loads((output / EVAL_RESULT).read_bytes())["result"]
+        return result if isinstance(result, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

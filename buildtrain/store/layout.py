@@ -1,0 +1,112 @@
+"""The names of everything in a store, and the torch-free facts about the files inside outputs.
+
+Named here and nowhere else: the store (`Store`), fsck, gc, the step code that writes these files
+and the tables that read them all take the names from this module, which imports nothing heavy,
+so the CLI and the views read what a torch-side step wrote without importing torch or a step.
+
+    STORE.json                    the marker: this folder is a buildtrain store (see plan/stored.claim_store)
+    plans/<plan hash>.json        canonical plan bytes; <plan hash>.meta.json: when and from where
+    sweeps/<sweep hash>.json      a sweep's axes and plans (content-addressed)
+    steps/<step hash>/            completed step outputs, sealed by MANIFEST.json
+    work/<step hash>/checkpoints/step-NNNNNN/   checkpoints of a step in progress
+    evals/<key>.json              evaluation results by (suite, version, weights, data)
+    metrics/plans/<plan hash>.json   plan cards (what tables need of a plan)
+    metrics/steps/<step hash>.json   a built step's summary (final loss, tokens/s, wall time)
+    locks/<step hash>.lock        one writer per step; locks/plan-<plan hash>.lock: a run of a plan
+    tmp/                          outputs being built; renamed into steps/ when complete
+    quarantine/                   damaged objects moved aside, never loaded
+    cache/files.json              stat cache of source file digests
+    cache/verified/<step>.json    stamps: an output's file stats at its last full re-hash
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+# Hex digits a hash is shown with in tables, messages and default export names.
+SHORT = 12
+
+MARKER = "STORE.json"
+PLANS = "plans"
+SWEEPS = "sweeps"
+STEPS = "steps"
+WORK = "work"
+EVALS = "evals"
+METRICS = "metrics"
+LOCKS = "locks"
+TMP = "tmp"
+QUARANTINE = "quarantine"
+CACHE = "cache"
+# Every folder of a store, parents first; each must be a real folder, never a link or a file.
+FOLDERS = (
+    PLANS,
+    SWEEPS,
+    STEPS,
+    WORK,
+    EVALS,
+    METRICS,
+    f"{METRICS}/plans",
+    f"{METRICS}/steps",
+    LOCKS,
+    TMP,
+    QUARANTINE,
+    CACHE,
+    f"{CACHE}/verified",
+)
+# What the top of a store may hold (a store made by an earlier bt has no marker).
+TOP_LEVEL = frozenset({MARKER, *(folder.split("/")[0] for folder in FOLDERS)})
+STAT_CACHE = f"{CACHE}/files.json"
+STAMPS = f"{CACHE}/verified"
+CARDS = f"{METRICS}/plans"
+STEP_METRICS = f"{METRICS}/steps"
+PLAN_LOCK_PREFIX = "plan-"
+
+HASH_NAME = re.compile(r"^[0-9a-f]{64}$")
+
+# -- inside a work folder and a train step's output ------------------------------------------------
+CHECKPOINTS = "checkpoints"
+CHECKPOINT = re.compile(r"^step-(\d{6,})$")
+# A checkpoint's files (resume, verify, export and fsck read them).
+MODEL = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+TRAIN_STATE = "train_state.json"
+TRACE = "trace.jsonl"
+STATE_FORMAT = 1
+# A train step's summary of its output (final update, weights path, digests).
+RESULT = "result.json"
+# An eval step's output, and the copy an export package carries.
+EVAL_RESULT = "eval.json"
+# An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
+EXPORT_WEIGHTS = "model.safetensors"
+CHECKSUMS = "BLAKE3SUMS"
+
+
+def checkpoint_name(update: int) -> str:
+    """The folder name of the checkpoint taken after `update` (at least six digits, zero-padded)."""
+    return f"step-{update:06d}"
+
+
+def checkpoint_update(name: str) -> int | None:
+    """The update a checkpoint folder name stands for; None for any other name (temporary,
+    set aside, foreign)."""
+    match = CHECKPOINT.match(name)
+    return int(match.group(1)) if match else None
+
+
+def newest_first(paths: Iterable[Path]) -> list[tuple[int, Path]]:
+    """(update, path) of the checkpoint folder names among `paths`, newest first. By number, never
+    as strings: `step-1000000` is newer than `step-999999`."""
+    found = [(update, path) for path in paths if (update := checkpoint_update(path.name)) is not None]
+    return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def json_name(stem: str) -> str:
+    return f"{stem}.json"
+
+
+def hash_of(name: str, suffix: str = ".json") -> str | None:
+    """The 64-hex hash a store file is named by (`<hash><suffix>`), or None for any other name."""
+    stem = name[: -len(suffix)] if name.endswith(suffix) else ""
+    return stem if HASH_NAME.match(stem) else None
