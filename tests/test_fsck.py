@@ -273,3 +273,27 @@ def test_fsck_refuses_a_folder_that_is_not_a_store(tmp_path):
         assert refused.returncode == ExitCode.USAGE, refused.stderr
         assert f"{home} is not a buildtrain store" in refused.stderr
     assert (home / "tmp" / "notes.txt").read_text() == "mine" and not (home / "quarantine").exists()
+
+
+def test_a_train_output_resealed_with_another_steps_checkpoints_is_reported(
+    micro_built, stages_built, tmp_path
+):
+    """The seal binds files to a folder name; the train kind also checks whose checkpoints they
+    are, so another step's output copied into place and sealed again is still foreign."""
+    from buildtrain.store import objects
+
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    train = load_plan(Store(store), micro_built[1]).by_label("train:main")
+    other = load_plan(Store(stages_built[0]), stages_built[1]).by_label("train:pretrain")
+    output = store / "steps" / train.hash
+    shutil.rmtree(output)
+    shutil.copytree(stages_built[0] / "steps" / other.hash, output)
+    (output / objects.MANIFEST).unlink()
+    objects.seal(output, objects.sealed_digests(stages_built[0] / "steps" / other.hash), name=train.hash)
+    assert not objects.verify(output)  # the seal holds
+    damaged, _ = check(Store(store))
+    found = {item["object"]: item for item in damaged}
+    assert f"steps/{train.hash}" in found, damaged
+    problem = found[f"steps/{train.hash}"]["problems"][0]
+    assert "updates, the step has" in problem or "was written by step" in problem

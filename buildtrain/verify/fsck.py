@@ -30,7 +30,9 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import BuildtrainError, Locked
+from buildtrain.kinds import kind_of
 from buildtrain.plan.card import read_card
+from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import claim_store, load_plan
 from buildtrain.plan.sweep import sweep_problem
 from buildtrain.store import layout
@@ -84,19 +86,29 @@ def _relative(store: Store, path: Path | str) -> str:
     return Path(path).relative_to(store.root).as_posix()
 
 
-def _referrers(store: Store) -> dict[str, list[str]]:
-    """Step hash -> 'label of plan PREFIX' for every loadable plan."""
-    found: dict[str, list[str]] = {}
+@attrs.frozen
+class Known:
+    """What the loadable plans say of the store's objects: who refers to each step output
+    ('label of plan PREFIX'), and the step itself (its kind says what else to check in it)."""
+
+    labels: dict[str, list[str]]
+    steps: dict[str, Step]
+
+
+def _known(store: Store) -> Known:
+    labels: dict[str, list[str]] = {}
+    steps: dict[str, Step] = {}
     for plan_hash in store.plan_hashes():
         try:
             plan = load_plan(store, plan_hash)
         except BuildtrainError:  # reported as a damaged plan
             continue
         for step in plan.steps:
-            found.setdefault(step.hash, []).append(
+            labels.setdefault(step.hash, []).append(
                 f"{step.label} of plan {plan_hash[: layout.SHORT]} '{plan.name}'"
             )
-    return found
+            steps[step.hash] = step
+    return Known(labels, steps)
 
 
 def _plain_file_problem(path: Path, what: str) -> str | None:
@@ -115,8 +127,8 @@ def check(store: Store) -> tuple[list[dict[str, Any]], int]:
 
 def scan(store: Store) -> Report:
     """Re-hash every object in full; drop the stamps of damaged outputs (best effort)."""
-    referrers = _referrers(store)
-    checks: list[Callable[[Store, dict[str, list[str]]], Found]] = [
+    known = _known(store)
+    checks: list[Callable[[Store, Known], Found]] = [
         _folders,
         _plans,
         _sweeps,
@@ -129,13 +141,13 @@ def scan(store: Store) -> Report:
     ]
     checked, damaged = 0, []
     for run_check in checks:
-        count, found = run_check(store, referrers)
+        count, found = run_check(store, known)
         checked += count
         damaged += found
     return Report(store=str(store.root), checked=checked, damaged=damaged)
 
 
-def _folders(store: Store, _: dict[str, list[str]]) -> Found:
+def _folders(store: Store, _: Known) -> Found:
     """A link or a file in place of a store folder: bt run refuses to write through it."""
     problems = store.folder_problems()
     found = [
@@ -145,7 +157,7 @@ def _folders(store: Store, _: dict[str, list[str]]) -> Found:
     return len(problems), found
 
 
-def _plans(store: Store, _: dict[str, list[str]]) -> Found:
+def _plans(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.plans)
     for path in entries:
         relative = _relative(store, path)
@@ -166,7 +178,7 @@ def _plans(store: Store, _: dict[str, list[str]]) -> Found:
     return len(entries), found
 
 
-def _sweeps(store: Store, _: dict[str, list[str]]) -> Found:
+def _sweeps(store: Store, _: Known) -> Found:
     """A sweep must hash to its name and name only stored plans (`bt run SWEEP` runs them all)."""
     stored = set(store.plan_hashes())
     found, entries = [], _listing(store.sweeps)
@@ -180,10 +192,14 @@ def _sweeps(store: Store, _: dict[str, list[str]]) -> Found:
     return len(entries), found
 
 
-def output_damage(store: Store, step_hash: str, referrers: dict[str, list[str]]) -> Damage | None:
+def output_damage(store: Store, step_hash: str, known: Known) -> Damage | None:
     """The check of one step output: every file against its sealed manifest, the manifest
-    against its digest and its folder name. Drops the output's stamp when it is damaged."""
+    against its digest and its folder name, then what its kind checks (a train output's
+    checkpoints carry its step's hash). Drops the output's stamp when it is damaged."""
     problems = store.verify_output(step_hash)
+    step = known.steps.get(step_hash)
+    if not problems and step is not None:
+        problems = kind_of(step.kind).output_problems(step_hash, store.output(step_hash), step.config)
     if not problems:
         return None
     store.drop_stamp(step_hash)
@@ -191,18 +207,18 @@ def output_damage(store: Store, step_hash: str, referrers: dict[str, list[str]])
         object=_relative(store, store.output(step_hash)),
         kind="step output",
         problems=problems,
-        referenced_by=referrers.get(step_hash, ["no stored plan"]),
+        referenced_by=known.labels.get(step_hash, ["no stored plan"]),
         step=step_hash,
     )
 
 
-def _outputs(store: Store, referrers: dict[str, list[str]]) -> Found:
+def _outputs(store: Store, known: Known) -> Found:
     entries = _listing(store.steps)
-    found = [damage for path in entries if (damage := output_damage(store, path.name, referrers))]
+    found = [damage for path in entries if (damage := output_damage(store, path.name, known))]
     return len(entries), found
 
 
-def _work(store: Store, referrers: dict[str, list[str]]) -> Found:
+def _work(store: Store, known: Known) -> Found:
     checked, found = 0, []
     for work in _listing(store.work):
         guard = work.name if layout.HASH_NAME.match(work.name) else None
@@ -228,7 +244,7 @@ def _work(store: Store, referrers: dict[str, list[str]]) -> Found:
                         object=_relative(store, path),
                         kind="checkpoint",
                         problems=problems,
-                        referenced_by=referrers.get(work.name, ["no stored plan"]),
+                        referenced_by=known.labels.get(work.name, ["no stored plan"]),
                         note="resume skips it and falls back to an older checkpoint",
                         step=guard,
                     )
@@ -242,7 +258,7 @@ def _not_a_folder(path: Path) -> str | None:
     return None if path.is_dir() else "a file, not a folder"
 
 
-def _evals(store: Store, _: dict[str, list[str]]) -> Found:
+def _evals(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.evals)
     for path in entries:
         key = layout.hash_of(path.name)
@@ -252,7 +268,7 @@ def _evals(store: Store, _: dict[str, list[str]]) -> Found:
     return len(entries), found
 
 
-def _metrics(store: Store, _: dict[str, list[str]]) -> Found:
+def _metrics(store: Store, _: Known) -> Found:
     """Plan cards and step summaries: what `bt ls --metrics` and `bt report` show."""
     found = []
     cards, summaries = _listing(store.cards), _listing(store.step_metrics)
@@ -279,7 +295,7 @@ def _metrics(store: Store, _: dict[str, list[str]]) -> Found:
     return len(cards) + len(summaries), found
 
 
-def _caches(store: Store, _: dict[str, list[str]]) -> Found:
+def _caches(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.stamps)
     for path in entries:
         step_hash = layout.hash_of(path.name)
@@ -300,7 +316,7 @@ def _caches(store: Store, _: dict[str, list[str]]) -> Found:
     return checked, found
 
 
-def _locks(store: Store, _: dict[str, list[str]]) -> Found:
+def _locks(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.locks)
     for path in entries:
         problem = _plain_file_problem(path, "a lock file")
