@@ -118,7 +118,8 @@ class Remote:
         problems = objects.verify(folder)
         if problems:
             raise CorruptObject(f"checkpoint {folder} does not verify ({problems[0]}); it was not pushed")
-        manifest = objects.read_manifest(folder)
+        raw = (folder / objects.MANIFEST).read_bytes()
+        manifest = {**objects.parse_manifest(raw), "self": json.loads(raw)["self"]}  # whole, as sealed
         body = {"format": CHECKPOINT_FORMAT, "step": step_hash, "name": folder.name, "manifest": manifest}
         sealed = canonical_bytes({**body, "seal": digest("remote-checkpoint", body)})
         return self._push_files(folder, manifest, keys.checkpoint(step_hash, folder.name), sealed)
