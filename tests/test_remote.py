@@ -226,7 +226,9 @@ def make_checkpoint(store: Store, step: str, number: int, payload: bytes) -> Pat
 def test_the_newest_checkpoint_that_verifies_is_pulled(remote: Remote, tmp_path: Path) -> None:
     local, step = fresh_store(tmp_path, "a"), "12" * 32
     for number in (4, 8, 12):
-        remote.push_checkpoint(step, make_checkpoint(local, step, number, f"update {number}".encode()))
+        make_checkpoint(local, step, number, f"update {number}".encode())
+        pushed = remote.push_newest_checkpoint(step, local.work_dir(step) / "checkpoints")
+        assert pushed is not None and pushed.manifest == "written"
     assert remote.checkpoints(step) == ["step-000012", "step-000008", "step-000004"]
     newest = objects.read_manifest(local.work_dir(step) / "checkpoints" / "step-000012")["files"]
     remote.backend.delete(keys.blob(newest["model.safetensors"]["blake3"]))
@@ -319,6 +321,7 @@ def test_a_racing_8_way_lease_has_exactly_one_winner(remote: Remote) -> None:
 
 def test_a_lease_renews_expires_is_taken_over_and_the_old_holder_learns_it(remote: Remote) -> None:
     step = "56" * 32
+    assert leases.holder_id() != leases.holder_id()
     mine = leases.take(remote.backend, step, "a", 0.6)
     assert mine.holder == "a"
     assert leases.take(remote.backend, step, "b", 30).holder == "a"  # busy: b waits

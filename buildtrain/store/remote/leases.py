@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 import time
 import uuid
 
@@ -51,6 +53,11 @@ class Lease:
 
     def live(self, now: float) -> bool:
         return not self.released and self.expires > now
+
+
+def holder_id() -> str:
+    """A holder id that names this process and no other: host, pid and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def _encode(lease: Lease) -> bytes:

@@ -124,6 +124,14 @@ class Remote:
         sealed = canonical_bytes({**body, "seal": digest("remote-checkpoint", body)})
         return self._push_files(folder, manifest, keys.checkpoint(step_hash, folder.name), sealed)
 
+    def push_newest_checkpoint(self, step_hash: str, parent: Path) -> Pushed | None:
+        """Push the newest checkpoint folder in `parent` that verifies (names such as
+        `step-000120` sort by age; hidden folders are checkpoints still being written)."""
+        for folder in sorted(parent.iterdir() if parent.is_dir() else (), reverse=True):
+            if not folder.name.startswith(".") and not objects.verify(folder):
+                return self.push_checkpoint(step_hash, folder)
+        return None
+
     def checkpoints(self, step_hash: str) -> list[str]:
         """Names of the checkpoints the remote holds for a step, newest first (names such as
         `step-000120` sort by age)."""
