@@ -26,7 +26,7 @@ from buildtrain.plan.stored import load_plan
 from buildtrain.store import objects
 from buildtrain.store.remote import keys, leases
 from buildtrain.store.remote.attest import Attestation, agreeing, attest, attestations, disagreements
-from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing
+from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing, RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl, parse_url
 from buildtrain.store.store import Store
@@ -443,3 +443,17 @@ def test_the_s3_client_is_imported_only_for_an_s3_remote(tmp_path: Path) -> None
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_an_unreachable_remote_is_one_line_naming_it(
+    tmp_path: Path, seaweed_server: seaweed.Seaweed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(RemoteUnavailable, match=r"is not a folder; create it"):
+        Remote.open(f"file://{tmp_path / 'absent'}")
+    for name, value in seaweed_server.env().items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        RemoteUnavailable, match=r"s3://no-such-bucket/x failed to list plans.*AWS_ENDPOINT_URL"
+    ) as caught:
+        Remote.open("s3://no-such-bucket/x").plans()
+    assert "\n" not in str(caught.value) and caught.value.exit_code == 1
