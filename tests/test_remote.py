@@ -102,6 +102,30 @@ def test_push_then_pull_gives_identical_outputs(
     assert not any(other.tmp.iterdir())
 
 
+def test_a_reader_racing_a_push_never_sees_half_a_step(
+    remote: Remote, built: tuple[Store, list[str]], tmp_path: Path
+) -> None:
+    """While one thread pushes the largest output, another pulls it over and over: every pull is
+    a miss or the whole output (RemoteDamaged would fail the test), never a manifest whose blobs
+    are not all there."""
+    store, steps = built
+    sizes = {
+        h: sum(e["size"] for e in objects.read_manifest(store.output(h))["files"].values()) for h in steps
+    }
+    step = max(steps, key=sizes.__getitem__)
+    pusher = threading.Thread(target=remote.push_output, args=(store, step))
+    pusher.start()
+    misses = 0
+    for attempt in range(10_000):
+        other = fresh_store(tmp_path, f"r{attempt}")
+        if remote.pull_output(other, step) is not None:
+            assert tree(other.output(step)) == tree(store.output(step))
+            break
+        misses += 1
+    pusher.join()
+    assert misses > 0  # the reader did run while the push was under way
+
+
 def test_a_step_the_remote_lacks_is_a_miss_not_an_error(remote: Remote, tmp_path: Path) -> None:
     assert remote.pull_output(fresh_store(tmp_path), "ab" * 32) is None
     assert not remote.has_output("ab" * 32)
