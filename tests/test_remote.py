@@ -481,3 +481,26 @@ def test_an_unreachable_remote_is_one_line_naming_it(
     ) as caught:
         Remote.open("s3://no-such-bucket/x").plans()
     assert "\n" not in str(caught.value) and caught.value.exit_code == 1
+
+
+@given(
+    st.builds(
+        leases.Lease,
+        step=HEX64,
+        generation=st.integers(min_value=0, max_value=10**12 - 1),
+        holder=st.text(min_size=1, max_size=20),
+        token=st.text(alphabet="0123456789abcdef", min_size=32, max_size=32),
+        expires=st.floats(min_value=0, max_value=4e9, allow_nan=False),
+        released=st.booleans(),
+    ),
+    st.data(),
+)
+def test_a_lease_record_round_trips_and_any_flipped_byte_is_refused(
+    lease: leases.Lease, data: st.DataObject
+) -> None:
+    raw = leases._encode(lease)
+    assert leases._decode(raw, lease.step, lease.generation) == lease
+    assert leases._decode(raw, lease.step, lease.generation + 1) is None  # found under another name
+    at = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
+    flipped = raw[:at] + bytes([raw[at] ^ data.draw(st.integers(min_value=1, max_value=255))]) + raw[at + 1 :]
+    assert leases._decode(flipped, lease.step, lease.generation) is None

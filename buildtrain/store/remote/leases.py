@@ -77,7 +77,7 @@ def _decode(raw: bytes, step: str, generation: int) -> Lease | None:
         lease = Lease(**body)
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
-    return lease if lease.step == step and lease.generation == generation else None
+    return lease if lease.step == step and lease.generation == generation and _encode(lease) == raw else None
 
 
 def _generations(backend: Backend, step: str) -> list[int]:
