@@ -66,3 +66,8 @@ class ToolchainMismatch(BuildtrainError):
 
 class Locked(BuildtrainError):
     exit_code = ExitCode.LOCKED
+
+
+class RemoteDamaged(CorruptObject):
+    """An object on a remote (team cache) is missing, damaged or another object's: it is never
+    served, and nothing of it is left in the local store. The message names the object and key."""

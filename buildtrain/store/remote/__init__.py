@@ -1,0 +1,10 @@
+"""A team cache: the store's content-addressed objects on a remote that many stores share.
+
+`url.py` names a remote (`s3://bucket/prefix`, `file:///path`); `backend.py` is the narrow
+interface every back end implements (bytes and files by key); `folder.py` and `s3.py` implement it
+(the S3 client is imported only inside `s3.py`, so nothing that does not use a remote loads it);
+`keys.py` lays the objects out; `remote.py` pushes and pulls plans, step outputs, checkpoints and
+evaluation entries and checks every byte that comes back; `leases.py` and `attest.py` coordinate
+builders. Nothing here imports the plan, the steps or the executor: objects are bytes, digests and
+manifests.
+"""

@@ -1,0 +1,78 @@
+"""The narrow interface every remote back end implements: objects are bytes under '/'-separated
+keys. Nothing above this file knows whether the keys live in a bucket or in a folder.
+
+A back end checks nothing about content (the protocol in `remote.py` does); it reports a missing
+object as `ObjectMissing`, a create-only write that lost as `AlreadyExists`, and anything else it
+cannot do (no credentials, no bucket, no network) as `RemoteUnavailable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+from buildtrain.errors import BuildtrainError, ExitCode
+from buildtrain.store.remote.url import RemoteUrl, parse_url
+
+CHUNK = 8 << 20  # streamed downloads arrive in pieces this large (8 MB: fewer Python round trips)
+
+
+class ObjectMissing(KeyError):
+    """No object under this key."""
+
+
+class AlreadyExists(Exception):
+    """A create-only write found an object under its key."""
+
+
+class RemoteUnavailable(BuildtrainError):
+    """The remote could not be reached or refused us: the message names the URL and the fix."""
+
+    exit_code = ExitCode.FAILED
+
+
+class Backend(Protocol):
+    url: RemoteUrl
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; ObjectMissing when there is none."""
+        ...
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in pieces (for large objects: a download writes and hashes each
+        piece as it arrives); ObjectMissing, raised before the first piece, when there is none."""
+        ...
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        """Write the object whole (readers never see a part of it). `create_only`: raise
+        AlreadyExists instead of replacing an object already there."""
+        ...
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload a local file's bytes under `key`, replacing whatever is there."""
+        ...
+
+    def exists(self, key: str) -> int | None:
+        """The object's size, or None when there is none."""
+        ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under the folder-like `prefix` (`plans` lists `plans/...`), sorted."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove the object; no error when there is none."""
+        ...
+
+
+def open_backend(url: str | RemoteUrl) -> Backend:
+    """The back end for a remote URL. The S3 client is imported here, only for an s3:// remote."""
+    parsed = parse_url(url) if isinstance(url, str) else url
+    if parsed.scheme == "file":
+        from buildtrain.store.remote.folder import FolderBackend
+
+        return FolderBackend(parsed)
+    from buildtrain.store.remote.s3 import S3Backend
+
+    return S3Backend(parsed)

@@ -1,0 +1,108 @@
+"""A remote in a shared folder (`file:///mnt/team/bt`): for clusters with a shared filesystem.
+
+Every object is written to a hidden temporary file beside its key, fsynced, then renamed into
+place (replace) or hard-linked into place (create-only: `link` fails when the name exists, in one
+atomic step, and a reader never sees a file still being written, which O_CREAT|O_EXCL followed by
+a write would show); then the folder is fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from buildtrain.store.objects import fsync_dir
+from buildtrain.store.remote.backend import CHUNK, AlreadyExists, ObjectMissing, RemoteUnavailable
+from buildtrain.store.remote.url import RemoteUrl
+
+HIDDEN = "."  # temporary files start with it; keys never do (see keys.py), listings skip them
+
+
+class FolderBackend:
+    def __init__(self, url: RemoteUrl) -> None:
+        self.url = url
+        self.root = Path(url.location)
+        if not self.root.is_dir():
+            raise RemoteUnavailable(
+                f"remote {url}: {self.root} is not a folder; create it (mkdir -p) or mount the share"
+            )
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*key.split("/"))
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectMissing(key) from None
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        try:
+            handle = open(self._path(key), "rb")  # noqa: SIM115 (closed by the generator below)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectMissing(key) from None
+        return _chunks(handle)
+
+    def _temporary(self, key: str) -> Path:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.with_name(f"{HIDDEN}{path.name}.{uuid.uuid4().hex}.tmp")
+
+    def _place(self, temporary: Path, key: str, *, create_only: bool) -> None:
+        final = self._path(key)
+        try:
+            if create_only:
+                try:
+                    os.link(temporary, final)
+                except FileExistsError:
+                    raise AlreadyExists(key) from None
+            else:
+                os.replace(temporary, final)
+        finally:
+            temporary.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+
+    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        temporary = self._temporary(key)
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        self._place(temporary, key, create_only=create_only)
+
+    def put_file(self, key: str, path: Path) -> None:
+        temporary = self._temporary(key)
+        shutil.copyfile(path, temporary)  # copy_file_range where the kernel offers it
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        self._place(temporary, key, create_only=False)
+
+    def exists(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
+
+    def list(self, prefix: str) -> list[str]:
+        folder = self._path(prefix)
+        if not folder.is_dir():
+            return []
+        found = []
+        for parent, dirs, names in os.walk(folder):
+            dirs[:] = [d for d in dirs if not d.startswith(HIDDEN)]
+            for name in names:
+                if not name.startswith(HIDDEN):
+                    found.append((Path(parent) / name).relative_to(self.root).as_posix())
+        return sorted(found)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            self._path(key).unlink()
+
+
+def _chunks(handle: object) -> Iterator[bytes]:
+    with handle:  # type: ignore[attr-defined]
+        while chunk := handle.read(CHUNK):  # type: ignore[attr-defined]
+            yield chunk

@@ -1,0 +1,405 @@
+"""The remote protocol: push the local store's sealed objects to a remote, pull them back, and
+trust nothing that comes back.
+
+A step output goes up as one blob per file (`blobs/<blake3>`, skipped when a blob of that name
+and size is already there: uploads are idempotent) and then its MANIFEST.json (`steps/<step>.json`),
+written create-only and only after every blob it lists exists, so a reader never finds a manifest
+whose blobs are not all there. A manifest already on the remote is never replaced by a different
+one: that is two builds of one step that disagree (`Pushed.conflict`), unless the one there is
+damaged, which is replaced.
+
+A pull checks, before anything reads the bytes: the manifest against its own digest, that it names
+the step hash it was found under, that every file name stays inside the folder; then every blob's
+byte stream against its blake3 and size as it is written into the store's `tmp/`; then the
+assembled folder with `objects.verify` (names, sizes, links), and only then renames it into
+`steps/<step hash>/`. Anything missing, damaged or foreign raises RemoteDamaged naming the object
+and its key, and removes everything the pull wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import attrs
+import blake3
+
+from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.errors import CorruptObject, RemoteDamaged
+from buildtrain.store import objects
+from buildtrain.store.remote import keys
+from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing, open_backend
+from buildtrain.store.remote.url import RemoteUrl
+from buildtrain.store.store import Store
+
+# Blobs move on this many threads: 8 was the fastest of 1, 4, 8 and 16 for 4 MB blobs here.
+TRANSFERS = 8
+CHECKPOINT_FORMAT = 1
+
+Check = Callable[[bytes], "str | None"]
+"""A caller's check of an opaque object's bytes: None when they belong under their name, else
+what is wrong (a plan's bytes must hash to the plan hash; the remote cannot compute that)."""
+
+
+@attrs.frozen(kw_only=True)
+class Pushed:
+    """What a push did."""
+
+    uploaded: int
+    """Blobs uploaded."""
+    present: int
+    """Blobs already on the remote (same name, same size)."""
+    bytes_uploaded: int
+    manifest: Literal["written", "present", "repaired", "conflict"]
+    """written; present (the same bytes were there); repaired (a damaged one was replaced);
+    conflict (a different, intact manifest was there and was kept)."""
+    conflict: str | None = None
+    """For a conflict: what differs (two builds of one step disagree: non-determinism)."""
+
+
+class Remote:
+    """A remote store shared by many local stores."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @classmethod
+    def open(cls, url: str | RemoteUrl) -> Remote:
+        return cls(open_backend(url))
+
+    @property
+    def url(self) -> RemoteUrl:
+        return self.backend.url
+
+    def damaged(self, what: str, key: str, problem: str) -> RemoteDamaged:
+        return RemoteDamaged(
+            f"remote {self.url}: {what} ({key}) {problem}; it was not used (nothing of it is in the "
+            "local store): build it locally, and push it again to repair the remote"
+        )
+
+    # -- step outputs -----------------------------------------------------------------------------
+
+    def has_output(self, step_hash: str) -> bool:
+        return self.backend.exists(keys.step(step_hash)) is not None
+
+    def push_output(self, store: Store, step_hash: str) -> Pushed:
+        """Upload a sealed output of the local store (checked first: damage is never pushed)."""
+        problems = store.check_output(step_hash)
+        if problems:
+            raise CorruptObject(
+                f"step {step_hash[:12]} in {store.root} does not verify ({problems[0]}); "
+                "it was not pushed: run bt fsck"
+            )
+        return self._push_sealed(store.output(step_hash), keys.step(step_hash), step_hash)
+
+    def pull_output(self, store: Store, step_hash: str) -> Path | None:
+        """Download a step output into `store.output(step_hash)`, checked as the module says.
+        None when the remote does not hold the step. The caller holds the step's lock and has
+        found no intact local output (an output already there is left as it is and returned)."""
+        key = keys.step(step_hash)
+        try:
+            raw = self.backend.get(key)
+        except ObjectMissing:
+            return None
+        destination = store.output(step_hash)
+        if store.has_output(step_hash):
+            return destination
+        self._assemble(store, raw, step_hash, destination, what=f"step {step_hash[:12]}", key=key)
+        return destination
+
+    # -- checkpoints of a step in progress --------------------------------------------------------
+
+    def push_checkpoint(self, step_hash: str, folder: Path) -> Pushed:
+        """Upload one sealed checkpoint folder (its manifest names the folder) for `step_hash`."""
+        problems = objects.verify(folder)
+        if problems:
+            raise CorruptObject(f"checkpoint {folder} does not verify ({problems[0]}); it was not pushed")
+        raw = (folder / objects.MANIFEST).read_bytes()
+        manifest = {**objects.parse_manifest(raw), "self": json.loads(raw)["self"]}  # whole, as sealed
+        body = {"format": CHECKPOINT_FORMAT, "step": step_hash, "name": folder.name, "manifest": manifest}
+        sealed = canonical_bytes({**body, "seal": digest("remote-checkpoint", body)})
+        return self._push_files(folder, manifest, keys.checkpoint(step_hash, folder.name), sealed)
+
+    def push_newest_checkpoint(self, step_hash: str, parent: Path) -> Pushed | None:
+        """Push the newest checkpoint folder in `parent` that verifies (names such as
+        `step-000120` sort by age; hidden folders are checkpoints still being written)."""
+        for folder in sorted(parent.iterdir() if parent.is_dir() else (), reverse=True):
+            if not folder.name.startswith(".") and not objects.verify(folder):
+                return self.push_checkpoint(step_hash, folder)
+        return None
+
+    def checkpoints(self, step_hash: str) -> list[str]:
+        """Names of the checkpoints the remote holds for a step, newest first (names such as
+        `step-000120` sort by age)."""
+        folder = keys.checkpoints(step_hash)
+        names = (keys.name_in(folder, key) for key in self.backend.list(folder))
+        return sorted((name for name in names if name), reverse=True)
+
+    def pull_checkpoint(self, store: Store, step_hash: str, name: str, into: Path) -> Path:
+        """Download one checkpoint into `into/<name>` (assembled in the store's tmp/, which must be
+        on the file system of `into`); RemoteDamaged when it is missing, damaged or foreign."""
+        key = keys.checkpoint(step_hash, name)
+        what = f"checkpoint {name} of step {step_hash[:12]}"
+        try:
+            raw = self.backend.get(key)
+        except ObjectMissing:
+            raise self.damaged(what, key, "is missing") from None
+        manifest = self._checkpoint_manifest(raw, step_hash, name, what=what, key=key)
+        destination = into / name
+        if not os.path.lexists(destination):
+            self._assemble(store, canonical_bytes(manifest), name, destination, what=what, key=key)
+        return destination
+
+    def pull_newest_checkpoint(
+        self, store: Store, step_hash: str, into: Path
+    ) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint on the remote that verifies, pulled into `into`; with the problems
+        of every newer one that did not (each named; the caller logs them)."""
+        problems = []
+        for name in self.checkpoints(step_hash):
+            try:
+                return self.pull_checkpoint(store, step_hash, name, into), problems
+            except RemoteDamaged as exc:
+                problems.append(str(exc))
+        return None, problems
+
+    def _checkpoint_manifest(self, raw: bytes, step_hash: str, name: str, *, what: str, key: str) -> Any:
+        try:
+            body = _json_object(raw)
+            claimed = body.pop("seal", None)
+            intact = (
+                claimed == digest("remote-checkpoint", body)
+                and canonical_bytes({**body, "seal": claimed}) == raw
+            )
+        except (ValueError, TypeError):
+            intact = False
+        if not intact or body.get("format") != CHECKPOINT_FORMAT:
+            raise self.damaged(what, key, "does not match its seal")
+        if body.get("step") != step_hash or body.get("name") != name:
+            found = f"{str(body.get('name'))[:24]} of step {str(body.get('step'))[:12]}"
+            raise self.damaged(what, key, f"is sealed as {found} (a foreign object)")
+        return body["manifest"]
+
+    # -- plans and evaluation entries (opaque bytes) ----------------------------------------------
+
+    def push_plan(self, plan_hash: str, raw: bytes) -> None:
+        self._push_opaque(keys.plan(plan_hash), raw)
+
+    def pull_plan(self, plan_hash: str, check: Check) -> bytes | None:
+        """A plan's bytes, or None when the remote has none. `check` binds them to the hash."""
+        return self._pull_opaque(keys.plan(plan_hash), f"plan {plan_hash[:12]}", check)
+
+    def plans(self) -> list[str]:
+        """The hashes of the plans the remote holds."""
+        names = (keys.name_in("plans", key) for key in self.backend.list("plans"))
+        return sorted(name for name in names if name and keys.HASH.match(name))
+
+    def push_eval(self, key: str, raw: bytes) -> None:
+        self._push_opaque(keys.evaluation(key), raw)
+
+    def pull_eval(self, key: str, check: Check) -> bytes | None:
+        return self._pull_opaque(keys.evaluation(key), f"evaluation {key[:12]}", check)
+
+    def _push_opaque(self, key: str, raw: bytes) -> None:
+        # Framed by their blake3, so the remote itself tells damaged bytes from foreign ones.
+        framed = objects.framed(raw)
+        if self.backend.exists(key) != len(framed):
+            self.backend.put(key, framed)
+
+    def _pull_opaque(self, key: str, what: str, check: Check) -> bytes | None:
+        try:
+            framed = self.backend.get(key)
+        except ObjectMissing:
+            return None
+        raw = objects.unframed(framed)
+        if raw is None:
+            raise self.damaged(what, key, "does not match its blake3")
+        problem = check(raw)
+        if problem is not None:
+            raise self.damaged(what, key, f"does not belong under its name ({problem})")
+        return raw
+
+    # -- pushing ----------------------------------------------------------------------------------
+
+    def _push_sealed(self, folder: Path, key: str, name: str) -> Pushed:
+        raw = (folder / objects.MANIFEST).read_bytes()
+        return self._push_files(folder, objects.parse_manifest(raw), key, raw, name=name)
+
+    def _push_files(
+        self, folder: Path, manifest: Mapping[str, Any], key: str, sealed: bytes, *, name: str | None = None
+    ) -> Pushed:
+        """Every blob first (each once), then the object that names them, create-only."""
+        blobs = {
+            entry["blake3"]: (folder / relative, entry["size"])
+            for relative, entry in manifest["files"].items()
+        }
+
+        def upload(item: tuple[str, tuple[Path, int]]) -> int:
+            blob, (path, size) = item
+            if self.backend.exists(keys.blob(blob)) == size:
+                return -1
+            self.backend.put_file(keys.blob(blob), path)
+            return size
+
+        with ThreadPoolExecutor(TRANSFERS) as pool:
+            sizes = list(pool.map(upload, blobs.items()))
+        uploaded = [size for size in sizes if size >= 0]
+        state, conflict = self._put_manifest(key, sealed, name)
+        return Pushed(
+            uploaded=len(uploaded),
+            present=len(sizes) - len(uploaded),
+            bytes_uploaded=sum(uploaded),
+            manifest=state,
+            conflict=conflict,
+        )
+
+    def _put_manifest(self, key: str, sealed: bytes, name: str | None) -> tuple[Any, str | None]:
+        for attempt in range(2):
+            try:
+                self.backend.put(key, sealed, create_only=True)
+                return ("written" if attempt == 0 else "repaired"), None
+            except AlreadyExists:
+                pass
+            try:
+                there = self.backend.get(key)
+            except ObjectMissing:  # removed since: try again
+                continue
+            if there == sealed:
+                return "present", None
+            if _sealed_intact(there, name):
+                mine, theirs = _describe(sealed), _describe(there)
+                return "conflict", f"{key} holds another build's result ({theirs}), this build has ({mine})"
+            self.backend.delete(key)  # damaged: replace it with ours
+        return "conflict", f"{key} kept changing while it was written; push again"
+
+    # -- pulling ----------------------------------------------------------------------------------
+
+    def _assemble(
+        self, store: Store, raw: bytes, name: str, destination: Path, *, what: str, key: str
+    ) -> None:
+        """Build the folder `name` from a manifest's bytes and its blobs under the store's tmp/,
+        check it, and rename it to `destination`; on any problem remove everything and raise."""
+        temporary = store.new_temp(f"pull-{name[:12]}")
+        try:
+            folder = temporary / name
+            folder.mkdir()
+            try:
+                body = objects.parse_manifest(raw)
+            except ValueError as exc:
+                raise self.damaged(what, key, f"has a damaged manifest ({exc})") from None
+            if body["name"] != name:
+                raise self.damaged(what, key, f"is sealed for {body['name'][:24]} (a foreign object)")
+            files = _file_entries(body["files"])
+            if files is None:
+                raise self.damaged(what, key, "lists a file outside its folder or an unknown entry")
+            self._fetch(files, folder, what)
+            with open(folder / objects.MANIFEST, "wb") as handle:
+                handle.write(raw)
+                handle.flush()
+                os.fsync(handle.fileno())
+            for parent in {path.parent for path in folder.rglob("*")} | {folder}:
+                objects.fsync_dir(parent)
+            # Contents were hashed piece by piece on their way to disk (the same buffers), so
+            # the folder is checked for everything else: the manifest, its name, exactly the
+            # listed files, their sizes, no links. A full re-hash here cost 30-100 ms per
+            # 134 MB (benchmarks/remote.py), and the store re-hashes an output in full before
+            # its first use as a cache hit anyway (`Store.check_output`: no stamp yet).
+            problems = objects.verify(folder, contents=False)
+            if problems:
+                raise self.damaged(what, key, f"does not verify once assembled ({problems[0]})")
+            objects.commit(folder, destination)
+        finally:
+            objects.remove_tree(temporary)
+
+    def _fetch(self, files: dict[str, tuple[str, int]], folder: Path, what: str) -> None:
+        def fetch(item: tuple[str, tuple[str, int]]) -> str | None:
+            relative, (blob, size) = item
+            return self._fetch_blob(blob, size, folder / relative, f"{what}: {relative}")
+
+        with ThreadPoolExecutor(TRANSFERS) as pool:
+            problems = [problem for problem in pool.map(fetch, sorted(files.items())) if problem]
+        if problems:
+            raise RemoteDamaged(
+                f"remote {self.url}: {problems[0]}"
+                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                + "; it was not used (nothing of it is in the local store): build it locally, "
+                "and push it again to repair the remote"
+            )
+
+    def _fetch_blob(self, blob: str, size: int, path: Path, what: str) -> str | None:
+        """Write one blob to `path`, hashing every piece as it arrives; the problem, or None."""
+        key = keys.blob(blob)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        hasher, written = blake3.blake3(), 0
+        try:
+            pieces = self.backend.stream(key)
+        except ObjectMissing:
+            return f"{what}: blob {blob[:12]} ({key}) is missing"
+        with open(path, "wb") as handle:
+            for piece in pieces:
+                hasher.update(piece)
+                written += handle.write(piece)
+                if written > size:
+                    break
+            handle.flush()
+            os.fsync(handle.fileno())
+        if written != size or hasher.hexdigest() != blob:
+            return f"{what}: blob {blob[:12]} ({key}) does not match its blake3 (damaged)"
+        return None
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body
+
+
+def _file_entries(listed: Mapping[str, Any]) -> dict[str, tuple[str, int]] | None:
+    """relative path -> (blake3, size), or None when any entry could write outside the folder
+    or is not a well-formed (blake3, size)."""
+    files = {}
+    for relative, entry in listed.items():
+        parts = PurePosixPath(relative).parts
+        if (
+            not parts
+            or relative.startswith("/")
+            or any(part in {"", ".", ".."} for part in relative.split("/"))
+            or relative == objects.MANIFEST
+            or not isinstance(entry, dict)
+            or not isinstance(entry.get("blake3"), str)
+            or not keys.HASH.match(entry["blake3"])
+            or not isinstance(entry.get("size"), int)
+            or entry["size"] < 0
+        ):
+            return None
+        files[relative] = (entry["blake3"], entry["size"])
+    return files
+
+
+def _sealed_intact(raw: bytes, name: str | None) -> bool:
+    """Whether an object already on the remote is intact (an output manifest that names `name`,
+    or a sealed checkpoint): intact and different means two builds disagree."""
+    try:
+        if name is not None:
+            return objects.parse_manifest(raw)["name"] == name
+        body = _json_object(raw)
+        claimed = body.pop("seal", None)
+        return claimed == digest("remote-checkpoint", body)
+    except (ValueError, TypeError):
+        return False
+
+
+def _describe(raw: bytes) -> str:
+    """A short description of a manifest's content: its declared digests, or its own digest."""
+    try:
+        body = _json_object(raw)
+        body = body.get("manifest", body)
+        named = ", ".join(f"{k} {str(v)[:12]}" for k, v in sorted(body.get("digests", {}).items()))
+        return named or f"manifest {str(body.get('self'))[:12]}"
+    except (ValueError, TypeError, AttributeError):
+        return "unreadable"
