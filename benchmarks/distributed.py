@@ -148,10 +148,10 @@ def in_one_process(space: Workspace, n: int) -> None:
 
     from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig, TrainConfig
     from buildtrain.steps.train.gradient import batch_gradient, seeded
-    from buildtrain.steps.train.job import TrainJob
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.optimizer import AdamW
     from buildtrain.steps.train.ranks import Ranks
+    from buildtrain.steps.train.setup import TrainSetup
     from buildtrain.steps.train.trainer import param_groups
 
     torch.set_num_threads(threads)
@@ -177,7 +177,7 @@ def in_one_process(space: Workspace, n: int) -> None:
                     train = TrainConfig(
                         batch_size=16, micro_batch_size=16 // micro_batches, seq_len=64, reduction=reduction
                     )
-                    job = TrainJob(
+                    job = TrainSetup(
                         model=model_config,
                         train=train,
                         eval=None,

@@ -11,7 +11,7 @@ when torch loads:
                  nanoGPT-style, drawn with a seeded torch.Generator (uniform random tokens
                  measured the same; the real corpus just removes the question).
   buildtrain     buildtrain's real training code path: buildtrain.steps.train.trainer.train() with
-                 the TrainJob that buildtrain.steps.train.step.make_job builds for the train step of
+                 the TrainSetup that buildtrain.steps.train.step.make_setup builds for the train step of
                  a stored plan, reading the token shards of a real data step output (built once with
                  buildtrain.steps.data.build), after numerics.check_before_import and
                  apply_after_import exactly as the step worker does, logging through the worker's
@@ -190,7 +190,7 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
 
     numerics.apply_after_import(torch, spec["profile"], "cpu", spec["threads"])
     from buildtrain.steps.context import StepContext
-    from buildtrain.steps.train.step import make_job
+    from buildtrain.steps.train.step import make_setup
     from buildtrain.steps.train.trainer import train
 
     clock = EventClock()
@@ -204,7 +204,7 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
         work=Path(spec["work"]),
         log=log,
     )
-    job = attrs.evolve(make_job(context), work=Path(spec["work"]))
+    job = attrs.evolve(make_setup(context), work=Path(spec["work"]))
     train(job, log)
     rates = window_rates(clock.times, spec["warmup"], job.train.batch_size * job.train.seq_len)
     return {**rates, "isa": torch.backends.cpu.get_cpu_capability()}

@@ -28,7 +28,7 @@ MICRO_STAGES = REPO / "tests" / "presets" / "micro_stages.toml"
 WITH_BPE = ['data.tokenizer={ kind = "bpe", vocab_size = 300 }']
 PRESENTATION = (
     "buildtrain.cli",
-    "buildtrain.report",
+    "buildtrain.views.text",
     "buildtrain.executor.progress",
     "buildtrain.executor.run",
     "buildtrain.verify.verify",
@@ -266,19 +266,19 @@ def test_an_edit_that_keeps_size_and_mtime_is_seen(package: Path, private_cache:
     imports) is parsed again."""
     path = module_path(package, "buildtrain.steps.seeds")
     original = path.read_bytes()
-    comment, statement = b"\n# " + b"x" * 30 + b"\n", b"\nimport buildtrain.report".ljust(33) + b"\n"
+    comment, statement = b"\n# " + b"x" * 30 + b"\n", b"\nimport buildtrain.views.text".ljust(33) + b"\n"
     assert len(comment) == len(statement)
     try:
         path.write_bytes(original + comment)
         stat = path.stat()
-        assert "buildtrain.report" not in computing_modules("data", package)
+        assert "buildtrain.views.text" not in computing_modules("data", package)
         digests(package)  # the cache now holds the commented version
         path.write_bytes(original + statement)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
         assert digests(package) == cold_digests(package)
         sources_digest.clear_cache()
-        assert "buildtrain.report" in computing_modules("data", package)
+        assert "buildtrain.views.text" in computing_modules("data", package)
     finally:
         path.write_bytes(original)
 
@@ -296,7 +296,7 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
     (cache,) = private_cache.rglob("code-imports-*.json")
     raw = cache.read_bytes()
     body = json.loads(raw.partition(b"\n")[2])
-    wrong = {key: ["buildtrain.report"] for key in body["imports"]}  # every module imports the CLI side
+    wrong = {key: ["buildtrain.views.text"] for key in body["imports"]}  # every module imports the CLI side
     if damage == "flip":  # a wrong entry in a file whose digest no longer matches
         cache.write_bytes(raw[:70] + raw[70:].replace(b"buildtrain.steps", b"buildtrain.views", 1))
     elif damage == "truncate":
@@ -306,7 +306,7 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
     elif damage == "foreign":  # another parser's entries, sealed correctly: not read
         cache.write_bytes(framed(json.dumps({"parser": "another", "imports": wrong}).encode()))
     else:  # entries of the wrong shape under this parser
-        entries = {key: "buildtrain.report" for key in body["imports"]}
+        entries = {key: "buildtrain.views.text" for key in body["imports"]}
         cache.write_bytes(framed(json.dumps({"parser": body["parser"], "imports": entries}).encode()))
     assert digests(package) == cold, damage
     assert sources_digest.import_cache().parsed > 0  # parsed again instead

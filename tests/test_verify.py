@@ -235,7 +235,7 @@ def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
     folder.mkdir()
     (folder / "result.json").write_text(json.dumps({"checkpoints": ["step-000004", "damaged-x"]}))
     (folder / TRACE).write_bytes(b"")
-    job = job_with({"recorded": str(folder), "report": str(tmp_path / "report.json"), "stop_after": None})
+    job = job_with({"recorded": str(folder), "findings": str(tmp_path / "findings.json"), "stop_after": None})
     watcher = watcher_for(job, _Log())
     assert watcher is not None and watcher.retained == [4]
 

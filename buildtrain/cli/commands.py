@@ -75,7 +75,7 @@ def _parse_steps(text: str | None) -> tuple[int, ...]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from buildtrain.plan.sweep import SweepPlans, plan_sweep
-    from buildtrain.report import plan_summary
+    from buildtrain.views.text import plan_summary
 
     store = store_of(args)
     planned = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes)
@@ -141,8 +141,8 @@ def warn_threads(args: argparse.Namespace) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     import json
 
-    from buildtrain.report import verdict_line, verification_summary
     from buildtrain.verify.verify import VerifyOptions, verify_plan
+    from buildtrain.views.text import verdict_line, verification_summary
 
     store = store_of(args)
     warn_threads(args)

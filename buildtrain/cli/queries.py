@@ -19,7 +19,7 @@ from buildtrain.store.store import Store
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from buildtrain.report import show_json, show_text
+    from buildtrain.views.text import show_json, show_text
 
     store = store_of(args)
     plan = load_plan(store, args.plan)
@@ -43,8 +43,8 @@ def cmd_why(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from buildtrain.plan.diff import diff_plans
-    from buildtrain.report import diff_json, diff_text
     from buildtrain.views.table import metrics_diff, metrics_diff_text
+    from buildtrain.views.text import diff_json, diff_text
 
     store = store_of(args)
     a, b = load_plan(store, args.plan_a), load_plan(store, args.plan_b)
@@ -99,7 +99,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "list fewer plans, use a wider terminal or --json"
             )
         return ExitCode.OK
-    from buildtrain.report import ls_rows, ls_text
+    from buildtrain.views.text import ls_rows, ls_text
 
     listed = named(ls_rows(store, hashes), args.name)
     if not listed and args.name is not None and not args.json:

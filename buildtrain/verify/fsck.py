@@ -64,7 +64,7 @@ class Damage:
 
 
 @attrs.frozen(kw_only=True)
-class Report:
+class FsckResult:
     store: str
     checked: int
     damaged: list[Damage]
@@ -121,11 +121,11 @@ def _plain_file_problem(path: Path, what: str) -> str | None:
 
 def check(store: Store) -> tuple[list[dict[str, Any]], int]:
     """(damaged objects as JSON-ready dicts, number of objects checked)."""
-    report = scan(store)
-    return [item.to_json() for item in report.damaged], report.checked
+    result = scan(store)
+    return [item.to_json() for item in result.damaged], result.checked
 
 
-def scan(store: Store) -> Report:
+def scan(store: Store) -> FsckResult:
     """Re-hash every object in full; drop the stamps of damaged outputs (best effort)."""
     known = _known(store)
     checks: list[Callable[[Store, Known], Found]] = [
@@ -144,7 +144,7 @@ def scan(store: Store) -> Report:
         count, found = run_check(store, known)
         checked += count
         damaged += found
-    return Report(store=str(store.root), checked=checked, damaged=damaged)
+    return FsckResult(store=str(store.root), checked=checked, damaged=damaged)
 
 
 def _folders(store: Store, _: Known) -> Found:
@@ -325,14 +325,14 @@ def _locks(store: Store, _: Known) -> Found:
     return len(entries), found
 
 
-def repair(store: Store, report: Report) -> Report:
+def repair(store: Store, result: FsckResult) -> FsckResult:
     """Move every damaged object to quarantine/ (caches are removed), under its step's lock; an
     object whose step is being built right now is left for a later `bt fsck --repair`. Links or
     files in place of store folders go first (quarantine/ itself before the rest), since every
     other repair writes into those folders."""
     repaired, not_repaired = [], []
     folders = sorted(
-        (item for item in report.damaged if item.kind == "store folder"),
+        (item for item in result.damaged if item.kind == "store folder"),
         key=lambda item: item.object != layout.QUARANTINE,
     )
     for item in folders:
@@ -342,10 +342,10 @@ def repair(store: Store, report: Report) -> Report:
                 repaired.append(f"{item.object}: moved to {_relative(store, moved)}")
         except OSError as exc:
             not_repaired.append(f"{item.object}: {exc.strerror or exc}")
-    for item in report.damaged:
+    for item in result.damaged:
         if item.kind != "store folder":
             _repair_one(store, item, repaired, not_repaired)
-    return attrs.evolve(report, repaired=repaired, not_repaired=not_repaired)
+    return attrs.evolve(result, repaired=repaired, not_repaired=not_repaired)
 
 
 def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: list[str]) -> None:
@@ -371,8 +371,8 @@ def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: l
         not_repaired.append(f"{item.object}: {exc.strerror or exc}")
 
 
-def fsck(store: Store, *, fix: bool = False) -> Report | None:
-    """The report of a full check (and repair, with `fix`); None when there is no store. A
+def fsck(store: Store, *, fix: bool = False) -> FsckResult | None:
+    """The result of a full check (and repair, with `fix`); None when there is no store. A
     folder that is not a store is refused (`UsageError`), and `--repair` needs a store that
     identifies itself (a store made before markers is recognised and marked first)."""
     found = store.identity()
@@ -380,5 +380,5 @@ def fsck(store: Store, *, fix: bool = False) -> Report | None:
         return None
     if found == "foreign" or fix:
         claim_store(store, create=False)
-    report = scan(store)
-    return repair(store, report) if fix and report.damaged else report
+    result = scan(store)
+    return repair(store, result) if fix and result.damaged else result

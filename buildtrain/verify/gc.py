@@ -90,21 +90,21 @@ def _busy(store: Store) -> bool:
 
 
 def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
-    report = Collected()
+    collected = Collected()
     if not claim_store(store, create=False):
-        return report  # nothing there
-    report.warnings += [
+        return collected  # nothing there
+    collected.warnings += [
         f"{name} is {problem}; run bt fsck --repair" for name, problem in store.folder_problems()
     ]
     for ref in drop:
         plan_hash = store.resolve(ref)
-        report.dropped.append(plan_hash)
+        collected.dropped.append(plan_hash)
         if not dry_run:
             with store.dropping(plan_hash):
                 for path in (store.plan_path(plan_hash), store.plan_meta_path(plan_hash)):
                     objects.remove_tree(path)
-    referenced, damaged_plans = _referenced(store, report, dry_run)
-    doomed = _doomed(store, report, referenced, damaged_plans)
+    referenced, damaged_plans = _referenced(store, collected, dry_run)
+    doomed = _doomed(store, collected, referenced, damaged_plans)
     for path in doomed:
         relative = str(path.relative_to(store.root))
         size = _size(path)
@@ -112,22 +112,22 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
             try:
                 objects.remove_tree(path)
             except OSError as exc:
-                report.left.append(f"{relative}: {exc.strerror or exc}")
+                collected.left.append(f"{relative}: {exc.strerror or exc}")
                 continue
             if os.path.lexists(path):
-                report.left.append(f"{relative}: still there (permissions?)")
+                collected.left.append(f"{relative}: still there (permissions?)")
                 continue
-        report.freed += size
-        report.removed.append(relative)
-    return report
+        collected.freed += size
+        collected.removed.append(relative)
+    return collected
 
 
-def _referenced(store: Store, report: Collected, dry_run: bool) -> tuple[dict[str, str], list[str]]:
+def _referenced(store: Store, collected: Collected, dry_run: bool) -> tuple[dict[str, str], list[str]]:
     """(step hashes the kept plans reference, the plans that cannot be read)."""
     referenced: dict[str, str] = {}  # step hash -> its kind
     damaged_plans: list[str] = []
     for plan_hash in store.plan_hashes():
-        if dry_run and plan_hash in report.dropped:
+        if dry_run and plan_hash in collected.dropped:
             continue
         try:
             referenced.update((step.hash, step.kind) for step in load_plan(store, plan_hash).steps)
@@ -135,7 +135,7 @@ def _referenced(store: Store, report: Collected, dry_run: bool) -> tuple[dict[st
             damaged_plans.append(plan_hash)
     if damaged_plans:
         listed = ", ".join(h[:12] for h in damaged_plans)
-        report.warnings.append(
+        collected.warnings.append(
             f"plan(s) {listed} cannot be read and may reference any output: no step output, work "
             "folder or evaluation result is removed; run bt fsck"
         )
@@ -143,24 +143,24 @@ def _referenced(store: Store, report: Collected, dry_run: bool) -> tuple[dict[st
 
 
 def _doomed(
-    store: Store, report: Collected, referenced: dict[str, str], damaged_plans: list[str]
+    store: Store, collected: Collected, referenced: dict[str, str], damaged_plans: list[str]
 ) -> list[Path]:
     doomed: list[Path] = []
     outputs = _listing(store.steps)
-    report.busy = _busy(store)
+    collected.busy = _busy(store)
     if not damaged_plans:
         doomed += [p for p in outputs if p.name not in referenced]
-        if not report.busy:
+        if not collected.busy:
             doomed += [
                 p for p in _listing(store.work) if p.name not in referenced or store.has_output(p.name)
             ]
-    if not report.busy:
+    if not collected.busy:
         doomed += _listing(store.tmp)
     doomed += _listing(store.quarantined)
     kept_outputs = {p.name for p in outputs if p not in doomed}
     doomed += [p for p in _listing(store.stamps, "*.json") if p.stem not in kept_outputs]
     # What bt ls --metrics reads: a plan's card and a step's metrics summary go with their object.
-    kept_plans = set(store.plan_hashes()) - set(report.dropped)
+    kept_plans = set(store.plan_hashes()) - set(collected.dropped)
     doomed += [p for p in _listing(store.cards, "*.json") if p.stem not in kept_plans]
     doomed += [p for p in _listing(store.sweeps, "*.json") if _names_a_gone_plan(p, kept_plans)]
     if not damaged_plans:

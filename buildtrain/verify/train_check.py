@@ -18,9 +18,9 @@ from buildtrain.verify.verdicts import VerifyOptions
 RESUMED_KILL_STATUS = -9
 
 
-def read_report(report: Path) -> dict[str, Any] | None:
+def read_findings(findings: Path) -> dict[str, Any] | None:
     try:
-        body = json.loads(report.read_bytes())
+        body = json.loads(findings.read_bytes())
     except (OSError, ValueError):
         return None
     return body if isinstance(body, dict) else None
@@ -33,19 +33,19 @@ def run_train(
     threads: int,
     recorded_output: Path,
     options: VerifyOptions,
-    report: Path,
+    findings: Path,
     limit: int | None,
 ) -> tuple[dict[str, Any] | None, list[int]]:
     """Re-execute a train step under the watcher, killing and resuming it at the requested steps;
     `limit` is the spot check's number of updates (None: all of them)."""
-    watch = {"recorded": str(recorded_output), "report": str(report), "stop_after": limit}
+    watch = {"recorded": str(recorded_output), "findings": str(findings), "stop_after": limit}
     hooks: dict[str, Any] = {"stop_after": limit} if limit else {}
     pending = [n for n in options.resume_at if limit is None or n < limit]
     resumed: list[int] = []
     while True:
         job = JobOptions(hooks={**hooks, "kill_after": pending}, watch=watch, commit=limit is None)
         outcome = run_isolated(scratch, plan, step, threads, job, options.launch)
-        diverged = (read_report(report) or {}).get("diverged")
+        diverged = (read_findings(findings) or {}).get("diverged")
         if outcome.status == RESUMED_KILL_STATUS and pending:  # killed on purpose after a checkpoint
             if diverged:
                 break  # the divergence before the kill stands; resuming would only blur it
@@ -53,7 +53,7 @@ def run_train(
             continue
         raise_for_status(step, outcome, plan)
         break
-    return read_report(report), resumed
+    return read_findings(findings), resumed
 
 
 def describe(divergence: dict[str, Any]) -> str:

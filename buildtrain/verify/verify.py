@@ -8,7 +8,7 @@ touched and how far they moved, and the re-execution stops there.
 
 It fails closed: a step counts as reproduced only when every comparison it stands for was made
 (every update of a train step against the recorded trace, every declared digest of its output). A
-missing report, an update left uncompared or an output without digests is "not compared", which
+missing findings, an update left uncompared or an output without digests is "not compared", which
 fails like a difference (exit 4); a recorded output that is damaged or belongs to another step
 fails as a damaged store (exit 5).
 """
@@ -176,21 +176,23 @@ def _watched(
     extra = (
         f"(--steps {options.steps} clamped to the stage's {total})" if options.steps and limit is None else ""
     )
-    report_path = scratch.root / f"watch-{step.hash[:16]}.json"
-    report, resumed = run_train(scratch, plan, step, threads, recorded_output, options, report_path, limit)
+    findings_path = scratch.root / f"watch-{step.hash[:16]}.json"
+    findings, resumed = run_train(
+        scratch, plan, step, threads, recorded_output, options, findings_path, limit
+    )
     if resumed:
         extra = f"{extra} (killed and resumed at {','.join(map(str, resumed))})".strip()
 
     def verdict(status: str, detail: str, **more: Any) -> StepVerdict:
         return StepVerdict(step.label, step.kind, status, recorded, detail=detail, **more)
 
-    if report is not None and report.get("diverged"):
-        return verdict("diverged", describe(report), divergence=report), extra
+    if findings is not None and findings.get("diverged"):
+        return verdict("diverged", describe(findings), divergence=findings), extra
     wanted = list(range(1, (limit or total) + 1))
-    compared = report.get("compared") if report is not None else None
+    compared = findings.get("compared") if findings is not None else None
     if compared != wanted:
         missing = sorted(set(wanted) - set(compared or []))
-        why = "no comparison report" if report is None else f"updates {ranges(missing)} were not compared"
+        why = "no comparison findings" if findings is None else f"updates {ranges(missing)} were not compared"
         return verdict("not compared", f"{why}; nothing is claimed for them"), extra
     if limit is not None:
         return verdict("reproduced", f"first {limit} steps match the recorded trace {extra}".strip()), extra

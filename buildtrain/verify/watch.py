@@ -8,9 +8,9 @@ Training then continues only to the first checkpoint the record kept (at or afte
 and within a spot check's steps), where both states are on disk, to measure how far each tensor
 moved; then it stops, instead of training to the end.
 
-The report is rewritten after every update, listing each update compared so far (a step killed and
+The findings are rewritten after every update, listing each update compared so far (a step killed and
 resumed on purpose carries the list on), so that `bt verify` can tell "every update matched" from
-"the comparison never happened": a missing report or a missing update is never a pass.
+"the comparison never happened": missing findings or a missing update are never a pass.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ class Watcher(Observer):
     """The training loop's observer on rank 0 of a re-executed train step (see observer.py)."""
 
     def __init__(
-        self, recorded: Path, report: Path, retained: list[int], stop_after: int | None, log: Any
+        self, recorded: Path, findings: Path, retained: list[int], stop_after: int | None, log: Any
     ) -> None:
         self.recorded_output = recorded
-        self.report_path = report
+        self.findings_path = findings
         self.reference = {e["step"]: e for e in read_trace(recorded / TRACE) if "eval" not in e}
         self.retained = sorted(retained)
         self.stop_after = stop_after
@@ -55,7 +55,7 @@ class Watcher(Observer):
         self.compare_at: int | None = None
         self.compared: list[int] = []
         try:  # a re-execution killed and resumed on purpose goes on with the updates compared before
-            earlier = json.loads(report.read_bytes())
+            earlier = json.loads(findings.read_bytes())
         except (OSError, ValueError):
             earlier = None
         if isinstance(earlier, dict) and not earlier.get("diverged"):
@@ -66,7 +66,7 @@ class Watcher(Observer):
         recorded = Path(job["recorded"])
         names = json.loads((recorded / RESULT).read_bytes())["checkpoints"]
         retained = [at for at in map(checkpoint_update, names) if at is not None]
-        return cls(recorded, Path(job["report"]), retained, job.get("stop_after"), log)
+        return cls(recorded, Path(job["findings"]), retained, job.get("stop_after"), log)
 
     def recorded(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         """Compare the record of an update as it is made; True ends training here."""
@@ -139,8 +139,8 @@ class Watcher(Observer):
             {"diverged": True, **self.divergence, "compared_at": compared_at, "differences": differences}
         )
 
-    def _write(self, report: dict[str, Any]) -> None:
-        """Atomically: a reader (or a resumed watcher) sees the previous report or this one."""
-        temporary = self.report_path.with_name(f".{self.report_path.name}.tmp")
-        temporary.write_text(json.dumps(report, indent=2), encoding="utf-8")
-        os.replace(temporary, self.report_path)
+    def _write(self, findings: dict[str, Any]) -> None:
+        """Atomically: a reader (or a resumed watcher) sees the previous findings or this one."""
+        temporary = self.findings_path.with_name(f".{self.findings_path.name}.tmp")
+        temporary.write_text(json.dumps(findings, indent=2), encoding="utf-8")
+        os.replace(temporary, self.findings_path)

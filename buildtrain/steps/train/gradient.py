@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train.batches import Batches
-from buildtrain.steps.train.job import TrainJob
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.reduce import cover, gradients_to_vector, tree_sum, vector_to_gradients
+from buildtrain.steps.train.setup import TrainSetup
 
 
 def seeded(seed: int, purpose: str, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -27,14 +27,14 @@ def batch_gradient(
     batches: Batches,
     cursor: int,
     update: int,
-    job: TrainJob,
+    setup: TrainSetup,
     device: torch.device,
     autocast: Any,
     ranks: Ranks,
 ) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches, then the reduction `train.reduction`
     names; leaves the batch gradient in `.grad` on every rank and returns the batch loss."""
-    cfg = job.train
+    cfg = setup.train
     micro_batches = cfg.batch_size // cfg.micro_batch_size
     parameters = list(model.parameters())
 
@@ -44,7 +44,7 @@ def batch_gradient(
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         else:
             x, y = x.to(device), y.to(device)
-        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if job.model.dropout else None
+        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if setup.model.dropout else None
         with autocast:
             logits = model(x, generator)  # (B, T, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches

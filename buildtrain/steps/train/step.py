@@ -19,8 +19,8 @@ from buildtrain.steps.context import RESULT, StepContext, final_weights, read_js
 from buildtrain.steps.data_index import DATA_INDEX
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
-from buildtrain.steps.train.job import TrainJob
 from buildtrain.steps.train.schedule import checkpoint_due
+from buildtrain.steps.train.setup import TrainSetup
 from buildtrain.steps.train.state import MODEL, TRACE
 from buildtrain.steps.train.trainer import TrainResult, train
 from buildtrain.store import objects
@@ -31,13 +31,13 @@ from buildtrain.store.tensors import combine, safetensors_digests
 RESULT_FORMAT = 1
 
 
-def make_job(ctx: StepContext) -> TrainJob:
+def make_setup(ctx: StepContext) -> TrainSetup:
     """The step's config dicts, structured once: everything below reads typed values."""
     config = TrainStep.from_config(ctx.step.config)
     numerics = ctx.numerics
     data_dir = ctx.inputs["data"]
     init = ctx.inputs.get("init")
-    return TrainJob(
+    return TrainSetup(
         model=config.model,
         train=config.train,
         eval=config.eval,
@@ -52,17 +52,19 @@ def make_job(ctx: StepContext) -> TrainJob:
     )
 
 
-def assemble_output(job: TrainJob, result: TrainResult, out: Path, log: Any = None) -> dict[str, str]:
+def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any = None) -> dict[str, str]:
     """Assemble the output folder from the retained checkpoints and the trace. Only scheduled
     checkpoints that verify and belong to this step go into the output, and the newest must be the
     last update: nothing unverified is sealed into an output, and how often a build was interrupted
     leaves no trace in it (its files are a function of the step alone)."""
     retained = []
-    for at, path in checkpoint.candidates(job.work):
-        if not checkpoint_due(at, job.train):
+    for at, path in checkpoint.candidates(setup.work):
+        if not checkpoint_due(at, setup.train):
             continue  # taken at an interruption: the output holds what an uninterrupted build holds
         found = (
-            checkpoint_problems(path, at, job.identity) if at <= job.train.steps else ["beyond train.steps"]
+            checkpoint_problems(path, at, setup.identity)
+            if at <= setup.train.steps
+            else ["beyond train.steps"]
         )
         if found:
             if log is not None:
@@ -70,12 +72,12 @@ def assemble_output(job: TrainJob, result: TrainResult, out: Path, log: Any = No
             checkpoint.set_aside(path)
             continue
         retained.append((at, path))
-        if len(retained) == job.train.keep_checkpoints:
+        if len(retained) == setup.train.keep_checkpoints:
             break
-    if not retained or retained[0][0] != job.train.steps:
+    if not retained or retained[0][0] != setup.train.steps:
         newest = retained[0][0] if retained else "none"
         raise StepFailed(
-            f"the final checkpoint of update {job.train.steps} is missing or damaged (newest intact: {newest}); "
+            f"the final checkpoint of update {setup.train.steps} is missing or damaged (newest intact: {newest}); "
             "bt run again resumes from the newest intact checkpoint"
         )
     final_step, final_path = retained[0]
@@ -105,10 +107,10 @@ def assemble_output(job: TrainJob, result: TrainResult, out: Path, log: Any = No
 def execute(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
     """Train (resuming if a checkpoint exists) and publish into `out` (rank 0); None when the
     observer stopped it early, and on the other ranks."""
-    job = make_job(ctx)
+    setup = make_setup(ctx)
     controls = ctx.controls or TrainControls()
-    result = train(job, ctx.log, controls)
-    if result.updates_done < job.train.steps or not controls.ranks.lead:
+    result = train(setup, ctx.log, controls)
+    if result.updates_done < setup.train.steps or not controls.ranks.lead:
         return None  # stopped early, or another rank publishes
     assert out is not None
-    return assemble_output(job, result, out, ctx.log)
+    return assemble_output(setup, result, out, ctx.log)

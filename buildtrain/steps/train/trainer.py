@@ -29,11 +29,11 @@ from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.gradient import batch_gradient, seeded
-from buildtrain.steps.train.job import TrainJob
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.record import trace_entry
 from buildtrain.steps.train.schedule import checkpoint_due, learning_rate
+from buildtrain.steps.train.setup import TrainSetup
 from buildtrain.steps.train.state import load_model, state_tensors
 
 
@@ -78,7 +78,7 @@ class Training:
     """One stage's training in progress on this rank: the model, its optimizer, its data, and
     where the loop stands (the update done last, the data cursor, rank 0's trace)."""
 
-    job: TrainJob
+    setup: TrainSetup
     log: Any
     controls: TrainControls
     device: torch.device
@@ -92,30 +92,30 @@ class Training:
     trace: checkpoint.Trace = attrs.Factory(checkpoint.Trace)
 
     @classmethod
-    def start(cls, job: TrainJob, log: Any, controls: TrainControls) -> Training:
+    def start(cls, setup: TrainSetup, log: Any, controls: TrainControls) -> Training:
         """Fresh weights from the seed (or the parent stage's), then the newest checkpoint if any:
         every rank leaves with rank 0's state."""
-        cfg, ranks = job.train, controls.ranks
-        device = torch.device(job.device)
-        model = Transformer.build(job.model, vocab_size(job.index), seeded(cfg.seed, "init"))
-        if job.init_weights is not None:
-            load_model(model, job.init_weights)  # a later stage starts from its parent's final weights
+        cfg, ranks = setup.train, controls.ranks
+        device = torch.device(setup.device)
+        model = Transformer.build(setup.model, vocab_size(setup.index), seeded(cfg.seed, "init"))
+        if setup.init_weights is not None:
+            load_model(model, setup.init_weights)  # a later stage starts from its parent's final weights
         model.to(device)
         optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        splits = job.index["splits"]
-        evaluating = job.eval is not None and job.eval.every > 0 and ranks.lead
+        splits = setup.index["splits"]
+        evaluating = setup.eval is not None and setup.eval.every > 0 and ranks.lead
         training = cls(
-            job=job,
+            setup=setup,
             log=log,
             controls=controls,
             device=device,
-            autocast=torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.dtype == "bfloat16"),
+            autocast=torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.dtype == "bfloat16"),
             model=model,
             optimizer=optimizer,
             batches=Batches(
-                TokenStream(job.data, splits["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
+                TokenStream(setup.data, splits["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
             ),
-            heldout=TokenStream(job.data, splits["heldout"]) if evaluating else None,
+            heldout=TokenStream(setup.data, splits["heldout"]) if evaluating else None,
         )
         if ranks.lead:
             training.resume()
@@ -127,10 +127,10 @@ class Training:
     def resume(self) -> None:
         """Rank 0: continue from the newest checkpoint that verifies and is this step's own."""
         resumed = checkpoint.load_newest(
-            self.job.work,
+            self.setup.work,
             self.model,
             self.optimizer,
-            self.job.identity,
+            self.setup.identity,
             on_skip=lambda path, why: self.log.warning(
                 "checkpoint_skipped", checkpoint=path.name, reason=why
             ),
@@ -147,24 +147,26 @@ class Training:
 
     def record(self, loss: float, grad_norm: float, lr: float, started: float) -> bool:
         """Rank 0's part of an update: trace, evaluate, log, observe. True: the observer says stop."""
-        job, at = self.job, self.update
+        setup, at = self.setup, self.update
         entry, tensors = trace_entry(
-            at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, job.train
+            at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, setup.train
         )
         self.trace.append(entry)
-        if self.heldout is not None and job.eval is not None and at % job.eval.every == 0:
-            result = evaluate(self.model, self.heldout, job.eval, self.device, self.autocast)
+        if self.heldout is not None and setup.eval is not None and at % setup.eval.every == 0:
+            result = evaluate(self.model, self.heldout, setup.eval, self.device, self.autocast)
             self.trace.append({"step": at, "eval": result})
             self.log.info("eval", step=at, **result)
             self.model.train()
         self.log.info(
             "train_step",
             step=at,
-            steps=job.train.steps,
+            steps=setup.train.steps,
             loss=round(loss, 6),
             lr=lr,
             grad_norm=round(grad_norm, 6),
-            tokens_per_s=round(job.train.batch_size * job.train.seq_len / (time.perf_counter() - started), 1),
+            tokens_per_s=round(
+                setup.train.batch_size * setup.train.seq_len / (time.perf_counter() - started), 1
+            ),
             max_rss_mb=round(max_rss_mb(), 1),
         )
         return self.controls.observer.recorded(entry, tensors or state_tensors(self.model, self.optimizer))
@@ -173,47 +175,47 @@ class Training:
         """Rank 0 writes the checkpoint of the update done last; every rank tells the observer."""
         at, observer = self.update, self.controls.observer
         if self.controls.ranks.lead:
-            tokens = at * self.job.train.batch_size * self.job.train.seq_len
-            state = {**self.job.identity, "step": at, "cursor": self.cursor, "tokens": tokens}
+            tokens = at * self.setup.train.batch_size * self.setup.train.seq_len
+            state = {**self.setup.identity, "step": at, "cursor": self.cursor, "tokens": tokens}
             midway = observer.checkpoint_half_written
             path = checkpoint.save(
-                self.job.work, at, self.model, self.optimizer, state, self.trace, midway=midway
+                self.setup.work, at, self.model, self.optimizer, state, self.trace, midway=midway
             )
-            train = self.job.train
-            checkpoint.prune(self.job.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
+            train = self.setup.train
+            checkpoint.prune(self.setup.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
             self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
         observer.checkpoint_written(at)
 
 
-def train(job: TrainJob, log: Any, controls: TrainControls | None = None) -> TrainResult:
+def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) -> TrainResult:
     """Train one stage to the end, resuming from its newest checkpoint. With several ranks, every
     rank runs this loop in step; rank 0 alone reads and writes checkpoints and keeps the trace."""
-    cfg = job.train
+    cfg = setup.train
     controls = controls or TrainControls()
     ranks, observer, stop = controls.ranks, controls.observer, controls.stop
-    run = Training.start(job, log, controls)
+    run = Training.start(setup, log, controls)
     model, optimizer = run.model, run.optimizer
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
     # Compiled: the same parameters, a generated forward and backward (imports torch._dynamo, so
     # only when asked for).
-    compute = torch.compile(model) if job.compile else model
+    compute = torch.compile(model) if setup.compile else model
     model.train()
     while run.update < cfg.steps:
         started = time.perf_counter()
         run.update += 1
         lr = learning_rate(run.update, cfg)
         optimizer.set_lr(lr)
-        with out_of_memory_fails(run.update, job.work):
+        with out_of_memory_fails(run.update, setup.work):
             # forward, loss and backward of every micro-batch of this rank, summed across ranks
             loss_sum = batch_gradient(
-                compute, run.batches, run.cursor, run.update, job, run.device, run.autocast, ranks
+                compute, run.batches, run.cursor, run.update, setup, run.device, run.autocast, ranks
             )
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             loss, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one sync
             if not math.isfinite(loss):
                 raise StepFailed(
                     f"loss is {loss} at step {run.update}; nothing was written for this step "
-                    f"(newest checkpoint: {newest(job.work)}). Lower train.lr or raise train.warmup_steps."
+                    f"(newest checkpoint: {newest(setup.work)}). Lower train.lr or raise train.warmup_steps."
                 )
             optimizer.update()
             optimizer.zero_grad()

@@ -1,4 +1,4 @@
-"""A train step's config, structured once at the step boundary (`step.make_job`) and passed
+"""A train step's config, structured once at the step boundary (`step.make_setup`) and passed
 inward as typed values: nothing below reads the plan's dicts."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from buildtrain.config.schema import EvalConfig, ModelConfig, TrainConfig
 
 
 @attrs.frozen(kw_only=True)
-class TrainJob:
+class TrainSetup:
     """What one train step needs: its typed config sections and where its inputs and state live."""
 
     model: ModelConfig
