@@ -10,7 +10,7 @@ Token ids go into uint16 shards while the vocabulary fits 65,536 ids, uint32 sha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,20 @@ from buildtrain.steps.sources import Source
 from buildtrain.steps.tokenizer_files import load
 
 ENCODE_BATCH_BYTES = 4 << 20  # text per batch encode call: large enough to keep every core busy
+
+
+def _batches(cut: Iterable[Piece]) -> Iterator[list[Piece]]:
+    """Pieces in batches of about `ENCODE_BATCH_BYTES` of text, in order."""
+    batch: list[Piece] = []
+    size = 0
+    for piece in cut:
+        batch.append(piece)
+        size += len(piece.text)
+        if size >= ENCODE_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def build_tokenized(
@@ -44,8 +58,6 @@ def build_tokenized(
     end_of_document = description["end_of_document"]
     writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     counts = {"documents": 0, "pieces": 0}
-    batch: list[Piece] = []
-    batch_bytes = 0
 
     def write(batch: list[Piece], encodings: list[Any]) -> None:
         ids: dict[bool, list[int]] = {False: [], True: []}
@@ -73,13 +85,7 @@ def build_tokenized(
                 write(pending[0], pending[1].result())
             pending = (batch, future)
 
-        for piece in pieces(text, corpus(text, sources)):
-            batch.append(piece)
-            batch_bytes += len(piece.text)
-            if batch_bytes >= ENCODE_BATCH_BYTES:
-                submit(batch)
-                batch, batch_bytes = [], 0
-        if batch:
+        for batch in _batches(pieces(text, corpus(text, sources))):
             submit(batch)
         if pending is not None:
             write(pending[0], pending[1].result())

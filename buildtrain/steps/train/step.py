@@ -80,7 +80,7 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
             f"the final checkpoint of update {setup.train.steps} is missing or damaged (newest intact: {newest}); "
             "bt run again resumes from the newest intact checkpoint"
         )
-    final_step, final_path = retained[0]
+    final_update, final_path = retained[0]
     for _, path in retained:
         objects.link_tree(path, out / CHECKPOINTS / path.name)  # the work copy stays valid until commit
     (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in result.trace))
@@ -94,7 +94,7 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
     }
     body: dict[str, Any] = {
         "format": RESULT_FORMAT,
-        "steps": final_step,
+        "steps": final_update,
         "weights": weights,
         "final_loss": final_entry["loss"],
         "checkpoints": [path.name for _, path in retained],
