@@ -357,15 +357,13 @@ def test_a_signal_during_export_leaves_no_partial_copy(micro_built, tmp_path, mo
     monkeypatch.chdir(tmp_path)
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
-    copy = shutil.copytree
+    copy = deliver._copy_package
 
-    def copy_then_signal(source: Path, target: Path, *args: object, **kwargs: object) -> object:
-        copied = copy(source, target, *args, **kwargs)  # type: ignore[arg-type]
-        if Path(target).name == "package":  # the whole package, not one of its subfolders
-            os.kill(os.getpid(), number)
-        return copied
+    def copy_then_signal(output: Path, package: Path, destination: Path) -> None:
+        copy(output, package, destination)  # the whole package copied, not yet renamed into place
+        os.kill(os.getpid(), number)
 
-    monkeypatch.setattr(deliver.shutil, "copytree", copy_then_signal)
+    monkeypatch.setattr(deliver, "_copy_package", copy_then_signal)
     code, err = bt_main("--store", str(store), "export", micro_built[1], "package")
     assert code == ExitCode.INTERRUPTED, err
     assert "Traceback" not in err

@@ -127,12 +127,12 @@ def read_source(path: Source | Path) -> bytes:
         return b"".join(chunks)
 
 
-def private_copy(path: Source | Path) -> IO[bytes] | Path:
+def private_copy(path: Source | Path) -> IO[bytes]:
     """For a reader that seeks (Parquet): the source copied, checked, into an unnamed temporary
     file that nothing else can write, so the bytes it reads are the bytes checked. A plain path
-    is returned as it is."""
+    is opened as it is (a regular file only: a FIFO in its place would block the reader)."""
     if not isinstance(path, Source):
-        return path
+        return open_file(path)
     copy = tempfile.TemporaryFile()  # noqa: SIM115 (closed when the reader drops it)
     with SourceReader(path) as reader:
         shutil.copyfileobj(reader, copy, READ_CHUNK)
