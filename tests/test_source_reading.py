@@ -213,7 +213,8 @@ def test_parquet_reads_a_private_checked_copy(tmp_path: Path) -> None:
     assert copy.seek(0) == 0 and copy.read() == TEXT  # what the reader sees cannot change under it
     with pytest.raises(StepFailed, match=f"{path}: changed since it was planned"):
         sources.private_copy(source)
-    assert sources.private_copy(path) == path  # a library caller's own path is read as it is
+    with sources.private_copy(path) as own:  # a library caller's own path is read as it is
+        assert own.read() == TEXT[:-1] + b"!"
 
 
 def test_planned_sources_pair_each_planned_file_with_its_path_in_plan_order() -> None:

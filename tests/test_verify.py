@@ -13,9 +13,8 @@ from conftest import MICRO, plan_hash, run_bt
 from buildtrain.errors import ExitCode
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.train.state import TRACE, TRAIN_STATE
-from buildtrain.store import objects
+from buildtrain.store import layout, objects
 from buildtrain.store.store import Store
-from buildtrain.verify import train_check
 from buildtrain.verify.watch import Watcher
 
 
@@ -217,7 +216,7 @@ def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
     assert not resumed.recorded(_entry(3), {})
     report = json.loads((tmp_path / "report.json").read_text())
     assert report == {"diverged": False, "steps_compared": 3, "compared": [1, 2, 3]}
-    assert train_check.TRAIN_STATE == TRAIN_STATE
+    assert layout.TRAIN_STATE == TRAIN_STATE  # the torch-free name the kinds and fsck read
 
 
 def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
