@@ -1,0 +1,350 @@
+"""A run's side of the team cache: pull a step from the remote instead of building it, push what
+was built, hold the remote lease while building, attest builds; and `bt push`/`bt pull` by hand.
+
+The remote is opened on first use only, so a null build with `--remote` never loads the S3
+client, and nothing here is imported without a remote. A remote never decides a result: every
+pulled byte is checked by the library (`store/remote/remote.py`) and re-hashed by the store
+before its first use; a damaged or foreign object is named and the step is built locally; a push
+that fails is a warning (the local result is good); a push that finds a different result on the
+remote is non-determinism, reported and never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import attrs
+
+from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.errors import BuildtrainError, ExitCode, RemoteDamaged, UsageError
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store import objects
+from buildtrain.store.remote import attest, leases
+from buildtrain.store.remote.remote import Remote
+from buildtrain.store.remote.url import RemoteUrl, parse_url
+from buildtrain.store.store import Store
+
+# A builder's lease on a step lasts this long and is renewed every third of it; a waiter polls the
+# remote this often. A machine that dies while building delays the others by at most LEASE_S.
+LEASE_S = 60.0
+POLL_S = 0.5
+
+Say = Callable[[str], None]
+
+
+def remote_url(option: str | None) -> RemoteUrl | None:
+    """`--remote URL`, else $BT_REMOTE, else None (no remote: nothing of it is imported)."""
+    text = option or os.environ.get("BT_REMOTE") or None
+    return parse_url(text) if text else None
+
+
+class NotAttested(BuildtrainError):
+    """`bt pull --min-attestations N` found fewer agreeing independent builds."""
+
+    exit_code = ExitCode.NOT_REPRODUCED
+
+
+@attrs.frozen(kw_only=True)
+class PushReport:
+    """What pushing one step came to: None problems when all went well."""
+
+    step: str
+    uploaded: int = 0
+    bytes_uploaded: int = 0
+    conflict: str | None = None  # two builds of the step disagree (non-determinism)
+    failed: str | None = None  # the push could not be done (the local result stays good)
+
+
+class RemoteCache:
+    """One run's (or command's) remote: opened lazily, shared by its steps."""
+
+    def __init__(self, url: RemoteUrl, say: Say) -> None:
+        self.url = url
+        self.say = say
+        self._remote: Remote | None = None
+        self._plans_pushed: set[str] = set()
+        self.holder = leases.holder_id()
+        self._lease: leases.Lease | None = None  # the newest renewal of the lease held
+
+    @property
+    def remote(self) -> Remote:
+        if self._remote is None:
+            self._remote = Remote.open(self.url)
+        return self._remote
+
+    # -- pulling ----------------------------------------------------------------------------------
+
+    def pull(self, store: Store, step: Step) -> bool:
+        """Pull the step's output into the store (caller holds the step's lock, no intact local
+        output); False when the remote lacks it or it is damaged (named through `say`)."""
+        try:
+            found = self.remote.pull_output(store, step.hash)
+        except RemoteDamaged as exc:
+            self.say(f"{step.label}: {exc}")
+            return False
+        if found is None:
+            return False
+        problems = store.check_output(step.hash)  # re-hashed in full once, and stamped
+        if problems:
+            store.quarantine(step.hash)
+            self.say(f"{step.label}: pulled output does not verify ({problems[0]}); building it")
+            return False
+        return True
+
+    # -- pushing ----------------------------------------------------------------------------------
+
+    def push(self, store: Store, plan: Plan, step: Step) -> PushReport:
+        """Push a built step (and its plan, once), then attest the build. Never raises for the
+        remote: a failure comes back in `failed`."""
+        try:
+            if plan.hash not in self._plans_pushed:
+                self.remote.push_plan(plan.hash, canonical_bytes(plan.to_body()))
+                self._plans_pushed.add(plan.hash)
+            pushed = self.remote.push_output(store, step.hash)
+            self.attest(store, step)
+        except (BuildtrainError, OSError, ValueError) as exc:
+            return PushReport(step=step.label, failed=str(exc))
+        return PushReport(
+            step=step.label,
+            uploaded=pushed.uploaded,
+            bytes_uploaded=pushed.bytes_uploaded,
+            conflict=pushed.conflict,
+        )
+
+    def attest(self, store: Store, step: Step) -> None:
+        """Record this machine's build of a step (its output's digests) on the remote."""
+        record = attest.Attestation(
+            step=step.hash,
+            machine=os.environ.get("BT_MACHINE") or socket.gethostname(),
+            toolchain=digest("toolchain", step.toolchain),
+            built_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
+            digests=objects.sealed_digests(store.output(step.hash)),
+        )
+        attest.attest(self.remote.backend, record)
+
+    def agreeing(self, step: Step, digests: dict[str, str]) -> tuple[int, int]:
+        """(builds that report these digests, all builds recorded) for a step."""
+        records, _ = attest.attestations(self.remote.backend, step.hash)
+        return attest.agreeing(records, digests), len(records)
+
+    # -- a step's turn -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def turn(self, store: Store, step: Step) -> Iterator[bool]:
+        """The caller holds the step's local lock and found no local output: pull it (yields
+        False: nothing to build), else yield True holding the remote lease while it builds."""
+        if self.pull(store, step):
+            yield False
+            return
+        with self.building(store, step) as build:
+            yield build
+
+    def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
+        """Push a step this run built; a failure or a conflict is one line, never a failed step."""
+        report = self.push(store, plan, step)
+        if report.conflict:
+            self.say(f"{step.label}: non-determinism: {report.conflict}; the remote's result was kept")
+            event("remote_conflict", step=step.label, hash=step.hash, conflict=report.conflict)
+        elif report.failed:
+            self.say(f"{step.label}: warning: not pushed to {self.url} ({report.failed}); kept locally")
+            event("remote_push_failed", step=step.label, hash=step.hash, problem=report.failed)
+        else:
+            event("remote_pushed", step=step.label, hash=step.hash, bytes=report.bytes_uploaded)
+
+    # -- leases -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def building(self, store: Store, step: Step) -> Iterator[bool]:
+        """Hold the remote lease on a step while the caller builds it. Yields False when, while
+        waiting for another builder's lease, its result arrived and was pulled (nothing to build)."""
+        backend = self.remote.backend
+        while True:
+            lease = leases.take(backend, step.hash, self.holder, LEASE_S)
+            if lease.holder == self.holder:
+                break
+            self.say(f"{step.label}: waiting: {lease.holder} is building this step (remote lease)")
+            while lease.live(time.time()):
+                if self.remote.has_output(step.hash) and self.pull(store, step):
+                    yield False
+                    return
+                time.sleep(POLL_S)
+                _, current = leases.current(backend, step.hash)
+                lease = current if current is not None else attrs.evolve(lease, released=True)
+        self._lease = lease
+        stop = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(stop, step), daemon=True)
+        renewer.start()
+        try:
+            yield True
+        finally:
+            stop.set()
+            renewer.join()
+            with contextlib.suppress(BuildtrainError, OSError):
+                leases.release(backend, self._lease or lease)
+
+    def _renew(self, stop: threading.Event, step: Step) -> None:
+        """Renew every third of the lease; on a lost lease stop the step (SIGTERM to this bt,
+        which the step process receives as an interruption: it checkpoints and exits 3)."""
+        while not stop.wait(LEASE_S / 3):
+            try:
+                assert self._lease is not None
+                self._lease = leases.renew(self.remote.backend, self._lease, LEASE_S)
+            except leases.LeaseLost as exc:
+                self.say(f"{step.label}: {exc}")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except (BuildtrainError, OSError):
+                continue  # a passing network problem: try again at the next renewal
+
+
+# -- bt push, bt pull, bt ls --remote ---------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Transfer:
+    """What `bt push` or `bt pull` did for the plans it was given."""
+
+    done: list[str]  # "plan step: what" lines
+    problems: list[str]
+    code: int
+
+
+def push_plans(store: Store, plans: list[Plan], url: RemoteUrl) -> Transfer:
+    """Push every built step of the plans (and the plans); exit 4 on non-determinism."""
+    cache, done, problems = RemoteCache(url, lambda _: None), [], []
+    code = ExitCode.OK
+    for plan in plans:
+        for step in plan.steps:
+            if not store.has_output(step.hash):
+                done.append(f"{plan.hash[:12]} {step.label}: not built here, not pushed")
+                continue
+            report = cache.push(store, plan, step)
+            if report.conflict:
+                problems.append(f"{step.label}: non-determinism: {report.conflict}")
+                code = ExitCode.NOT_REPRODUCED
+            elif report.failed:
+                problems.append(f"{step.label}: push failed: {report.failed}")
+                code = max(code, ExitCode.FAILED) if code != ExitCode.NOT_REPRODUCED else code
+            else:
+                done.append(
+                    f"{plan.hash[:12]} {step.label}: pushed "
+                    f"({report.uploaded} files, {report.bytes_uploaded / 1e6:.1f} MB uploaded)"
+                )
+    return Transfer(done=done, problems=problems, code=int(code))
+
+
+def remote_plan(store: Store, url: RemoteUrl, plan_hash: str) -> None:
+    """Pull a plan the local store lacks (by its full hash) from the remote, checked against it."""
+    import json
+
+    from buildtrain.plan.stored import save_plan
+
+    def belongs(raw: bytes) -> str | None:
+        try:
+            plan = Plan.from_body(json.loads(raw))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"not a plan: {exc}"
+        return None if plan.hash == plan_hash else f"it is plan {plan.hash[:12]}"
+
+    raw = RemoteCache(url, lambda _: None).remote.pull_plan(plan_hash, belongs)
+    if raw is None:
+        raise UsageError(f"plan {plan_hash[:12]} is neither in {store.root} nor on {url}")
+    save_plan(store, Plan.from_body(json.loads(raw)), pulled_from=str(url))
+
+
+def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations: int = 0) -> Transfer:
+    """Pull every step of the plans the store lacks; exit 5 when one is damaged on the remote,
+    4 when one has fewer than `min_attestations` agreeing builds, 1 when one is not there."""
+    cache, done, problems = RemoteCache(url, lambda line: problems.append(line)), [], []
+    codes: list[int] = []
+    for plan in plans:
+        for step in plan.steps:
+            if store.has_output(step.hash) and not store.check_output(step.hash):
+                done.append(f"{plan.hash[:12]} {step.label}: already here")
+                continue
+            refused = _too_few(cache, step, min_attestations)
+            if refused:
+                problems.append(refused)
+                codes.append(ExitCode.NOT_REPRODUCED)
+                continue
+            with store.lock(step.hash):
+                before = len(problems)
+                if cache.pull(store, step):
+                    done.append(f"{plan.hash[:12]} {step.label}: pulled")
+                elif len(problems) > before:
+                    codes.append(ExitCode.CORRUPT)
+                else:
+                    problems.append(f"{step.label}: not on {url}")
+                    codes.append(ExitCode.FAILED)
+    code = ExitCode.CORRUPT if ExitCode.CORRUPT in codes else max(codes, default=ExitCode.OK)
+    return Transfer(done=done, problems=problems, code=int(code))
+
+
+def _too_few(cache: RemoteCache, step: Step, wanted: int) -> str | None:
+    if wanted <= 0:
+        return None
+    digests = cache.remote.output_digests(step.hash)
+    if digests is None:
+        return None  # not there, or damaged: the pull says which
+    agreeing, total = cache.agreeing(step, digests)
+    if agreeing >= wanted:
+        return None
+    return (
+        f"{step.label}: {agreeing} of {total} recorded builds agree with the remote's output, "
+        f"--min-attestations {wanted} asks for {wanted}: not pulled (bt verify PLAN --push adds one)"
+    )
+
+
+def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> list[str]:
+    """After `bt verify` reproduced these steps: push each (if the remote lacks it) and attest it."""
+    cache, lines = RemoteCache(url, lambda _: None), []
+    for step in plan.steps:
+        if step.label not in labels or not store.has_output(step.hash):
+            continue
+        report = cache.push(store, plan, step)
+        if report.failed or report.conflict:
+            lines.append(f"{step.label}: not attested: {report.failed or report.conflict}")
+            continue
+        agreeing, total = cache.agreeing(step, objects.sealed_digests(store.output(step.hash)))
+        lines.append(f"{step.label}: attested on {url} ({agreeing} of {total} builds agree)")
+    return lines
+
+
+def remote_status(plan: Plan, url: RemoteUrl) -> list[tuple[Step, str]]:
+    """Per step: on the remote or not, and how many recorded builds agree with its output."""
+    cache, rows = RemoteCache(url, lambda _: None), []
+    for step in plan.steps:
+        digests = cache.remote.output_digests(step.hash)
+        records, problems = attest.attestations(cache.remote.backend, step.hash)
+        if digests is None:
+            text = "not on the remote"
+        else:
+            text = f"on the remote, {attest.agreeing(records, digests)} of {len(records)} builds agree"
+        for disagreement in attest.disagreements(records):
+            text += f"; {disagreement}"
+        if problems:
+            text += f"; {len(problems)} damaged attestation(s) not counted"
+        rows.append((step, text))
+    return rows
+
+
+def remote_plans(url: RemoteUrl) -> list[tuple[str, str]]:
+    """(plan hash, name) of each plan the remote holds (name '?' where its bytes do not decode)."""
+    import json
+
+    remote, rows = Remote.open(url), []
+    for plan_hash in remote.plans():
+        try:
+            raw = remote.pull_plan(plan_hash, lambda _: None)
+            name = str(json.loads(raw or b"{}").get("name", "?"))
+        except (RemoteDamaged, ValueError):
+            name = "? (damaged)"
+        rows.append((plan_hash, name))
+    return rows
