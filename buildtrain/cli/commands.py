@@ -115,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
-    from buildtrain.cli.remote import remote_of
+    from buildtrain.cli.team import remote_of
     from buildtrain.executor.run import RunOptions
 
     return RunOptions(
@@ -159,7 +159,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     built = all(store.has_output(step.hash) for step in plan.steps)
     if args.push:  # a bad or missing remote is refused before the re-execution, not after it
-        from buildtrain.cli.remote import remote_of
+        from buildtrain.cli.team import remote_of
 
         remote_of(args, required=True)
     try:
@@ -185,7 +185,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _attest(args: argparse.Namespace, store: Store, plan: Plan, verification: Any) -> None:
     """`bt verify --push`: attest on the remote each step this verification reproduced."""
-    from buildtrain.cli.remote import remote_of
+    from buildtrain.cli.team import remote_of
     from buildtrain.executor.remote import attest_plan
 
     url = remote_of(args, required=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from buildtrain import __version__
 from buildtrain.cli import commands, queries
-from buildtrain.cli import remote as remote_commands
+from buildtrain.cli import team
 from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
 
@@ -120,7 +120,7 @@ def _add_push(command: Command) -> None:
     )
     sub.add_argument("plans", nargs="+", metavar="PLAN", help="plans as bt run takes them")
     _add_remote(sub)
-    sub.set_defaults(func=remote_commands.cmd_push)
+    sub.set_defaults(func=team.cmd_push)
 
 
 def _add_pull(command: Command) -> None:
@@ -148,7 +148,7 @@ def _add_pull(command: Command) -> None:
         "output (bt verify PLAN --push and every push add one); else exit 4",
     )
     _add_remote(sub)
-    sub.set_defaults(func=remote_commands.cmd_pull)
+    sub.set_defaults(func=team.cmd_pull)
 
 
 def _add_plan(command: Command) -> None:

@@ -24,7 +24,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     store = store_of(args)
     plan = load_plan(store, args.plan)
     if args.remote is not None:
-        from buildtrain.cli.remote import show_remote
+        from buildtrain.cli.team import show_remote
 
         return show_remote(args, plan)
     if args.lineage:
@@ -83,7 +83,7 @@ def output_width() -> int | None:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.remote is not None:
-        from buildtrain.cli.remote import ls_remote
+        from buildtrain.cli.team import ls_remote
 
         return ls_remote(args)
     store = store_of(args)
