@@ -7,8 +7,7 @@ import typing
 from collections.abc import Callable
 
 from buildtrain import __version__
-from buildtrain.cli import commands, queries
-from buildtrain.cli import team
+from buildtrain.cli import commands, queries, team
 from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
 
