@@ -99,6 +99,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = store_of(args)
     launch = _launch(args)
     warn_threads(args)
+    from buildtrain.cli.team import fetch_plans, remote_of
+
+    url = remote_of(args)
+    if url is not None:  # a plan hash planned elsewhere comes with its steps
+        fetch_plans(args.plan, store, url)
     targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
     def options_for(threads: int) -> RunOptions:

@@ -40,13 +40,19 @@ def _plans(args: argparse.Namespace, store: Store, url: RemoteUrl | None = None)
     from buildtrain.plan.refs import resolve_targets
 
     if url is not None:
-        from buildtrain.executor.remote import remote_plan
-        from buildtrain.store.remote import keys
-
-        for ref in args.plans:
-            if keys.HASH.match(ref) and not store.plan_path(ref).exists():
-                remote_plan(store, url, ref)
+        fetch_plans(args.plans, store, url)
     return [target.plan for target in resolve_targets(args.plans, store)]
+
+
+def fetch_plans(refs: list[str], store: Store, url: RemoteUrl) -> None:
+    """Fetch each full plan hash among `refs` that the store lacks from the remote (checked
+    against the hash), so a colleague's `bt run HASH` works from the hash alone."""
+    from buildtrain.executor.remote import remote_plan
+    from buildtrain.store.remote import keys
+
+    for ref in refs:
+        if keys.HASH.match(ref) and not store.plan_path(ref).exists():
+            remote_plan(store, url, ref)
 
 
 def _said(command: str, transfer: Transfer) -> int:

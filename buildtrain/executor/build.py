@@ -72,8 +72,8 @@ class Builder:
                         if not build:
                             return self._result(step, started, "pulled", f"from {self.remote.url}")  # type: ignore[union-attr]
                         self._compute(step, lock_fd)
-                    if self.remote is not None:
-                        self.remote.report_push(self.store, self.plan, step, self.record.event)
+                        if self.remote is not None:  # holding the lease: a waiter then pulls it
+                            self.remote.report_push(self.store, self.plan, step, self.record.event)
                     return self._result(step, started, "executed")
                 except CorruptObject:
                     damaged = damaged_inputs(self.store, self.plan, step) if attempt == 1 else []

@@ -36,7 +36,7 @@ from buildtrain.store.store import Store
 LEASE_S = 60.0
 POLL_S = 0.5
 
-Say = Callable[[str], None]
+Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
 
 
 def remote_url(option: str | None) -> RemoteUrl | None:
@@ -87,14 +87,14 @@ class RemoteCache:
         try:
             found = self.remote.pull_output(store, step.hash)
         except RemoteDamaged as exc:
-            self.say(f"{step.label}: {exc}")
+            self.say(step.label, str(exc))
             return False
         if found is None:
             return False
         problems = store.check_output(step.hash)  # re-hashed in full once, and stamped
         if problems:
             store.quarantine(step.hash)
-            self.say(f"{step.label}: pulled output does not verify ({problems[0]}); building it")
+            self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
             return False
         return True
 
@@ -150,10 +150,10 @@ class RemoteCache:
         """Push a step this run built; a failure or a conflict is one line, never a failed step."""
         report = self.push(store, plan, step)
         if report.conflict:
-            self.say(f"{step.label}: non-determinism: {report.conflict}; the remote's result was kept")
+            self.say(step.label, f"non-determinism: {report.conflict}; the remote's result was kept")
             event("remote_conflict", step=step.label, hash=step.hash, conflict=report.conflict)
         elif report.failed:
-            self.say(f"{step.label}: warning: not pushed to {self.url} ({report.failed}); kept locally")
+            self.say(step.label, f"warning: not pushed to {self.url} ({report.failed}); kept locally")
             event("remote_push_failed", step=step.label, hash=step.hash, problem=report.failed)
         else:
             event("remote_pushed", step=step.label, hash=step.hash, bytes=report.bytes_uploaded)
@@ -164,19 +164,22 @@ class RemoteCache:
     def building(self, store: Store, step: Step) -> Iterator[bool]:
         """Hold the remote lease on a step while the caller builds it. Yields False when, while
         waiting for another builder's lease, its result arrived and was pulled (nothing to build)."""
-        backend = self.remote.backend
+        backend, waiting = self.remote.backend, False
         while True:
             lease = leases.take(backend, step.hash, self.holder, LEASE_S)
-            if lease.holder == self.holder:
+            mine = lease.holder == self.holder
+            # Checked again after each take: a builder pushes, then releases its lease.
+            if self.remote.has_output(step.hash) and self.pull(store, step):
+                if mine:
+                    leases.release(backend, lease)
+                yield False
+                return
+            if mine:
                 break
-            self.say(f"{step.label}: waiting: {lease.holder} is building this step (remote lease)")
-            while lease.live(time.time()):
-                if self.remote.has_output(step.hash) and self.pull(store, step):
-                    yield False
-                    return
-                time.sleep(POLL_S)
-                _, current = leases.current(backend, step.hash)
-                lease = current if current is not None else attrs.evolve(lease, released=True)
+            if not waiting:
+                self.say(step.label, f"waiting: {lease.holder} is building this step (remote lease)")
+                waiting = True
+            time.sleep(POLL_S)
         self._lease = lease
         stop = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(stop, step), daemon=True)
@@ -197,7 +200,7 @@ class RemoteCache:
                 assert self._lease is not None
                 self._lease = leases.renew(self.remote.backend, self._lease, LEASE_S)
             except leases.LeaseLost as exc:
-                self.say(f"{step.label}: {exc}")
+                self.say(step.label, str(exc))
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             except (BuildtrainError, OSError):
@@ -218,7 +221,7 @@ class Transfer:
 
 def push_plans(store: Store, plans: list[Plan], url: RemoteUrl) -> Transfer:
     """Push every built step of the plans (and the plans); exit 4 on non-determinism."""
-    cache, done, problems = RemoteCache(url, lambda _: None), [], []
+    cache, done, problems = RemoteCache(url, lambda *_: None), [], []
     code = ExitCode.OK
     for plan in plans:
         for step in plan.steps:
@@ -253,7 +256,7 @@ def remote_plan(store: Store, url: RemoteUrl, plan_hash: str) -> None:
             return f"not a plan: {exc}"
         return None if plan.hash == plan_hash else f"it is plan {plan.hash[:12]}"
 
-    raw = RemoteCache(url, lambda _: None).remote.pull_plan(plan_hash, belongs)
+    raw = RemoteCache(url, lambda *_: None).remote.pull_plan(plan_hash, belongs)
     if raw is None:
         raise UsageError(f"plan {plan_hash[:12]} is neither in {store.root} nor on {url}")
     save_plan(store, Plan.from_body(json.loads(raw)), pulled_from=str(url))
@@ -262,7 +265,7 @@ def remote_plan(store: Store, url: RemoteUrl, plan_hash: str) -> None:
 def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations: int = 0) -> Transfer:
     """Pull every step of the plans the store lacks; exit 5 when one is damaged on the remote,
     4 when one has fewer than `min_attestations` agreeing builds, 1 when one is not there."""
-    cache, done, problems = RemoteCache(url, lambda line: problems.append(line)), [], []
+    cache, done, problems = RemoteCache(url, lambda label, text: problems.append(f"{label}: {text}")), [], []
     codes: list[int] = []
     for plan in plans:
         for step in plan.steps:
@@ -304,7 +307,7 @@ def _too_few(cache: RemoteCache, step: Step, wanted: int) -> str | None:
 
 def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> list[str]:
     """After `bt verify` reproduced these steps: push each (if the remote lacks it) and attest it."""
-    cache, lines = RemoteCache(url, lambda _: None), []
+    cache, lines = RemoteCache(url, lambda *_: None), []
     for step in plan.steps:
         if step.label not in labels or not store.has_output(step.hash):
             continue
@@ -319,7 +322,7 @@ def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> 
 
 def remote_status(plan: Plan, url: RemoteUrl) -> list[tuple[Step, str]]:
     """Per step: on the remote or not, and how many recorded builds agree with its output."""
-    cache, rows = RemoteCache(url, lambda _: None), []
+    cache, rows = RemoteCache(url, lambda *_: None), []
     for step in plan.steps:
         digests = cache.remote.output_digests(step.hash)
         records, problems = attest.attestations(cache.remote.backend, step.hash)
@@ -342,7 +345,7 @@ def remote_plans(url: RemoteUrl) -> list[tuple[str, str]]:
     remote, rows = Remote.open(url), []
     for plan_hash in remote.plans():
         try:
-            raw = remote.pull_plan(plan_hash, lambda _: None)
+            raw = remote.pull_plan(plan_hash, lambda *_: None)
             name = str(json.loads(raw or b"{}").get("name", "?"))
         except (RemoteDamaged, ValueError):
             name = "? (damaged)"

@@ -159,7 +159,7 @@ def _remote_cache(url: RemoteUrl | None, reporter: Reporter) -> RemoteCache | No
         return None
     from buildtrain.executor.remote import RemoteCache
 
-    return RemoteCache(url, reporter.say)
+    return RemoteCache(url, reporter.step)
 
 
 def _announce(
