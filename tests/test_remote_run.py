@@ -211,3 +211,35 @@ def test_a_bad_remote_is_one_line_and_exit_2(tmp_path: Path) -> None:
         done = bt_at(store, *args, env={"BT_REMOTE": ""})
         assert done.returncode == 2, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_lost_lease_stops_the_step(
+    tmp_path: Path, micro_built: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal that finds another holder's record stops the step (Marin #8107)."""
+    import time
+
+    from buildtrain.executor import remote as run_remote
+    from buildtrain.store.remote import leases
+    from buildtrain.store.remote.url import parse_url
+
+    (tmp_path / "remote").mkdir()
+    monkeypatch.setattr(run_remote, "LEASE_S", 0.6)
+    said: list[str] = []
+    cache = run_remote.RemoteCache(
+        parse_url(f"file://{tmp_path / 'remote'}"), lambda _, text: said.append(text)
+    )
+    stopped: list[bool] = []
+    cache.on_lost = lambda: stopped.append(True)
+    step = load_plan(Store(micro_built[0]), micro_built[1]).steps[1]
+    local = Store(tmp_path / "b" / ".bt")
+    with cache.building(local, step) as build:
+        assert build
+        top, mine = leases.current(cache.remote.backend, step.hash)
+        assert mine is not None and mine.holder == cache.holder
+        other = leases.Lease(
+            step=step.hash, generation=top + 1, holder="other", token="t", expires=time.time() + 60
+        )
+        assert leases._write(cache.remote.backend, other)
+        time.sleep(0.6)  # past a renewal (every third of the lease)
+    assert stopped == [True] and any("taken over by other" in line for line in said)

@@ -72,6 +72,7 @@ class RemoteCache:
         self._plans_pushed: set[str] = set()
         self.holder = leases.holder_id()
         self._lease: leases.Lease | None = None  # the newest renewal of the lease held
+        self.on_lost: Callable[[], None] = _stop_this_run
 
     @property
     def remote(self) -> Remote:
@@ -201,10 +202,16 @@ class RemoteCache:
                 self._lease = leases.renew(self.remote.backend, self._lease, LEASE_S)
             except leases.LeaseLost as exc:
                 self.say(step.label, str(exc))
-                os.kill(os.getpid(), signal.SIGTERM)
+                self.on_lost()
                 return
             except (BuildtrainError, OSError):
                 continue  # a passing network problem: try again at the next renewal
+
+
+def _stop_this_run() -> None:
+    """SIGTERM to this bt: `spawn` forwards it to the step process, which checkpoints and exits,
+    and the run ends as interrupted (exit 3); `bt run` again resumes."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 # -- bt push, bt pull, bt ls --remote ---------------------------------------------------------------
