@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -243,3 +244,39 @@ def test_a_lost_lease_stops_the_step(
         assert leases._write(cache.remote.backend, other)
         time.sleep(0.6)  # past a renewal (every third of the lease)
     assert stopped == [True] and any("taken over by other" in line for line in said)
+
+
+def test_a_train_step_killed_on_one_machine_resumes_on_another(
+    tmp_path: Path, micro_built: Reference
+) -> None:
+    """Store A pushes its checkpoints while training and is SIGKILLed after one reached the
+    remote; store B starts from that checkpoint and gets the bits of an uninterrupted build."""
+    import signal
+    import time
+
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    a, b = tmp_path / "a" / ".bt", tmp_path / "b" / ".bt"
+    plan = plan_hash(bt_at(a, "plan", str(MICRO)))
+    train = load_plan(Store(a), plan).steps[1].hash
+    env = {**os.environ, "BT_STORE": str(a), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    slow = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "run", plan, "--remote", url],
+        env={**env, "BT_TEST_STEP_DELAY": "0.4"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its step process too goes down with the group
+    )
+    checkpoints = tmp_path / "remote" / "work" / train
+    deadline = time.monotonic() + 120
+    while not any(checkpoints.glob("step-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(slow.pid, signal.SIGKILL)
+    slow.wait()
+    assert any(checkpoints.glob("step-*.json")), "no checkpoint reached the remote"
+    assert not Remote.open(url).has_output(train)
+    shutil.rmtree(tmp_path / "remote" / "leases")  # A's lease would expire in a minute: skip the wait
+    run = bt_at(b, "run", plan, "--remote", url)
+    assert run.returncode == 0, run.stderr
+    assert "resuming from step-" in run.stderr and "pulled from" in run.stderr
+    assert step_digests(b, plan) == micro_built[2]

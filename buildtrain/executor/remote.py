@@ -19,13 +19,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, ExitCode, RemoteDamaged, UsageError
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store import objects
+from buildtrain.store import layout, objects
 from buildtrain.store.remote import attest, leases
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl, parse_url
@@ -35,6 +37,8 @@ from buildtrain.store.store import Store
 # remote this often. A machine that dies while building delays the others by at most LEASE_S.
 LEASE_S = 60.0
 POLL_S = 0.5
+# A training step's checkpoint folder is looked at this often for a new checkpoint to push.
+CHECKPOINT_POLL_S = 1.0
 
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
 
@@ -145,7 +149,47 @@ class RemoteCache:
             yield False
             return
         with self.building(store, step) as build:
-            yield build
+            if not build or not kind_of(step.kind).resumable:
+                yield build
+                return
+            with self.checkpoints(store, step):
+                yield True
+
+    # -- checkpoints: resume anywhere ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def checkpoints(self, store: Store, step: Step) -> Iterator[None]:
+        """Around a resumable step's build: with no local checkpoint, start from the newest one on
+        the remote that verifies; while it runs, push each new checkpoint it keeps (from a thread
+        of this process: the step process never waits for the network)."""
+        folder = store.checkpoints_dir(step.hash)
+        if not _newest(folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
+            for problem in problems:
+                self.say(step.label, problem)
+            if pulled is not None:
+                self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
+        stop = threading.Event()
+        pusher = threading.Thread(target=self._push_checkpoints, args=(folder, step, stop), daemon=True)
+        pusher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            pusher.join()
+
+    def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
+        pushed: str | None = None
+        while not stop.wait(CHECKPOINT_POLL_S):
+            newest = _newest(folder)
+            if newest is None or newest.name == pushed:
+                continue
+            try:
+                self.remote.push_checkpoint(step.hash, newest)
+                pushed = newest.name
+            except (BuildtrainError, OSError, ValueError):
+                continue  # pruned or moved aside meanwhile, or a passing network problem
 
     def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
         """Push a step this run built; a failure or a conflict is one line, never a failed step."""
@@ -206,6 +250,12 @@ class RemoteCache:
                 return
             except (BuildtrainError, OSError):
                 continue  # a passing network problem: try again at the next renewal
+
+
+def _newest(folder: Path) -> Path | None:
+    """The newest finished checkpoint folder (`step-NNNNNN`; hidden ones are being written)."""
+    found = [path for _, path in layout.newest_first(folder.iterdir() if folder.is_dir() else ())]
+    return next((path for path in found if path.is_dir() and not path.is_symlink()), None)
 
 
 def _stop_this_run() -> None:
