@@ -126,14 +126,14 @@ def measure(name: str, remote: object, source: object, space: object, count: int
     ]
 
 
-def train_seconds(space: object, plan: str, serial: int, remote: str | None) -> float:
+def train_seconds(space: object, preset: list[str], serial: int, remote: str | None) -> float:
     """The train step's duration in a fresh store (and, with `remote`, a fresh prefix)."""
     import json
 
     records = space.path(f"records-{serial}")  # type: ignore[attr-defined]
     env = {"BT_REMOTE": f"{remote}/{serial}"} if remote else {}
     store = space.path(f"store-{serial}", ".bt")  # type: ignore[attr-defined]
-    space.run_bt("run", plan, "--progress", "off", store=store, experiments=records, env=env)  # type: ignore[attr-defined]
+    space.run_bt("run", *preset, "--progress", "off", store=store, experiments=records, env=env)  # type: ignore[attr-defined]
     summary = json.loads(next(records.glob("*/summary.json")).read_text())
     return next(step["duration_s"] for step in summary["steps"] if step["label"].startswith("train"))
 
@@ -141,8 +141,10 @@ def train_seconds(space: object, plan: str, serial: int, remote: str | None) -> 
 def measure_runs(space: object, remote: str, count: int, quick: bool) -> None:
     """`bt run` fully pulled against a local null build; training with and without a remote."""
     steps = 24 if quick else 96
-    plan = space.plan(MICRO, f"train.steps={steps}", "train.checkpoint_every=4")  # type: ignore[attr-defined]
+    sets = [f"train.steps={steps}", "train.checkpoint_every=4"]
+    preset = [str(MICRO), *(part for value in sets for part in ("--set", value))]
     built = space.path("built", ".bt")  # type: ignore[attr-defined]
+    plan = space.plan(MICRO, *sets, store=built)  # type: ignore[attr-defined]
     space.run_bt("run", plan, "--progress", "off", store=built)  # type: ignore[attr-defined]
     space.run_bt("push", plan, "--remote", f"{remote}/hits", store=built)  # type: ignore[attr-defined]
     serial = iter(range(10**6))
@@ -160,8 +162,8 @@ def measure_runs(space: object, remote: str, count: int, quick: bool) -> None:
     )
     trains = alternate(
         [
-            ("local", lambda: train_seconds(space, plan, next(serial), None)),
-            ("remote", lambda: train_seconds(space, plan, next(serial), f"{remote}/train")),
+            ("local", lambda: train_seconds(space, preset, next(serial), None)),
+            ("remote", lambda: train_seconds(space, preset, next(serial), f"{remote}/train")),
         ],
         count,
     )

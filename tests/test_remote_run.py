@@ -280,3 +280,16 @@ def test_a_train_step_killed_on_one_machine_resumes_on_another(
     assert run.returncode == 0, run.stderr
     assert "resuming from step-" in run.stderr and "pulled from" in run.stderr
     assert step_digests(b, plan) == micro_built[2]
+
+
+def test_a_remote_out_of_reach_is_one_warning_and_the_run_builds_locally(
+    tmp_path: Path, micro_built: Reference
+) -> None:
+    store = tmp_path / "a" / ".bt"
+    nowhere = f"file://{tmp_path / 'nowhere'}"
+    run = bt_at(store, "run", str(MICRO), "--remote", nowhere)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.count("is not a folder") == 1 and "building locally" in run.stderr
+    assert step_digests(store, micro_built[1]) == micro_built[2]
+    push = bt_at(store, "push", micro_built[1], "--remote", nowhere)
+    assert push.returncode == 1 and "push failed" in push.stderr and "Traceback" not in push.stderr

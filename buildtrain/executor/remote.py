@@ -29,6 +29,7 @@ from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import layout, objects
 from buildtrain.store.remote import attest, leases
+from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl, parse_url
 from buildtrain.store.store import Store
@@ -77,6 +78,7 @@ class RemoteCache:
         self.holder = leases.holder_id()
         self._lease: leases.Lease | None = None  # the newest renewal of the lease held
         self.on_lost: Callable[[], None] = _stop_this_run
+        self.offline = False  # the remote could not be reached: the rest of the run builds locally
 
     @property
     def remote(self) -> Remote:
@@ -144,8 +146,17 @@ class RemoteCache:
     @contextlib.contextmanager
     def turn(self, store: Store, step: Step) -> Iterator[bool]:
         """The caller holds the step's local lock and found no local output: pull it (yields
-        False: nothing to build), else yield True holding the remote lease while it builds."""
-        if self.pull(store, step):
+        False: nothing to build), else yield True holding the remote lease while it builds. A
+        remote that cannot be reached is one line, and the run goes on without it."""
+        try:
+            pulled = not self.offline and self.pull(store, step)
+        except RemoteUnavailable as exc:
+            self.say(step.label, f"warning: {exc}; building locally, without the remote, from here on")
+            self.offline, pulled = True, False
+        if self.offline:
+            yield True
+            return
+        if pulled:
             yield False
             return
         with self.building(store, step) as build:
@@ -193,6 +204,8 @@ class RemoteCache:
 
     def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
         """Push a step this run built; a failure or a conflict is one line, never a failed step."""
+        if self.offline:
+            return
         report = self.push(store, plan, step)
         if report.conflict:
             self.say(step.label, f"non-determinism: {report.conflict}; the remote's result was kept")
@@ -279,7 +292,7 @@ class Transfer:
 def push_plans(store: Store, plans: list[Plan], url: RemoteUrl) -> Transfer:
     """Push every built step of the plans (and the plans); exit 4 on non-determinism."""
     cache, done, problems = RemoteCache(url, lambda *_: None), [], []
-    code = ExitCode.OK
+    codes: list[int] = []
     for plan in plans:
         for step in plan.steps:
             if not store.has_output(step.hash):
@@ -288,15 +301,16 @@ def push_plans(store: Store, plans: list[Plan], url: RemoteUrl) -> Transfer:
             report = cache.push(store, plan, step)
             if report.conflict:
                 problems.append(f"{step.label}: non-determinism: {report.conflict}")
-                code = ExitCode.NOT_REPRODUCED
+                codes.append(ExitCode.NOT_REPRODUCED)
             elif report.failed:
                 problems.append(f"{step.label}: push failed: {report.failed}")
-                code = max(code, ExitCode.FAILED) if code != ExitCode.NOT_REPRODUCED else code
+                codes.append(ExitCode.FAILED)
             else:
                 done.append(
                     f"{plan.hash[:12]} {step.label}: pushed "
                     f"({report.uploaded} files, {report.bytes_uploaded / 1e6:.1f} MB uploaded)"
                 )
+    code = max(codes, default=ExitCode.OK)  # non-determinism (4) over a failed push (1)
     return Transfer(done=done, problems=problems, code=int(code))
 
 
