@@ -187,6 +187,9 @@ def test_ls_remote_attestations_and_verify_push(tmp_path: Path, micro_built: Ref
     accepted = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2")
     assert accepted.returncode == 0, accepted.stderr
     assert step_digests(b, plan) == micro_built[2]
+    again = bt_at(b, "push", plan, "--remote", url)  # pulled here: not one more build
+    assert again.returncode == 0, again.stderr
+    assert "on the remote, 2 of 2 builds agree" in bt_at(b, "show", plan, "--remote", url).stdout
 
 
 def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path) -> None:

@@ -114,8 +114,9 @@ def _add_push(command: Command) -> None:
         "Upload every built step of each PLAN, and the plan itself, to the remote: each file once "
         "(by its blake3), the step's manifest last, so a reader never sees half a step. A step the "
         "remote already holds with the same digests uploads nothing; one it holds with different "
-        "digests is non-determinism: reported, never overwritten (exit 4). Each push also records "
-        "this build as an attestation (bt show PLAN --remote counts them).",
+        "digests is non-determinism: reported, never overwritten (exit 4). Where the remote lacked "
+        "a step's result, the push records this build as an attestation (bt show PLAN --remote "
+        "counts them; a step pulled from the remote is not one more build of it).",
     )
     sub.add_argument("plans", nargs="+", metavar="PLAN", help="plans as bt run takes them")
     _add_remote(sub)

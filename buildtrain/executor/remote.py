@@ -107,15 +107,18 @@ class RemoteCache:
 
     # -- pushing ----------------------------------------------------------------------------------
 
-    def push(self, store: Store, plan: Plan, step: Step) -> PushReport:
-        """Push a built step (and its plan, once), then attest the build. Never raises for the
-        remote: a failure comes back in `failed`."""
+    def push(self, store: Store, plan: Plan, step: Step, *, built_here: bool = False) -> PushReport:
+        """Push a built step (and its plan, once), then attest the build: always when `built_here`
+        (a run built it, a verify reproduced it), else only when the remote did not already hold
+        this result (a store that pulled a step must not count as one more build of it). Never
+        raises for the remote: a failure comes back in `failed`."""
         try:
             if plan.hash not in self._plans_pushed:
                 self.remote.push_plan(plan.hash, canonical_bytes(plan.to_body()))
                 self._plans_pushed.add(plan.hash)
             pushed = self.remote.push_output(store, step.hash)
-            self.attest(store, step)
+            if built_here or pushed.manifest != "present":
+                self.attest(store, step)
         except (BuildtrainError, OSError, ValueError) as exc:
             return PushReport(step=step.label, failed=str(exc))
         return PushReport(
@@ -206,7 +209,7 @@ class RemoteCache:
         """Push a step this run built; a failure or a conflict is one line, never a failed step."""
         if self.offline:
             return
-        report = self.push(store, plan, step)
+        report = self.push(store, plan, step, built_here=True)
         if report.conflict:
             self.say(step.label, f"non-determinism: {report.conflict}; the remote's result was kept")
             event("remote_conflict", step=step.label, hash=step.hash, conflict=report.conflict)
@@ -382,7 +385,7 @@ def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> 
     for step in plan.steps:
         if step.label not in labels or not store.has_output(step.hash):
             continue
-        report = cache.push(store, plan, step)
+        report = cache.push(store, plan, step, built_here=True)
         if report.failed or report.conflict:
             lines.append(f"{step.label}: not attested: {report.failed or report.conflict}")
             continue
