@@ -192,21 +192,23 @@ def test_ls_remote_attestations_and_verify_push(tmp_path: Path, micro_built: Ref
     assert "on the remote, 2 of 2 builds agree" in bt_at(b, "show", plan, "--remote", url).stdout
 
 
-def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path) -> None:
+def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path, micro_built: Reference) -> None:
     store = tmp_path / ".bt"
     plain = plan_hash(bt_at(store, "plan", str(MICRO)))
     with_remote = plan_hash(bt_at(store, "plan", str(MICRO), env={"BT_REMOTE": "s3://team-bucket/bt"}))
     assert plain == with_remote
-    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
-    env.pop("BT_REMOTE", None)
-    timed = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "buildtrain", "plan", str(MICRO)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "buildtrain.store.remote" not in timed.stderr and "obstore" not in timed.stderr
+
+    def imported(*args: str, remote: str | None = None, at: Path = store) -> str:
+        env = {**os.environ, "BT_STORE": str(at), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+        env.pop("BT_REMOTE", None)
+        env.update({"BT_REMOTE": remote} if remote else {})
+        argv = [sys.executable, "-X", "importtime", "-m", "buildtrain", *args]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stderr
+
+    for stderr in (imported("plan", str(MICRO)), imported("run", micro_built[1], at=micro_built[0])):
+        assert "buildtrain.store.remote" not in stderr and "obstore" not in stderr
+    # With a remote, a null build never opens it: the S3 client stays unloaded.
+    assert "obstore" not in imported("run", micro_built[1], remote="s3://team-bucket/bt", at=micro_built[0])
 
 
 def test_a_bad_remote_is_one_line_and_exit_2(tmp_path: Path) -> None:
