@@ -69,6 +69,9 @@ def test_a_second_store_pulls_every_step_and_then_builds_nothing(
     assert run.returncode == 0, run.stderr
     assert "0 executed, 4 pulled, 0 cached" in run.stderr
     assert step_digests(b, plan) == micro_built[2]
+    entries = {path.name for path in (b / "evals").glob("*.json")}
+    assert entries and entries == {path.name for path in (a / "evals").glob("*.json")}  # with their steps
+    assert bt_at(b, "fsck").returncode == 0  # what was pulled is a store like any other
     again = bt_at(b, "run", plan, "--remote", remote)
     assert "0 executed, 4 cached" in again.stderr
     records = summaries(b.parent / "experiments")

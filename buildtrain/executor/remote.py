@@ -27,7 +27,7 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, ExitCode, RemoteDamaged, UsageError
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store import layout, objects
+from buildtrain.store import evals, layout, objects
 from buildtrain.store.remote import attest, leases
 from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
@@ -103,7 +103,24 @@ class RemoteCache:
             store.quarantine(step.hash)
             self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
             return False
+        self._pull_entry(store, step)
         return True
+
+    def _pull_entry(self, store: Store, step: Step) -> None:
+        """An evaluation's cache entry comes with its step (other plans here then reuse it); a
+        damaged or foreign one is named and left out (the step's own output is what counts)."""
+        key = evals.key_of_output(store.output(step.hash))
+        if key is None or evals.entry_problem(store.eval_path(key), key)[0] is not None:
+            return
+        try:
+            raw = self.remote.pull_eval(key, lambda raw: _entry_check(key, raw))
+        except RemoteDamaged as exc:
+            self.say(step.label, str(exc))
+            return
+        if raw is not None:
+            if os.path.lexists(store.eval_path(key)):
+                store.set_aside(store.eval_path(key))
+            store.replace_file(store.eval_path(key), raw)
 
     # -- pushing ----------------------------------------------------------------------------------
 
@@ -117,6 +134,9 @@ class RemoteCache:
                 self.remote.push_plan(plan.hash, canonical_bytes(plan.to_body()))
                 self._plans_pushed.add(plan.hash)
             pushed = self.remote.push_output(store, step.hash)
+            key = evals.key_of_output(store.output(step.hash))  # an evaluation's cache entry
+            if key is not None and evals.entry_problem(store.eval_path(key), key)[0] is not None:
+                self.remote.push_eval(key, store.eval_path(key).read_bytes())
             if built_here or pushed.manifest != "present":
                 self.attest(store, step)
         except (BuildtrainError, OSError, ValueError) as exc:
@@ -266,6 +286,18 @@ class RemoteCache:
                 return
             except (BuildtrainError, OSError):
                 continue  # a passing network problem: try again at the next renewal
+
+
+def _entry_check(key: str, raw: bytes) -> str | None:
+    """Whether bytes from the remote are the sealed evaluation entry of `key` (None: they are)."""
+    import json
+
+    try:
+        entry = json.loads(raw)
+        body = {"identity": entry["identity"], "result": entry["result"]}
+        return None if evals.seal_entry(key, body) == raw else "it does not match its seal or key"
+    except (ValueError, KeyError, TypeError):
+        return "not an evaluation entry"
 
 
 def _newest(folder: Path) -> Path | None:
