@@ -301,3 +301,19 @@ def test_a_remote_out_of_reach_is_one_warning_and_the_run_builds_locally(
     assert step_digests(store, micro_built[1]) == micro_built[2]
     push = bt_at(store, "push", micro_built[1], "--remote", nowhere)
     assert push.returncode == 1 and "push failed" in push.stderr and "Traceback" not in push.stderr
+
+
+def test_no_wait_refuses_a_step_leased_on_the_remote(tmp_path: Path) -> None:
+    from buildtrain.store.remote import leases
+
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    a = tmp_path / "a" / ".bt"
+    plan = plan_hash(bt_at(a, "plan", str(MICRO)))
+    data = load_plan(Store(a), plan).steps[0].hash
+    held = leases.take(Remote.open(url).backend, data, "elsewhere:1:abc", 60)
+    assert held.holder == "elsewhere:1:abc"
+    run = bt_at(a, "run", plan, "--remote", url, "--no-wait")
+    assert run.returncode == 7, run.stderr
+    assert "elsewhere:1:abc is building this step (remote lease" in run.stderr
+    assert not Store(a).has_output(data)

@@ -90,7 +90,7 @@ class Builder:
         """Without a remote: build. With one: pull, or build holding the remote lease."""
         if self.remote is None:
             return contextlib.nullcontext(True)
-        return self.remote.turn(self.store, step)
+        return self.remote.turn(self.store, step, wait=self.wait)
 
     def _found_complete(self, step: Step, started: float) -> StepResult | None:
         """Holding the lock: the output another run built meanwhile, or one the kind completes

@@ -24,7 +24,7 @@ from pathlib import Path
 import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.errors import BuildtrainError, ExitCode, RemoteDamaged, UsageError
+from buildtrain.errors import BuildtrainError, ExitCode, Locked, RemoteDamaged, UsageError
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
@@ -167,7 +167,7 @@ class RemoteCache:
     # -- a step's turn -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def turn(self, store: Store, step: Step) -> Iterator[bool]:
+    def turn(self, store: Store, step: Step, *, wait: bool = True) -> Iterator[bool]:
         """The caller holds the step's local lock and found no local output: pull it (yields
         False: nothing to build), else yield True holding the remote lease while it builds. A
         remote that cannot be reached is one line, and the run goes on without it."""
@@ -182,7 +182,7 @@ class RemoteCache:
         if pulled:
             yield False
             return
-        with self.building(store, step) as build:
+        with self.building(store, step, wait=wait) as build:
             if not build or not kind_of(step.kind).resumable:
                 yield build
                 return
@@ -242,9 +242,10 @@ class RemoteCache:
     # -- leases -----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def building(self, store: Store, step: Step) -> Iterator[bool]:
+    def building(self, store: Store, step: Step, *, wait: bool = True) -> Iterator[bool]:
         """Hold the remote lease on a step while the caller builds it. Yields False when, while
-        waiting for another builder's lease, its result arrived and was pulled (nothing to build)."""
+        waiting for another builder's lease, its result arrived and was pulled (nothing to build);
+        without `wait` (`--no-wait`), another builder's lease raises Locked (exit 7)."""
         backend, waiting = self.remote.backend, False
         while True:
             lease = leases.take(backend, step.hash, self.holder, LEASE_S)
@@ -257,6 +258,11 @@ class RemoteCache:
                 return
             if mine:
                 break
+            if not wait:
+                raise Locked(
+                    f"{step.label}: {lease.holder} is building this step (remote lease on {self.url}); "
+                    "run again without --no-wait to wait for it and pull its result"
+                )
             if not waiting:
                 self.say(step.label, f"waiting: {lease.holder} is building this step (remote lease)")
                 waiting = True
