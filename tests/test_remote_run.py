@@ -187,6 +187,12 @@ def test_ls_remote_attestations_and_verify_push(tmp_path: Path, micro_built: Ref
     assert "train:main: attested on" in verify.stderr and "(2 of 2 builds agree)" in verify.stderr
     show = bt_at(store, "show", plan, "--remote", url)
     assert "train:main" in show.stdout and "on the remote, 2 of 2 builds agree" in show.stdout
+    shown = json.loads(bt_at(store, "show", plan, "--remote", url, "--json").stdout)
+    assert [(row["label"], row["agreeing"], row["builds"]) for row in shown["steps"]][1] == (
+        "train:main",
+        2,
+        2,
+    )
     accepted = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2")
     assert accepted.returncode == 0, accepted.stderr
     assert step_digests(b, plan) == micro_built[2]

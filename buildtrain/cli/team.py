@@ -102,8 +102,19 @@ def show_remote(args: argparse.Namespace, plan: Plan) -> int:
     url = remote_of(args, required=True)
     assert url is not None
     rows = remote_status(plan, url)
-    width = max(len(step.label) for step, _ in rows)
+    if args.json:
+        import json
+
+        import attrs
+
+        print(
+            json.dumps(
+                {"plan": plan.hash, "remote": str(url), "steps": [attrs.asdict(r) for r in rows]}, indent=2
+            )
+        )
+        return ExitCode.OK
+    width = max(len(row.label) for row in rows)
     print(f"plan {plan.hash[:12]} '{plan.name}' on {url}")
-    for step, text in rows:
-        print(f"  {step.label:<{width}}  {step.hash[:12]}  {text}")
+    for row in rows:
+        print(f"  {row.label:<{width}}  {row.hash[:12]}  {row}")
     return ExitCode.OK

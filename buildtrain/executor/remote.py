@@ -432,21 +432,46 @@ def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> 
     return lines
 
 
-def remote_status(plan: Plan, url: RemoteUrl) -> list[tuple[Step, str]]:
+@attrs.frozen(kw_only=True)
+class StepOnRemote:
+    """What a remote holds of one step, for `bt show PLAN --remote`."""
+
+    label: str
+    hash: str
+    on_remote: bool
+    agreeing: int  # recorded builds whose digests are the remote output's
+    builds: int  # recorded builds, agreeing or not
+    disagreements: list[str]  # non-determinism: each digest on which recorded builds differ
+    damaged: int  # attestations that do not verify (not counted)
+
+    def __str__(self) -> str:
+        text = (
+            f"on the remote, {self.agreeing} of {self.builds} builds agree"
+            if self.on_remote
+            else "not on the remote"
+        )
+        for line in self.disagreements:
+            text += f"; {line}"
+        return text + (f"; {self.damaged} damaged attestation(s) not counted" if self.damaged else "")
+
+
+def remote_status(plan: Plan, url: RemoteUrl) -> list[StepOnRemote]:
     """Per step: on the remote or not, and how many recorded builds agree with its output."""
-    cache, rows = RemoteCache(url, lambda *_: None), []
+    remote, rows = Remote.open(url), []
     for step in plan.steps:
-        digests = cache.remote.output_digests(step.hash)
-        records, problems = attest.attestations(cache.remote.backend, step.hash)
-        if digests is None:
-            text = "not on the remote"
-        else:
-            text = f"on the remote, {attest.agreeing(records, digests)} of {len(records)} builds agree"
-        for disagreement in attest.disagreements(records):
-            text += f"; {disagreement}"
-        if problems:
-            text += f"; {len(problems)} damaged attestation(s) not counted"
-        rows.append((step, text))
+        digests = remote.output_digests(step.hash)
+        records, problems = attest.attestations(remote.backend, step.hash)
+        rows.append(
+            StepOnRemote(
+                label=step.label,
+                hash=step.hash,
+                on_remote=digests is not None,
+                agreeing=attest.agreeing(records, digests) if digests is not None else 0,
+                builds=len(records),
+                disagreements=[str(found) for found in attest.disagreements(records)],
+                damaged=len(problems),
+            )
+        )
     return rows
 
 
