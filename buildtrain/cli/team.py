@@ -12,7 +12,7 @@ from buildtrain.cli.commands import err, store_of
 from buildtrain.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:
-    from buildtrain.executor.remote import Transfer
+    from buildtrain.executor.transfer import Transfer
     from buildtrain.plan.plan import Plan
     from buildtrain.store.remote.url import RemoteUrl
     from buildtrain.store.store import Store
@@ -47,7 +47,7 @@ def _plans(args: argparse.Namespace, store: Store, url: RemoteUrl | None = None)
 def fetch_plans(refs: list[str], store: Store, url: RemoteUrl) -> None:
     """Fetch each full plan hash among `refs` that the store lacks from the remote (checked
     against the hash), so a colleague's `bt run HASH` works from the hash alone."""
-    from buildtrain.executor.remote import remote_plan
+    from buildtrain.executor.transfer import remote_plan
     from buildtrain.store.remote import keys
 
     for ref in refs:
@@ -64,7 +64,7 @@ def _said(command: str, transfer: Transfer) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from buildtrain.executor.remote import push_plans
+    from buildtrain.executor.transfer import push_plans
 
     store, url = store_of(args), remote_of(args, required=True)
     assert url is not None
@@ -72,7 +72,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from buildtrain.executor.remote import pull_plans
+    from buildtrain.executor.transfer import pull_plans
 
     store, url = store_of(args), remote_of(args, required=True)
     assert url is not None
@@ -83,7 +83,7 @@ def ls_remote(args: argparse.Namespace) -> int:
     """`bt ls --remote`: the plans the remote holds, one `HASH  NAME` line each."""
     import json
 
-    from buildtrain.executor.remote import remote_plans
+    from buildtrain.executor.transfer import remote_plans
 
     url = remote_of(args, required=True)
     assert url is not None
@@ -97,7 +97,7 @@ def ls_remote(args: argparse.Namespace) -> int:
 
 def show_remote(args: argparse.Namespace, plan: Plan) -> int:
     """`bt show PLAN --remote`: per step, whether the remote holds it and how many builds agree."""
-    from buildtrain.executor.remote import remote_status
+    from buildtrain.executor.transfer import remote_status
 
     url = remote_of(args, required=True)
     assert url is not None
