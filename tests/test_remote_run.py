@@ -323,3 +323,31 @@ def test_no_wait_refuses_a_step_leased_on_the_remote(tmp_path: Path) -> None:
     assert run.returncode == 7, run.stderr
     assert "elsewhere:1:abc is building this step (remote lease" in run.stderr
     assert not Store(a).has_output(data)
+
+
+def test_a_sweep_split_between_two_stores_is_then_built_on_both(tmp_path: Path) -> None:
+    """A 2x2 sweep: store A builds two points, store B the other two, both against one remote;
+    then each runs all four with nothing executed, and a second time as a null build."""
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    a, b = tmp_path / "a" / ".bt", tmp_path / "b" / ".bt"
+    axes = ["--sweep", "train.lr=1e-3,3e-3", "--sweep", "train.steps=4,8"]
+    planned = bt_at(a, "plan", str(MICRO), *axes)
+    points = planned.stdout.split()
+    assert planned.returncode == 0 and len(points) == 4, planned.stderr
+    assert bt_at(b, "plan", str(MICRO), *axes).stdout.split() == points  # each has the preset
+    for store, half in ((a, points[:2]), (b, points[2:])):
+        done = bt_at(store, "run", *half, "--remote", url)
+        assert done.returncode == 0, done.stderr
+    for store in (a, b):
+        every = bt_at(store, "run", *points, "--remote", url)
+        assert every.returncode == 0, every.stderr
+        assert "0 executed" in every.stderr and "distinct steps" in every.stderr
+        assert all(record["executed"] == 0 for record in summaries(store.parent / "experiments")[-4:])
+        again = bt_at(store, "run", *points, "--remote", url)
+        assert all(
+            set(actions(r).values()) == {"cached"} for r in summaries(store.parent / "experiments")[-4:]
+        )
+        assert again.returncode == 0
+    digests = [step_digests(store, point) for store in (a, b) for point in points]
+    assert digests[:4] == digests[4:]
