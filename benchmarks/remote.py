@@ -8,6 +8,11 @@ piece hashed as it is written, each file fsynced, the assembled folder re-hashed
 library on the same 8 threads into plain files (obstore `get` for S3, a file copy for the folder;
 no hashing, no fsync). Reports medians and the ratio raw time / pull time (goal: >= 0.8x).
 
+Then, with `bt` itself against the same SeaweedFS: the wall time of a `bt run` whose every step is
+pulled from the remote (a fresh store) against a local null build of the same plan; and the train
+step's time with a remote (checkpoints pushed as it trains, lease held, output pushed) against
+the same training without one, each in a fresh store and a fresh prefix (goal: <= 5% more).
+
 Run: python benchmarks/remote.py [--quick]
 """
 
@@ -46,6 +51,8 @@ import seaweed  # noqa: E402  (the tests' SeaweedFS helper: free ports, 127.0.0.
 GOAL = 0.8
 FILE_MB = 4
 STEP = "be" * 32  # the output's step hash: any 64 hex digits
+MICRO = REPO / "tests" / "presets" / "micro.toml"
+PUSH_GOAL = 0.05
 
 
 def make_output(store: object, total_mb: int) -> None:
@@ -119,6 +126,72 @@ def measure(name: str, remote: object, source: object, space: object, count: int
     ]
 
 
+def train_seconds(space: object, preset: list[str], serial: int, remote: str | None) -> float:
+    """The train step's duration in a fresh store (and, with `remote`, a fresh prefix)."""
+    import json
+
+    records = space.path(f"records-{serial}")  # type: ignore[attr-defined]
+    env = {"BT_REMOTE": f"{remote}/{serial}"} if remote else {}
+    store = space.path(f"store-{serial}", ".bt")  # type: ignore[attr-defined]
+    space.run_bt("run", *preset, "--progress", "off", store=store, experiments=records, env=env)  # type: ignore[attr-defined]
+    summary = json.loads(next(records.glob("*/summary.json")).read_text())
+    return next(step["duration_s"] for step in summary["steps"] if step["label"].startswith("train"))
+
+
+def measure_runs(space: object, remote: str, count: int, quick: bool) -> None:
+    """`bt run` fully pulled against a local null build; training with and without a remote."""
+    steps = 24 if quick else 96
+    sets = [f"train.steps={steps}", "train.checkpoint_every=4"]
+    preset = [str(MICRO), *(part for value in sets for part in ("--set", value))]
+    built = space.path("built", ".bt")  # type: ignore[attr-defined]
+    plan = space.plan(MICRO, *sets, store=built)  # type: ignore[attr-defined]
+    space.run_bt("run", plan, "--progress", "off", store=built)  # type: ignore[attr-defined]
+    space.run_bt("push", plan, "--remote", f"{remote}/hits", store=built)  # type: ignore[attr-defined]
+    serial = iter(range(10**6))
+
+    def pulled() -> float:
+        store = space.path(f"pulled-{next(serial)}", ".bt")  # type: ignore[attr-defined]
+        return space.run_bt("run", plan, "--progress", "off", "--remote", f"{remote}/hits", store=store)[0]  # type: ignore[attr-defined]
+
+    runs = alternate(
+        [
+            ("pulled", pulled),
+            ("null", lambda: space.run_bt("run", plan, "--progress", "off", store=built)[0]),
+        ],  # type: ignore[attr-defined]
+        count,
+    )
+    trains = alternate(
+        [
+            ("local", lambda: train_seconds(space, preset, next(serial), None)),
+            ("remote", lambda: train_seconds(space, preset, next(serial), f"{remote}/train")),
+        ],
+        count,
+    )
+    local, pushed = median(trains["local"]), median(trains["remote"])
+    print_table(
+        f"bt run against the remote (micro, {steps} updates, a checkpoint every 4), medians of {count} rounds",
+        ["what", "median", "spread"],
+        [
+            [
+                "bt run, every step pulled (fresh store)",
+                fmt_seconds(median(runs["pulled"])),
+                fmt_spread(runs["pulled"]),
+            ],
+            ["bt run, local null build", fmt_seconds(median(runs["null"])), fmt_spread(runs["null"])],
+            ["train step, no remote", fmt_seconds(local), fmt_spread(trains["local"])],
+            ["train step, remote (checkpoints pushed)", fmt_seconds(pushed), fmt_spread(trains["remote"])],
+        ],
+    )
+    overhead = pushed / local - 1
+    print_goals(
+        [
+            goal_line(
+                f"push overhead on training <= {PUSH_GOAL:.0%}", overhead <= PUSH_GOAL, f"{overhead:+.1%}"
+            )
+        ]
+    )
+
+
 def main() -> None:
     parser = make_parser(__doc__)
     args = parser.parse_args()
@@ -137,6 +210,7 @@ def main() -> None:
         with seaweed.running(space.path("seaweed")) as server:
             os.environ.update(server.env())
             rows.append(measure("s3 (SeaweedFS)", Remote.open(server.url("bench")), source, space, count))
+            measure_runs(space, server.url("runs"), count, args.quick)
         folder = space.path("shared")
         folder.mkdir()
         rows.append(measure("file:// (shared folder)", Remote.open(f"file://{folder}"), source, space, count))

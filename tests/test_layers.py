@@ -144,6 +144,7 @@ ENTRY_POINTS = {
         "buildtrain.executor.batch",
         "buildtrain.executor.launch",
         "buildtrain.executor.deliver",
+        "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
     ),
 }
 NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import ExitCode, Interrupted, UsageError
 from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
@@ -99,6 +99,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = store_of(args)
     launch = _launch(args)
     warn_threads(args)
+    from buildtrain.cli.team import fetch_plans, remote_of
+
+    url = remote_of(args)
+    if url is not None:  # a plan hash planned elsewhere comes with its steps
+        fetch_plans(args.plan, store, url)
     targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
     def options_for(threads: int) -> RunOptions:
@@ -115,6 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
+    from buildtrain.cli.team import remote_of
     from buildtrain.executor.run import RunOptions
 
     return RunOptions(
@@ -125,6 +131,7 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
         log_every=args.log_every,
         target=args.target,
         launch=launch,
+        remote=remote_of(args),
     )
 
 
@@ -156,6 +163,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         launch=_launch(args),
     )
     built = all(store.has_output(step.hash) for step in plan.steps)
+    if args.push:  # a bad or missing remote is refused before the re-execution, not after it
+        from buildtrain.cli.team import remote_of
+
+        remote_of(args, required=True)
     try:
         verification = verify_plan(
             store, plan, options, notify=err, on_verdict=lambda verdict: err(verdict_line(verdict))
@@ -170,9 +181,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         ) from None
     for line in verification_summary(verification):
         err(line)
+    if args.push:
+        _attest(args, store, plan, verification)
     if args.json:
         print(json.dumps(verification.as_json(), indent=2))
     return verification.exit_code
+
+
+def _attest(args: argparse.Namespace, store: Store, plan: Plan, verification: Any) -> None:
+    """`bt verify --push`: attest on the remote each step this verification reproduced."""
+    from buildtrain.cli.team import remote_of
+    from buildtrain.executor.transfer import attest_plan
+
+    url = remote_of(args, required=True)
+    assert url is not None
+    reproduced = [verdict.label for verdict in verification.with_status("reproduced")]
+    for line in attest_plan(store, plan, url, reproduced):
+        err(line)
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import typing
 from collections.abc import Callable
 
 from buildtrain import __version__
-from buildtrain.cli import commands, queries
+from buildtrain.cli import commands, queries, team
 from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
 
@@ -17,6 +17,8 @@ exit codes:
   1  a step failed (NaN, OOM)     5  corrupt object in the store (bt fsck)
   2  usage or preset error        6  plan compiled for another toolchain or machine
   3  interrupted, resumable       7  step locked by another bt (with --no-wait)
+  (bt push: 4 when the remote holds a different result: non-determinism; bt pull: 4 when a step
+   has fewer agreeing builds than --min-attestations, 5 when the remote's copy is damaged)
 
 examples:
   bt run $(bt plan presets/tiny.toml)
@@ -25,6 +27,7 @@ examples:
   bt verify 3fa9c1 --resume-at 50,120
   bt run 3fa9c1 --nproc 2                   (train on 2 processes through torchrun)
   bt verify 3fa9c1 --nproc 2                (re-execute at another world size and compare)
+  bt run 3fa9c1 --remote s3://team/bt       (pull what a colleague built, push what is built here)
 """
 
 
@@ -82,7 +85,70 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(command)
     _add_gc(command)
     _add_export(command)
+    _add_push(command)
+    _add_pull(command)
     return parser
+
+
+REMOTE_HELP = (
+    "a team cache: s3://bucket/prefix (credentials and endpoint from AWS_ACCESS_KEY_ID, "
+    "AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL) or file:///shared/folder "
+    "(default: $BT_REMOTE); never part of any hash"
+)
+
+
+def _add_remote(
+    sub: argparse.ArgumentParser, help_text: str = REMOTE_HELP, *, optional: bool = False
+) -> None:
+    """--remote URL; `optional`: the URL may be left out (`bt ls --remote` then uses $BT_REMOTE)."""
+    if optional:
+        sub.add_argument("--remote", nargs="?", const="", metavar="URL", help=help_text)
+    else:
+        sub.add_argument("--remote", metavar="URL", help=help_text)
+
+
+def _add_push(command: Command) -> None:
+    sub = command(
+        "push",
+        "upload built steps of plans to a remote (team cache)",
+        "Upload every built step of each PLAN, and the plan itself, to the remote: each file once "
+        "(by its blake3), the step's manifest last, so a reader never sees half a step. A step the "
+        "remote already holds with the same digests uploads nothing; one it holds with different "
+        "digests is non-determinism: reported, never overwritten (exit 4). Where the remote lacked "
+        "a step's result, the push records this build as an attestation (bt show PLAN --remote "
+        "counts them; a step pulled from the remote is not one more build of it).",
+    )
+    sub.add_argument("plans", nargs="+", metavar="PLAN", help="plans as bt run takes them")
+    _add_remote(sub)
+    sub.set_defaults(func=team.cmd_push)
+
+
+def _add_pull(command: Command) -> None:
+    sub = command(
+        "pull",
+        "download the steps of plans from a remote (team cache)",
+        "Download every step of each PLAN that this store lacks from the remote. Every byte is "
+        "checked against its blake3 and the manifest against the step hash it was found under "
+        "before anything is kept; a damaged, missing or foreign object is named and nothing of it "
+        "is kept (exit 5). A full plan hash this store does not know is fetched from the remote "
+        "first. Exit 1 when a step is not on the remote (bt run builds it).",
+    )
+    sub.add_argument(
+        "plans",
+        nargs="+",
+        metavar="PLAN",
+        help="plans as bt run takes them, or a full hash from bt ls --remote",
+    )
+    sub.add_argument(
+        "--min-attestations",
+        type=positive,
+        default=0,
+        metavar="N",
+        help="pull a step only when at least N recorded independent builds agree with the remote's "
+        "output (bt verify PLAN --push and every push add one); else exit 4",
+    )
+    _add_remote(sub)
+    sub.set_defaults(func=team.cmd_pull)
 
 
 def _add_plan(command: Command) -> None:
@@ -170,6 +236,12 @@ def _add_run(command: Command) -> None:
         metavar="N",
         help="log a training line every N steps (default 10)",
     )
+    _add_remote(
+        sub,
+        "a team cache (default: $BT_REMOTE): a step not in this store is pulled from it when it is "
+        "there (every byte checked), else built here while holding its lease on the remote and "
+        "then pushed; s3://bucket/prefix (AWS_* variables) or file:///shared/folder; never part of any hash",
+    )
     add_world_size(sub, rendezvous=True)
     sub.set_defaults(func=commands.cmd_run)
 
@@ -204,6 +276,13 @@ def _add_verify(command: Command) -> None:
         metavar="DIR",
         help="where the record of a first build goes (default: $BT_EXPERIMENTS or ./experiments)",
     )
+    sub.add_argument(
+        "--push",
+        action="store_true",
+        help="attest each step it reproduced on the remote (--remote or $BT_REMOTE): one more "
+        "independent build that agrees, which bt pull --min-attestations counts",
+    )
+    _add_remote(sub)
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_verify)
 
@@ -237,6 +316,12 @@ def _add_show(command: Command) -> None:
         action="store_true",
         help="for each output, the chain of steps, inputs and toolchain that produced it, down to the "
         "source files' digests",
+    )
+    _add_remote(
+        sub,
+        "per step: whether the remote (URL, or $BT_REMOTE when left out) holds it and how many "
+        "recorded independent builds agree with it; disagreeing builds are named (non-determinism)",
+        optional=True,
     )
     sub.set_defaults(func=queries.cmd_show)
 
@@ -298,6 +383,9 @@ def _add_ls(command: Command) -> None:
         metavar="COLUMN",
         help="sort the results table by a column (train_loss, heldout_loss, bits_per_token, "
         "tokens_per_s, wall_s, name, created, or a differing key such as train.lr); --sort=-COLUMN: descending",
+    )
+    _add_remote(
+        sub, "list the plans a remote holds instead (URL, or $BT_REMOTE when left out)", optional=True
     )
     sub.set_defaults(func=queries.cmd_ls)
 

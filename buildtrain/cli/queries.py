@@ -23,6 +23,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     plan = load_plan(store, args.plan)
+    if args.remote is not None:
+        from buildtrain.cli.team import show_remote
+
+        return show_remote(args, plan)
     if args.lineage:
         from buildtrain.views.lineage import lineage, lineage_text
 
@@ -78,6 +82,10 @@ def output_width() -> int | None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.remote is not None:
+        from buildtrain.cli.team import ls_remote
+
+        return ls_remote(args)
     store = store_of(args)
     hashes = selected_plans(args, store)
     if args.metrics or args.sort:

@@ -4,10 +4,11 @@ step on ranks joined."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -22,6 +23,9 @@ from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.executor.remote import RemoteCache
 
 
 def damaged_inputs(store: Store, plan: Plan, step: Step) -> list[Step]:
@@ -48,6 +52,7 @@ class Builder:
     launch: Launch
     wait: bool = True
     processes: StepProcesses | None = None  # workers shared between steps (and plans)
+    remote: RemoteCache | None = None  # a team cache: pull before building, push what was built
 
     def build(self, step: Step) -> StepResult:
         """A cache hit when the step's output verifies; else, under the step's lock, set aside
@@ -63,7 +68,12 @@ class Builder:
                 if done is not None:
                     return done
                 try:
-                    self._compute(step, lock_fd)
+                    with self._turn(step) as build:
+                        if not build:
+                            return self._result(step, started, "pulled", f"from {self.remote.url}")  # type: ignore[union-attr]
+                        self._compute(step, lock_fd)
+                        if self.remote is not None:  # holding the lease: a waiter then pulls it
+                            self.remote.report_push(self.store, self.plan, step, self.record.event)
                     return self._result(step, started, "executed")
                 except CorruptObject:
                     damaged = damaged_inputs(self.store, self.plan, step) if attempt == 1 else []
@@ -75,6 +85,12 @@ class Builder:
                 self.record.event("input_damaged", step=step.label, input=upstream.label, hash=upstream.hash)
                 self.build(upstream)
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _turn(self, step: Step) -> contextlib.AbstractContextManager[bool]:
+        """Without a remote: build. With one: pull, or build holding the remote lease."""
+        if self.remote is None:
+            return contextlib.nullcontext(True)
+        return self.remote.turn(self.store, step, wait=self.wait)
 
     def _found_complete(self, step: Step, started: float) -> StepResult | None:
         """Holding the lock: the output another run built meanwhile, or one the kind completes

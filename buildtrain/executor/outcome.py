@@ -20,8 +20,8 @@ class StepResult:
 
     label: str
     hash: str
-    action: str = attrs.field(validator=attrs.validators.in_(("executed", "cached", "joined")))
-    detail: str = ""  # why it was a cache hit ("built by another run", ...)
+    action: str = attrs.field(validator=attrs.validators.in_(("executed", "cached", "pulled", "joined")))
+    detail: str = ""  # why it was a cache hit ("built by another run", "from s3://...", ...)
     duration_s: float = 0.0
     digests: Mapping[str, str] = attrs.Factory(dict)  # of its sealed output (none where joined)
 

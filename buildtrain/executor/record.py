@@ -4,7 +4,7 @@ config.json     the resolved config the plan was compiled from (and the preset i
 plan.json       the plan snapshot
 train.log       every event as a JSON line (executor and step processes alike)
 metrics.jsonl   training and evaluation metrics, one JSON line each
-summary.json    per step: cache hit or executed, duration, output digests; and the outcome
+summary.json    per step: cache hit, pulled from a remote or executed, duration, output digests; and the outcome
 events.out.tfevents.*  the same training and evaluation scalars for TensorBoard (executor/events.py)
 """
 
@@ -95,6 +95,7 @@ class RunRecord:
             "duration_s": round(duration, 3),
             "executed": sum(s.action == "executed" for s in self.steps),
             "cached": sum(s.action == "cached" for s in self.steps),
+            "pulled": sum(s.action == "pulled" for s in self.steps),  # from a remote (team cache)
             "joined": sum(s.action == "joined" for s in self.steps),  # trained with node 0
             "steps": [attrs.asdict(s) for s in self.steps],
             "pid": os.getpid(),

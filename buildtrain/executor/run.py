@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -33,6 +33,10 @@ from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
 
+if TYPE_CHECKING:
+    from buildtrain.executor.remote import RemoteCache
+    from buildtrain.store.remote.url import RemoteUrl
+
 
 @attrs.frozen(kw_only=True)
 class RunOptions:
@@ -43,6 +47,7 @@ class RunOptions:
     log_every: int = 10
     target: str | None = None  # build only this step (by label) and what it needs
     launch: Launch = SINGLE_PROCESS  # processes for the train steps (torchrun when more than one)
+    remote: RemoteUrl | None = None  # a team cache (never part of a hash: where, not what)
 
 
 def with_inputs(steps: list[Step], wanted: set[str]) -> list[Step]:
@@ -114,6 +119,7 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
         launch=launch,
         wait=options.wait,
         processes=processes,
+        remote=_remote_cache(options.remote, reporter),
     )
     try:
         with signals_interrupt(plan), store.running(plan.hash):
@@ -139,11 +145,21 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
             counts = collections.Counter(s.action for s in record.steps)
             done = ", ".join(
                 f"{counts[action]} {action}"
-                for action in ("executed", "joined", "cached")
-                if counts[action] or action != "joined"
+                for action in ("executed", "joined", "pulled", "cached")
+                if counts[action] or action not in ("joined", "pulled")
             )
             reporter.say(f"done in {duration:.1f}s: {done}; record: {record.folder}")
     return code
+
+
+def _remote_cache(url: RemoteUrl | None, reporter: Reporter) -> RemoteCache | None:
+    """The run's team cache, imported only when a remote is set (a run without one loads nothing
+    of it, and a run with one opens it only when a step is not in the local store)."""
+    if url is None:
+        return None
+    from buildtrain.executor.remote import RemoteCache
+
+    return RemoteCache(url, reporter.step)
 
 
 def _announce(

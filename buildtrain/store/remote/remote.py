@@ -86,6 +86,15 @@ class Remote:
     def has_output(self, step_hash: str) -> bool:
         return self.backend.exists(keys.step(step_hash)) is not None
 
+    def output_digests(self, step_hash: str) -> dict[str, str] | None:
+        """The logical digests the remote's manifest of a step declares (what attestations
+        count), or None when there is none or it is damaged or foreign (a pull names which)."""
+        try:
+            body = objects.parse_manifest(self.backend.get(keys.step(step_hash)))
+        except (ObjectMissing, ValueError):
+            return None
+        return dict(body["digests"]) if body.get("name") == step_hash else None
+
     def push_output(self, store: Store, step_hash: str) -> Pushed:
         """Upload a sealed output of the local store (checked first: damage is never pushed)."""
         problems = store.check_output(step_hash)

@@ -1,0 +1,306 @@
+"""A run's side of the team cache: pull a step from the remote instead of building it, push what
+was built, hold the remote lease while building, attest builds; and `bt push`/`bt pull` by hand.
+
+The remote is opened on first use only, so a null build with `--remote` never loads the S3
+client, and nothing here is imported without a remote. A remote never decides a result: every
+pulled byte is checked by the library (`store/remote/remote.py`) and re-hashed by the store
+before its first use; a damaged or foreign object is named and the step is built locally; a push
+that fails is a warning (the local result is good); a push that finds a different result on the
+remote is non-determinism, reported and never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import attrs
+
+from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
+from buildtrain.kinds import kind_of
+from buildtrain.plan.plan import Plan, Step
+from buildtrain.store import evals, layout, objects
+from buildtrain.store.remote import attest, leases
+from buildtrain.store.remote.backend import RemoteUnavailable
+from buildtrain.store.remote.remote import Remote
+from buildtrain.store.remote.url import RemoteUrl
+from buildtrain.store.store import Store
+
+# A builder's lease on a step lasts this long and is renewed every third of it; a waiter polls the
+# remote this often. A machine that dies while building delays the others by at most LEASE_S.
+LEASE_S = 60.0
+POLL_S = 0.5
+# A training step's checkpoint folder is looked at this often for a new checkpoint to push.
+CHECKPOINT_POLL_S = 1.0
+
+Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
+
+
+@attrs.frozen(kw_only=True)
+class PushReport:
+    """What pushing one step came to: None problems when all went well."""
+
+    step: str
+    uploaded: int = 0
+    bytes_uploaded: int = 0
+    conflict: str | None = None  # two builds of the step disagree (non-determinism)
+    failed: str | None = None  # the push could not be done (the local result stays good)
+
+
+class RemoteCache:
+    """One run's (or command's) remote: opened lazily, shared by its steps."""
+
+    def __init__(self, url: RemoteUrl, say: Say) -> None:
+        self.url = url
+        self.say = say
+        self._remote: Remote | None = None
+        self._plans_pushed: set[str] = set()
+        self.holder = leases.holder_id()
+        self._lease: leases.Lease | None = None  # the newest renewal of the lease held
+        self.on_lost: Callable[[], None] = _stop_this_run
+        self.offline = False  # the remote could not be reached: the rest of the run builds locally
+
+    @property
+    def remote(self) -> Remote:
+        if self._remote is None:
+            self._remote = Remote.open(self.url)
+        return self._remote
+
+    # -- pulling ----------------------------------------------------------------------------------
+
+    def pull(self, store: Store, step: Step) -> bool:
+        """Pull the step's output into the store (caller holds the step's lock, no intact local
+        output); False when the remote lacks it or it is damaged (named through `say`)."""
+        try:
+            found = self.remote.pull_output(store, step.hash)
+        except RemoteDamaged as exc:
+            self.say(step.label, str(exc))
+            return False
+        if found is None:
+            return False
+        problems = store.check_output(step.hash)  # re-hashed in full once, and stamped
+        if problems:
+            store.quarantine(step.hash)
+            self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
+            return False
+        self._pull_entry(store, step)
+        return True
+
+    def _pull_entry(self, store: Store, step: Step) -> None:
+        """An evaluation's cache entry comes with its step (other plans here then reuse it); a
+        damaged or foreign one is named and left out (the step's own output is what counts)."""
+        key = evals.key_of_output(store.output(step.hash))
+        if key is None or evals.entry_problem(store.eval_path(key), key)[0] is not None:
+            return
+        try:
+            raw = self.remote.pull_eval(key, lambda raw: _entry_check(key, raw))
+        except RemoteDamaged as exc:
+            self.say(step.label, str(exc))
+            return
+        if raw is not None:
+            if os.path.lexists(store.eval_path(key)):
+                store.set_aside(store.eval_path(key))
+            store.replace_file(store.eval_path(key), raw)
+
+    # -- pushing ----------------------------------------------------------------------------------
+
+    def push(self, store: Store, plan: Plan, step: Step, *, built_here: bool = False) -> PushReport:
+        """Push a built step (and its plan, once), then attest the build: always when `built_here`
+        (a run built it, a verify reproduced it), else only when the remote did not already hold
+        this result (a store that pulled a step must not count as one more build of it). Never
+        raises for the remote: a failure comes back in `failed`."""
+        try:
+            if plan.hash not in self._plans_pushed:
+                self.remote.push_plan(plan.hash, canonical_bytes(plan.to_body()))
+                self._plans_pushed.add(plan.hash)
+            pushed = self.remote.push_output(store, step.hash)
+            key = evals.key_of_output(store.output(step.hash))  # an evaluation's cache entry
+            if key is not None and evals.entry_problem(store.eval_path(key), key)[0] is not None:
+                self.remote.push_eval(key, store.eval_path(key).read_bytes())
+            if built_here or pushed.manifest != "present":
+                self.attest(store, step)
+        except (BuildtrainError, OSError, ValueError) as exc:
+            return PushReport(step=step.label, failed=str(exc))
+        return PushReport(
+            step=step.label,
+            uploaded=pushed.uploaded,
+            bytes_uploaded=pushed.bytes_uploaded,
+            conflict=pushed.conflict,
+        )
+
+    def attest(self, store: Store, step: Step) -> None:
+        """Record this machine's build of a step (its output's digests) on the remote."""
+        record = attest.Attestation(
+            step=step.hash,
+            machine=os.environ.get("BT_MACHINE") or socket.gethostname(),
+            toolchain=digest("toolchain", step.toolchain),
+            built_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
+            digests=objects.sealed_digests(store.output(step.hash)),
+        )
+        attest.attest(self.remote.backend, record)
+
+    def agreeing(self, step: Step, digests: dict[str, str]) -> tuple[int, int]:
+        """(builds that report these digests, all builds recorded) for a step."""
+        records, _ = attest.attestations(self.remote.backend, step.hash)
+        return attest.agreeing(records, digests), len(records)
+
+    # -- a step's turn -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def turn(self, store: Store, step: Step, *, wait: bool = True) -> Iterator[bool]:
+        """The caller holds the step's local lock and found no local output: pull it (yields
+        False: nothing to build), else yield True holding the remote lease while it builds. A
+        remote that cannot be reached is one line, and the run goes on without it."""
+        try:
+            pulled = not self.offline and self.pull(store, step)
+        except RemoteUnavailable as exc:
+            self.say(step.label, f"warning: {exc}; building locally, without the remote, from here on")
+            self.offline, pulled = True, False
+        if self.offline:
+            yield True
+            return
+        if pulled:
+            yield False
+            return
+        with self.building(store, step, wait=wait) as build:
+            if not build or not kind_of(step.kind).resumable:
+                yield build
+                return
+            with self.checkpoints(store, step):
+                yield True
+
+    # -- checkpoints: resume anywhere ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def checkpoints(self, store: Store, step: Step) -> Iterator[None]:
+        """Around a resumable step's build: with no local checkpoint, start from the newest one on
+        the remote that verifies; while it runs, push each new checkpoint it keeps (from a thread
+        of this process: the step process never waits for the network)."""
+        folder = store.checkpoints_dir(step.hash)
+        if not _newest(folder):
+            folder.mkdir(parents=True, exist_ok=True)
+            pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
+            for problem in problems:
+                self.say(step.label, problem)
+            if pulled is not None:
+                self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
+        stop = threading.Event()
+        pusher = threading.Thread(target=self._push_checkpoints, args=(folder, step, stop), daemon=True)
+        pusher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            pusher.join()
+
+    def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
+        pushed: str | None = None
+        while not stop.wait(CHECKPOINT_POLL_S):
+            newest = _newest(folder)
+            if newest is None or newest.name == pushed:
+                continue
+            try:
+                self.remote.push_checkpoint(step.hash, newest)
+                pushed = newest.name
+            except (BuildtrainError, OSError, ValueError):
+                continue  # pruned or moved aside meanwhile, or a passing network problem
+
+    def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
+        """Push a step this run built; a failure or a conflict is one line, never a failed step."""
+        if self.offline:
+            return
+        report = self.push(store, plan, step, built_here=True)
+        if report.conflict:
+            self.say(step.label, f"non-determinism: {report.conflict}; the remote's result was kept")
+            event("remote_conflict", step=step.label, hash=step.hash, conflict=report.conflict)
+        elif report.failed:
+            self.say(step.label, f"warning: not pushed to {self.url} ({report.failed}); kept locally")
+            event("remote_push_failed", step=step.label, hash=step.hash, problem=report.failed)
+        else:
+            event("remote_pushed", step=step.label, hash=step.hash, bytes=report.bytes_uploaded)
+
+    # -- leases -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def building(self, store: Store, step: Step, *, wait: bool = True) -> Iterator[bool]:
+        """Hold the remote lease on a step while the caller builds it. Yields False when, while
+        waiting for another builder's lease, its result arrived and was pulled (nothing to build);
+        without `wait` (`--no-wait`), another builder's lease raises Locked (exit 7)."""
+        backend, waiting = self.remote.backend, False
+        while True:
+            lease = leases.take(backend, step.hash, self.holder, LEASE_S)
+            mine = lease.holder == self.holder
+            # Checked again after each take: a builder pushes, then releases its lease.
+            if self.remote.has_output(step.hash) and self.pull(store, step):
+                if mine:
+                    leases.release(backend, lease)
+                yield False
+                return
+            if mine:
+                break
+            if not wait:
+                raise Locked(
+                    f"{step.label}: {lease.holder} is building this step (remote lease on {self.url}); "
+                    "run again without --no-wait to wait for it and pull its result"
+                )
+            if not waiting:
+                self.say(step.label, f"waiting: {lease.holder} is building this step (remote lease)")
+                waiting = True
+            time.sleep(POLL_S)
+        self._lease = lease
+        stop = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(stop, step), daemon=True)
+        renewer.start()
+        try:
+            yield True
+        finally:
+            stop.set()
+            renewer.join()
+            with contextlib.suppress(BuildtrainError, OSError):
+                leases.release(backend, self._lease or lease)
+
+    def _renew(self, stop: threading.Event, step: Step) -> None:
+        """Renew every third of the lease; on a lost lease stop the step (SIGTERM to this bt,
+        which the step process receives as an interruption: it checkpoints and exits 3)."""
+        while not stop.wait(LEASE_S / 3):
+            try:
+                assert self._lease is not None
+                self._lease = leases.renew(self.remote.backend, self._lease, LEASE_S)
+            except leases.LeaseLost as exc:
+                self.say(step.label, str(exc))
+                self.on_lost()
+                return
+            except (BuildtrainError, OSError):
+                continue  # a passing network problem: try again at the next renewal
+
+
+def _entry_check(key: str, raw: bytes) -> str | None:
+    """Whether bytes from the remote are the sealed evaluation entry of `key` (None: they are)."""
+    import json
+
+    try:
+        entry = json.loads(raw)
+        body = {"identity": entry["identity"], "result": entry["result"]}
+        return None if evals.seal_entry(key, body) == raw else "it does not match its seal or key"
+    except (ValueError, KeyError, TypeError):
+        return "not an evaluation entry"
+
+
+def _newest(folder: Path) -> Path | None:
+    """The newest finished checkpoint folder (`step-NNNNNN`; hidden ones are being written)."""
+    found = [path for _, path in layout.newest_first(folder.iterdir() if folder.is_dir() else ())]
+    return next((path for path in found if path.is_dir() and not path.is_symlink()), None)
+
+
+def _stop_this_run() -> None:
+    """SIGTERM to this bt: `spawn` forwards it to the step process, which checkpoints and exits,
+    and the run ends as interrupted (exit 3); `bt run` again resumes."""
+    os.kill(os.getpid(), signal.SIGTERM)
