@@ -69,8 +69,9 @@ class Builder:
                     return done
                 try:
                     with self._turn(step) as build:
-                        if not build:
-                            return self._result(step, started, "pulled", f"from {self.remote.url}")  # type: ignore[union-attr]
+                        if not build:  # only a remote hands out a pull instead of a build
+                            assert self.remote is not None
+                            return self._result(step, started, "pulled", f"from {self.remote.url}")
                         self._compute(step, lock_fd)
                         if self.remote is not None:  # holding the lease: a waiter then pulls it
                             self.remote.report_push(self.store, self.plan, step, self.record.event)
