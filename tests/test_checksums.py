@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buildtrain.steps.train import state
 from buildtrain.steps.train.state import checksums
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -79,3 +80,23 @@ def test_a_gpu_computes_the_checksums_of_the_host() -> None:
     tensors = {"a": values(300_000, 5), "b": values(4096, 6, torch.bfloat16)}
     on_device = {name: tensor.cuda() for name, tensor in tensors.items()}
     assert checksums(on_device) == checksums(tensors)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=8),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.float64, torch.uint8]), min_size=8, max_size=8
+    ),
+    group_words=st.integers(1, 5000),
+)
+def test_grouping_tensors_never_changes_a_checksum(sizes: list[int], dtypes, group_words: int) -> None:
+    """Tensors are summed in groups for speed; each one's checksum is the one it has alone."""
+    tensors = {f"t{i}": values(size, i, dtypes[i]) for i, size in enumerate(sizes)}
+    alone = {name: checksums({name: tensor})[name] for name, tensor in tensors.items()}
+    original = state.GROUP_WORDS
+    try:
+        state.GROUP_WORDS = group_words
+        assert checksums(tensors) == alone
+    finally:
+        state.GROUP_WORDS = original

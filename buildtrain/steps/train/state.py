@@ -8,8 +8,11 @@ say `model.blocks.0.attention.wq.weight` and a reader can open that tensor.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import struct
 from pathlib import Path
 
+import blake3
 import safetensors.torch
 import torch
 
@@ -52,38 +55,82 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: digest_tensor(name, tensor) for name, tensor in sorted(tensors.items())}
 
 
-# Two prime moduli below 2**31 and odd position multipliers: every term stays below 2**31, so a sum
-# over fewer than 2**32 elements cannot overflow int64, and integer sums are exact in any order.
-CHECKSUM_PRIMES = (2_147_483_629, 2_147_483_587)
+# The per-update checksum of a tensor: four exact sums of its 32-bit words, each word split into
+# 16-bit halves and weighted by its position (low and high 15 bits, plus one). Every product is
+# below 2**31, so sums over fewer than 2**32 words are exact in int64, in any order, on any device
+# and thread count. A changed word changes a sum by (difference) x (weight), never zero; two
+# different words that trade places change the sum of the weight that tells their positions apart
+# (positions are told apart up to 2**30 words, 4 GiB of float32 in one tensor). No division: on a
+# GPU, int64 modulo is emulated, and the earlier form with two prime moduli cost 28 ms an update at
+# GPT-2 small on an H100, this one a fraction of it.
+WEIGHT_BITS = 15
 NARROW_VIEWS = {1: torch.uint8, 2: torch.int16}  # wider elements are read as 32-bit words
+# Tensors are checksummed together in groups of at most this many words (int32 temporaries of
+# 128 MiB each; a larger tensor is a group of its own): a few dozen kernels per group, not per tensor.
+GROUP_WORDS = 1 << 25
 
 
-def _checksum_terms(tensor: torch.Tensor) -> torch.Tensor:
-    """Two exact, position-dependent integer sums of a tensor's bit patterns, on its device."""
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns as a flat view of 8-, 16- or 32-bit words."""
     flat = tensor.detach().contiguous().reshape(-1)
-    words = flat.view(NARROW_VIEWS.get(flat.element_size(), torch.int32))
-    bits = words.to(torch.int64) & 0xFFFFFFFF
-    position = torch.arange(words.numel(), device=flat.device, dtype=torch.int64)
-    terms = []
-    for index, prime in enumerate(CHECKSUM_PRIMES):
-        multiplier = (position * (2 * index + 3) + 1) % prime  # below 2**31: products below 2**63
-        terms.append(((bits % prime) * multiplier % prime).sum() % prime)
-    return torch.stack(terms)
+    return flat.view(NARROW_VIEWS.get(flat.element_size(), torch.int32))
+
+
+def _groups(words: list[torch.Tensor]) -> list[list[int]]:
+    """Consecutive runs of word views of one dtype (torch.cat needs one), each small enough."""
+    groups: list[list[int]] = []
+    size = 0
+    for index, view in enumerate(words):
+        if groups and words[groups[-1][-1]].dtype == view.dtype and size + view.numel() <= GROUP_WORDS:
+            groups[-1].append(index)
+            size += view.numel()
+        else:
+            groups.append([index])
+            size = view.numel()
+    return groups
+
+
+def _group_sums(words: list[torch.Tensor]) -> torch.Tensor:
+    """(tensors, 4): the four sums of each tensor of a group, from one pass over the group.
+
+    Measured on an H100 at GPT-2 small: the owner of each word found by `searchsorted` (not
+    `repeat_interleave`, 5 ms), products written straight into one int64 buffer (a reduction with
+    a dtype copies its input first), then one reduction per tensor over its slice.
+    """
+    device = words[0].device
+    counts = [view.numel() for view in words]
+    total = sum(counts)
+    index = torch.int32 if total < 2**31 else torch.int64
+    bounds = torch.tensor([0, *itertools.accumulate(counts)], dtype=index).to(device)
+    at = torch.arange(total, device=device, dtype=index)
+    position = at - bounds[torch.searchsorted(bounds[1:], at, right=True)]
+    mask = (1 << WEIGHT_BITS) - 1
+    weights = ((position & mask) + 1, ((position >> WEIGHT_BITS) & mask) + 1)
+    bits = torch.cat(words).to(torch.int32)
+    halves = (bits & 0xFFFF, (bits >> 16) & 0xFFFF)
+    products = torch.empty(4, total, dtype=torch.int64, device=device)
+    for row, (weight, half) in enumerate(itertools.product(weights, halves)):
+        torch.mul(weight, half, out=products[row])  # below 2**31: exact before it is widened
+    return torch.stack([piece.sum(dim=1) for piece in products.split(counts, dim=1)])
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Per-tensor checksums computed where the tensors live, with one small copy to the host.
 
     The per-update record on a GPU: a blake3 digest needs every byte on the host, which at
-    GPT-2 size costs more than the update itself. An element changed anywhere, or two elements
-    swapped, changes a checksum (short of a collision modulo both primes); the full digests are
-    still taken at every checkpoint and at the end, so nothing rests on the checksums alone.
+    GPT-2 size costs more than the update itself. The four sums (above) reach the host and are
+    digested there, 16 hex characters per tensor; the full digests are still taken at every
+    checkpoint and at the end, so nothing rests on the checksums alone.
     """
     names = sorted(tensors)
     if not names:
         return {}
-    sums = torch.stack([_checksum_terms(tensors[name]) for name in names]).tolist()
-    return {name: f"{first:08x}{second:08x}" for name, (first, second) in zip(names, sums, strict=True)}
+    words = [_words(tensors[name]) for name in names]
+    sums = torch.cat([_group_sums([words[i] for i in group]) for group in _groups(words)]).tolist()
+    return {
+        name: blake3.blake3(struct.pack("<4q", *four)).hexdigest()[:16]
+        for name, four in zip(names, sums, strict=True)
+    }
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
