@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from buildtrain.plan.stored import load_plan
 from buildtrain.store import objects
-from buildtrain.store.data_url import ObjectUrl, is_object_url, parse_object_url
+from buildtrain.store.data_url import ObjectUrl, ObjectVersion, is_object_url, parse_object_url
+from buildtrain.store.sources import SourceFile, StatCache
 from buildtrain.store.store import Store
 
 TEXTS = [f"story {i}: " + " ".join(f"{j} + {i} = {i + j}." for j in range(30)) for i in range(60)]
@@ -82,6 +83,40 @@ def test_a_glob_over_keys_matches_what_the_same_glob_matches_on_disk(
     url = ObjectUrl(bucket="bt-data", key=pattern)
     assert {name for name in names if url.matches(name)} == on_disk
     assert all(name.startswith(url.listing_prefix()) for name in on_disk)
+
+
+VERSION = st.builds(
+    ObjectVersion,
+    url=st.sampled_from(["s3://bt-data/a.jsonl", "s3://bt-data/b.jsonl"]),
+    etag=st.sampled_from(["", '"e1"', '"e2"']),
+    size=st.integers(0, 3),
+    modified=st.sampled_from(["2026-01-01T00:00:00+00:00", "2026-01-01T00:00:01+00:00"]),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(hashed=VERSION, asked=VERSION)
+def test_an_object_digest_is_remembered_only_for_the_very_version_hashed(
+    hashed: ObjectVersion, asked: ObjectVersion, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The law: a remembered digest is given back only for the same URL, ETag, size and
+    last-modified time (and never without an ETag), also after the cache is saved and loaded."""
+    path = tmp_path_factory.mktemp("cache") / "files.json"
+    cache = StatCache(path)
+    source = SourceFile(blake3="ab" * 32, size=hashed.size)
+    cache.remember_object(hashed, source)
+    cache.save()
+    expected = source if asked == hashed and hashed.etag else None
+    assert cache.object_digest(asked) == expected
+    assert StatCache(path).object_digest(asked) == expected
+
+
+def test_a_tokenizer_file_in_a_bucket_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(f'extends = "{MICRO}"\n[data.tokenizer]\nfile = "s3://bt-data/tokenizer.json"\n')
+    done = run_bt("plan", str(path), store=tmp_path / ".bt")
+    assert done.returncode == 2, done.stderr
+    assert "s3://bt-data/tokenizer.json: a tokenizer file is read from disk only" in done.stderr
 
 
 # -- against SeaweedFS ---------------------------------------------------------------------------

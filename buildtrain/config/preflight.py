@@ -142,6 +142,10 @@ def _given_vocabulary(
     tokenizer = stage.data.tokenizer
     if not isinstance(tokenizer, TokenizerConfig) or tokenizer.file is None:
         return None
+    if is_object_url(tokenizer.file):
+        message = f"{tokenizer.file}: a tokenizer file is read from disk only (data.files may be in a bucket); download it and give its path"
+        problems.append(Problem(loaded.source_of(key), key, message))
+        return None
     try:
         return tokenizer.file, read_vocabulary(Path(tokenizer.file), cache)
     except VocabularyError as exc:

@@ -105,7 +105,11 @@ def _absolute_globs(section: Any, base: Path) -> None:
             for item in section["files"]
         ]
     tokenizer = section.get("tokenizer") if isinstance(section, dict) else None
-    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):  # relative like files
+    if (
+        isinstance(tokenizer, dict)
+        and isinstance(tokenizer.get("file"), str)
+        and not is_object_url(tokenizer["file"])  # refused as it is written, by preflight
+    ):  # relative like files
         tokenizer["file"] = os.path.normpath(base / os.path.expanduser(tokenizer["file"]))
 
 
