@@ -91,25 +91,34 @@ def _from_bucket(
     step: Step,
     on_event: Callable[[dict[str, Any]], None] | None,
 ) -> Path:
-    """A data file planned from a bucket: the store's cached copy, else downloaded from the first
-    URL the plan saw it at (into the cache, checked against the plan as it is written)."""
+    """A data file planned from a bucket: the store's cached copy, else downloaded from a URL the
+    plan saw it at (into the cache, checked against the plan as it is written); the next URL is
+    tried when one no longer holds the planned bytes, and the last refusal is the error."""
     from buildtrain.store.remote.data_sources import cached, fetch
 
     path = cached(store, cache, wanted)
     if path is not None:
         return path
-    path = fetch(store, wanted, urls[0])
-    if on_event is not None:
-        on_event(
-            {
-                "event": "source_downloaded",
-                "label": step.label,
-                "url": urls[0],
-                "blake3": wanted.blake3,
-                "bytes": wanted.size,
-            }
-        )
-    return path
+    refused: StepFailed | None = None
+    for url in urls:
+        try:
+            path = fetch(store, wanted, url)
+        except StepFailed as exc:
+            refused = exc
+            continue
+        if on_event is not None:
+            on_event(
+                {
+                    "event": "source_downloaded",
+                    "label": step.label,
+                    "url": url,
+                    "blake3": wanted.blake3,
+                    "bytes": wanted.size,
+                }
+            )
+        return path
+    assert refused is not None  # `urls` is never empty here
+    raise refused
 
 
 def spawn(
