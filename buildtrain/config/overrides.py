@@ -14,6 +14,7 @@ import tomli
 from buildtrain.config.presets import Layered, limit_message
 from buildtrain.config.problems import Fatal, KeyPath, Problem, key_text, suggest
 from buildtrain.config.provenance import forget_below, record
+from buildtrain.store.data_url import is_object_url
 
 SET_SOURCE = "--set"
 EXPECTED_ASSIGNMENT = "expected KEY=VALUE, for example train.lr=3e-4"
@@ -71,7 +72,10 @@ def apply_override(preset: Layered, assignment: str) -> None:
         raise problem(key, f"invalid TOML value: {getattr(exc, 'msg', None) or limit_message(exc)}") from None
     if isinstance(value, list) and key[-1] == "files":
         # Globs on the command line are relative to the working directory, not to the preset.
-        value = [os.path.abspath(os.path.expanduser(v)) if isinstance(v, str) else v for v in value]
+        value = [
+            os.path.abspath(os.path.expanduser(v)) if isinstance(v, str) and not is_object_url(v) else v
+            for v in value
+        ]
 
     node: Any = preset.raw
     resolved: list[str | int] = []

@@ -20,6 +20,7 @@ from buildtrain.config.problems import KeyPath, Problem
 from buildtrain.config.schema import Stage, TokenizerConfig, world_size_problem
 from buildtrain.config.shape import memory_estimate, planned_vocab_size
 from buildtrain.config.vocabulary import Vocabulary, VocabularyError, read_vocabulary
+from buildtrain.store.data_url import ObjectVersion, is_object_url
 from buildtrain.store.sources import StatCache, kind_of
 
 GIB = 1 << 30
@@ -51,6 +52,23 @@ def expand_sources(patterns: tuple[str, ...]) -> tuple[list[Path], list[str], li
     return list(found.values()), empty, refused
 
 
+def _expand_objects(patterns: tuple[str, ...]) -> tuple[list[ObjectVersion], list[str]]:
+    """The objects that `s3://` entries name, each once, and why an entry names none. The S3
+    client is loaded only here, for a preset that names a bucket."""
+    if not patterns:
+        return [], []
+    from buildtrain.store.remote.data_sources import expand
+
+    found: dict[str, ObjectVersion] = {}
+    missing: list[str] = []
+    for pattern in patterns:
+        versions, problem = expand(pattern)
+        found.update((version.url, version) for version in versions if version.url not in found)
+        if problem is not None:
+            missing.append(problem)
+    return list(found.values()), missing
+
+
 def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -62,12 +80,12 @@ def cuda_available() -> bool:
 
 def preflight(
     loaded: LoadedPreset, world_size: int = 1, cache: StatCache | None = None
-) -> tuple[dict[str, list[Path]], list[str]]:
-    """Source files per stage, and every machine-level problem with the preset for a run on
+) -> tuple[dict[str, list[Path | ObjectVersion]], list[str]]:
+    """Source files (and objects in a bucket) per stage, and every machine-level problem with the preset for a run on
     `world_size` processes (`cache` remembers what a tokenizer file's vocabulary is)."""
     config = loaded.config
     problems: list[Problem] = []
-    sources: dict[str, list[Path]] = {}
+    sources: dict[str, list[Path | ObjectVersion]] = {}
 
     def stage_key(index: int, *key: str) -> KeyPath:
         """The key as the preset spelled it: in the stage's own table, or inherited from the top."""
@@ -89,9 +107,12 @@ def preflight(
         if stage.data.source != "files":
             sources[stage.name] = []
             continue
-        files, empty, refused = expand_sources(stage.data.files)
-        sources[stage.name] = files
+        local = tuple(pattern for pattern in stage.data.files if not is_object_url(pattern))
+        files, empty, refused = expand_sources(local)
         key = stage_key(index, "data", "files")
+        objects, missing = _expand_objects(tuple(p for p in stage.data.files if is_object_url(p)))
+        sources[stage.name] = [*files, *objects]
+        problems.extend(Problem(loaded.source_of(key), key, message) for message in missing)
         for pattern in empty:
             hint = (
                 f"; it is a folder: give a glob such as '{pattern.rstrip('/')}/*.txt'"
@@ -120,6 +141,10 @@ def _given_vocabulary(
     read as a tokenizer is a problem at `key`."""
     tokenizer = stage.data.tokenizer
     if not isinstance(tokenizer, TokenizerConfig) or tokenizer.file is None:
+        return None
+    if is_object_url(tokenizer.file):
+        message = f"{tokenizer.file}: a tokenizer file is read from disk only (data.files may be in a bucket); download it and give its path"
+        problems.append(Problem(loaded.source_of(key), key, message))
         return None
     try:
         return tokenizer.file, read_vocabulary(Path(tokenizer.file), cache)

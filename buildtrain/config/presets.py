@@ -19,6 +19,7 @@ import tomli
 from buildtrain.config.convert import describe
 from buildtrain.config.problems import Fatal, Problem, display
 from buildtrain.config.provenance import Provenance, merge_base, merge_layer
+from buildtrain.store.data_url import is_object_url
 from buildtrain.store.sources import NotRegularFile, kind_of, open_regular
 
 # A chain of `extends` deeper than this is a mistake (or a cycle through links), not a design.
@@ -94,14 +95,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _absolute_globs(section: Any, base: Path) -> None:
-    """Data globs are relative to the file that names them, so rewrite them before merging."""
+    """Data globs are relative to the file that names them, so rewrite them before merging (an
+    `s3://` URL names the same objects from anywhere and is kept as written)."""
     if isinstance(section, dict) and isinstance(section.get("files"), list):
         section["files"] = [
-            os.path.normpath(base / os.path.expanduser(item)) if isinstance(item, str) else item
+            os.path.normpath(base / os.path.expanduser(item))
+            if isinstance(item, str) and not is_object_url(item)
+            else item
             for item in section["files"]
         ]
     tokenizer = section.get("tokenizer") if isinstance(section, dict) else None
-    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("file"), str):  # relative like files
+    if (
+        isinstance(tokenizer, dict)
+        and isinstance(tokenizer.get("file"), str)
+        and not is_object_url(tokenizer["file"])  # refused as it is written, by preflight
+    ):  # relative like files
         tokenizer["file"] = os.path.normpath(base / os.path.expanduser(tokenizer["file"]))
 
 

@@ -108,7 +108,8 @@ class DataConfig:
         "synthetic", "'synthetic' (built-in corpus) or 'files'", one_of("synthetic", "files")
     )
     files: tuple[str, ...] = setting(
-        (), "paths or globs of text files, relative to the preset that names them"
+        (),
+        "paths or globs of data files, relative to the preset that names them, or s3://bucket/key URLs and globs",
     )
     synthetic: SyntheticConfig = setting(attrs.Factory(SyntheticConfig), "the built-in corpus")
     format: str = setting(

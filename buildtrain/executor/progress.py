@@ -65,6 +65,10 @@ class Reporter:
                 f"data file {line['blake3'][:16]}… is gone from {planned}; "
                 f"reading the identical copy at {line['found_at']}",
             )
+        elif name == "source_downloaded":
+            self.step(
+                line["label"], f"downloaded {line['url']} ({line['bytes']:,} bytes) into the source cache"
+            )
         elif name == "step_crashed":
             self.say(line.get("traceback", ""))
 

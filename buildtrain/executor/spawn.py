@@ -32,7 +32,8 @@ from buildtrain.executor.policy import step_launch
 from buildtrain.executor.processes import JOB_EXIT, StepProcesses, Worker
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store.sources import SourceFile, locate, whereabouts
+from buildtrain.store.data_url import is_object_url
+from buildtrain.store.sources import SourceFile, StatCache, locate, whereabouts
 from buildtrain.store.store import Store
 
 # Lines of torchrun's own log kept in the run record when a distributed step fails.
@@ -44,7 +45,8 @@ def source_paths(
 ) -> list[str]:
     """Find each source file of a data step by content (it may have moved since planning); a
     file found elsewhere than where the plan saw it is reported as a `source_found_elsewhere`
-    event, so the terminal and the run record say where the bytes came from."""
+    event, so the terminal and the run record say where the bytes came from. A file planned from
+    a bucket is taken from the store's source cache, or downloaded into it (`source_downloaded`)."""
     sources = step.inputs.get("sources", [])
     if not sources:
         return []
@@ -54,14 +56,18 @@ def source_paths(
     cache = store.stat_cache()
     found = []
     for source in sources:
-        path = locate(cache, SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], []))
-        if path is None:
-            missing = whereabouts(
-                SourceFile(source["blake3"], source["size"]), hints.get(source["blake3"], [])
+        wanted = SourceFile(source["blake3"], source["size"])
+        seen_at = [str(hint) for hint in hints.get(source["blake3"], [])]
+        urls = [hint for hint in seen_at if is_object_url(hint)]
+        local = [hint for hint in seen_at if not is_object_url(hint)]
+        path = locate(cache, wanted, local)
+        if path is None and urls:
+            path = _from_bucket(store, cache, wanted, urls, step, on_event)
+        elif path is None:
+            raise StepFailed(
+                f"{step.label}: {whereabouts(wanted, local)}; restore it, or plan again from the preset"
             )
-            raise StepFailed(f"{step.label}: {missing}; restore it, or plan again from the preset")
-        seen_at = hints.get(source["blake3"], [])
-        if on_event is not None and str(path) not in seen_at:
+        elif on_event is not None and str(path) not in local:
             on_event(
                 {
                     "event": "source_found_elsewhere",
@@ -75,6 +81,44 @@ def source_paths(
         found.append(str(path))
     cache.save()
     return found
+
+
+def _from_bucket(
+    store: Store,
+    cache: StatCache,
+    wanted: SourceFile,
+    urls: list[str],
+    step: Step,
+    on_event: Callable[[dict[str, Any]], None] | None,
+) -> Path:
+    """A data file planned from a bucket: the store's cached copy, else downloaded from a URL the
+    plan saw it at (into the cache, checked against the plan as it is written); the next URL is
+    tried when one no longer holds the planned bytes, and the last refusal is the error."""
+    from buildtrain.store.remote.data_sources import cached, fetch
+
+    path = cached(store, cache, wanted)
+    if path is not None:
+        return path
+    refused: StepFailed | None = None
+    for url in urls:
+        try:
+            path = fetch(store, wanted, url)
+        except StepFailed as exc:
+            refused = exc
+            continue
+        if on_event is not None:
+            on_event(
+                {
+                    "event": "source_downloaded",
+                    "label": step.label,
+                    "url": url,
+                    "blake3": wanted.blake3,
+                    "bytes": wanted.size,
+                }
+            )
+        return path
+    assert refused is not None  # `urls` is never empty here
+    raise refused
 
 
 def spawn(

@@ -18,7 +18,8 @@ from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import save_plan
-from buildtrain.store.sources import SourceFile
+from buildtrain.store.data_url import ObjectVersion
+from buildtrain.store.sources import SourceFile, StatCache
 from buildtrain.store.store import Store
 
 
@@ -47,14 +48,11 @@ def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_
     for stage, paths in source_paths.items():
         sources[stage] = []
         for source_path in paths:
-            try:
-                source = cache.digest_of(source_path)
-            except OSError as exc:
-                raise ConfigError([f"{source_path}: cannot read data file: {exc.strerror}"]) from None
+            source, where = _source_digest(cache, source_path)
             sources[stage].append(source)
             known = locations.setdefault(source.blake3, [])
-            if str(source_path.absolute()) not in known:
-                known.append(str(source_path.absolute()))
+            if where not in known:
+                known.append(where)
     tokenizer_files: dict[str, SourceFile] = {}
     for index, stage in enumerate(loaded.config.stages):
         tokenizer = stage.data.tokenizer
@@ -91,3 +89,17 @@ def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_
     return Planned(
         plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
     )
+
+
+def _source_digest(cache: StatCache, found: Path | ObjectVersion) -> tuple[SourceFile, str]:
+    """A data file's content and where it was seen (a hint for the run, in no hash): a local
+    file's absolute path, or an object's URL (hashed from its streamed bytes, see
+    `store/remote/data_sources.py`)."""
+    if isinstance(found, ObjectVersion):
+        from buildtrain.store.remote.data_sources import digest
+
+        return digest(cache, found), found.url
+    try:
+        return cache.digest_of(found), str(found.absolute())
+    except OSError as exc:
+        raise ConfigError([f"{found}: cannot read data file: {exc.strerror}"]) from None

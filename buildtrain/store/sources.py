@@ -1,5 +1,5 @@
 """Digests of data source files, hashed once: a stat cache keyed by (size, mtime, inode, device,
-ctime).
+ctime), and for objects in a bucket by (URL, ETag, size, last-modified).
 
 A second `bt plan` over gigabytes of data only stats the files. The cache is a cache, not an
 object: it carries its own digest and is discarded (and rebuilt) if it does not verify, so a
@@ -28,6 +28,7 @@ import attrs
 import blake3
 
 from buildtrain.errors import BuildtrainError
+from buildtrain.store.data_url import ObjectVersion
 from buildtrain.store.objects import MMAP_THRESHOLD, framed, unframed, write_bytes_durably
 from buildtrain.store.regular import NotRegularFile, kind_of, open_regular
 
@@ -77,6 +78,9 @@ class StatCache:
         # Small facts derived from a file's content, by its blake3 (a tokenizer's vocabulary):
         # parsing a 10 MB tokenizer.json took 200-300 ms of every `bt plan` here.
         self.derived: dict[str, Any] = {}
+        # Objects in a bucket by URL: the version hashed (ETag, size, last-modified) and its blake3.
+        # A hint that saves a download at plan time; the run re-checks the bytes it fetches.
+        self.objects: dict[str, Any] = {}
         self.dirty = False
         self.hashed_bytes = 0
         self.damaged = False
@@ -103,6 +107,9 @@ class StatCache:
             self.entries = entries
             derived = body.get("derived", {})
             self.derived = derived if isinstance(derived, dict) else {}
+            objects = body.get("objects", {})
+            if isinstance(objects, dict) and all(isinstance(e, dict) for e in objects.values()):
+                self.objects = objects
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.entries = {}
             self.damaged = True
@@ -134,6 +141,25 @@ class StatCache:
             self.derived[f"{kind}:{source.blake3}"] = fact
             self.dirty = True
 
+    def object_digest(self, version: ObjectVersion) -> SourceFile | None:
+        """The content last hashed for this version of an object, if the cache has it."""
+        entry = self.objects.get(version.url)
+        if not version.etag or not isinstance(entry, dict) or not isinstance(entry.get("blake3"), str):
+            return None  # a server that gives no ETag is re-read every time
+        if {key: entry.get(key) for key in ("etag", "size", "modified")} != {
+            "etag": version.etag,
+            "size": version.size,
+            "modified": version.modified,
+        }:
+            return None
+        return SourceFile(blake3=entry["blake3"], size=version.size)
+
+    def remember_object(self, version: ObjectVersion, source: SourceFile) -> None:
+        """Remember that `version` of an object held `source` (hashed from its bytes)."""
+        if version.size == source.size:
+            self.objects[version.url] = {**attrs.asdict(version), "blake3": source.blake3}
+            self.dirty = True
+
     def paths_with(self, blake3_hex: str) -> list[str]:
         return [path for path, entry in self.entries.items() if entry["blake3"] == blake3_hex]
 
@@ -142,6 +168,8 @@ class StatCache:
         if not self.dirty:
             return
         body = {"format": CACHE_FORMAT, "entries": self.entries, "derived": self.derived}
+        if self.objects:  # only when used: a cache written before buckets keeps its bytes
+            body["objects"] = self.objects
         raw = json.dumps(body, separators=(",", ":")).encode()
         try:
             if self._folder is not None:

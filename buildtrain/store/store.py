@@ -52,6 +52,7 @@ class Store:
         self.quarantined = root / layout.QUARANTINE
         self.stamps = root / layout.STAMPS
         self.stat_cache_path = root / layout.STAT_CACHE
+        self.source_cache = root / layout.SOURCE_CACHE
         self._claimed = False  # known to be a store (or made one) by `folder`
 
     @classmethod

@@ -9,7 +9,8 @@ name it is found under, ignoring every stamp:
 - evaluation results: a seal over their key, identity and value;
 - sweeps: their bytes must hash to their name, and every plan they name must be stored;
 - plan cards and step metrics summaries (`metrics/`): framed by a digest and bound to their name;
-- stamps, locks and the stat cache: sealed (stamps, cache) and plain files where files belong.
+- stamps, locks and the stat cache: sealed (stamps, cache) and plain files where files belong;
+- data files fetched from a bucket (`cache/sources/`): their bytes must hash to their name.
 
 Links, and folders or files where the other is expected, are damage too, the store's own folders
 included. `check` only reads, apart from dropping the stamp of an output it finds damaged, so the
@@ -40,10 +41,11 @@ from buildtrain.store.checkpoints import checkpoint_problems
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
 from buildtrain.store.metrics import step_metrics_problem
+from buildtrain.store.sources import hash_regular
 from buildtrain.store.store import META_SUFFIX, Store
 
 # Derived records: a damaged one is removed, never kept (they are recomputed or left blank).
-CACHES = ("stamp", "stat cache", "plan card", "metrics summary")
+CACHES = ("stamp", "stat cache", "plan card", "metrics summary", "fetched data file")
 
 
 @attrs.frozen(kw_only=True)
@@ -137,6 +139,7 @@ def scan(store: Store) -> FsckResult:
         _evals,
         _metrics,
         _caches,
+        _fetched_sources,
         _locks,
     ]
     checked, damaged = 0, []
@@ -314,6 +317,28 @@ def _caches(store: Store, _: Known) -> Found:
                 Damage(object=_relative(store, path), kind="stat cache", problems=[problem], note=note)
             )
     return checked, found
+
+
+def _fetched_sources(store: Store, _: Known) -> Found:
+    """Data files fetched from a bucket (`cache/sources/<blake3>`): each re-hashed against its name."""
+    found, entries = [], _listing(store.source_cache)
+    for path in entries:
+        problem = _plain_file_problem(path, "a fetched data file")
+        if problem is None and not layout.HASH_NAME.match(path.name):
+            problem = "not named by a blake3 digest"
+        if problem is None:
+            try:
+                content, _size = hash_regular(path)
+                if content != path.name:
+                    problem = f"its bytes hash to {content[:16]}…, not to its name"
+            except OSError as exc:
+                problem = f"unreadable ({exc.strerror or exc})"
+        if problem is not None:
+            note = "a copy of an object in a bucket: removed, it is fetched again when a run needs it"
+            found.append(
+                Damage(object=_relative(store, path), kind="fetched data file", problems=[problem], note=note)
+            )
+    return len(entries), found
 
 
 def _locks(store: Store, _: Known) -> Found:

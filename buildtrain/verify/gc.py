@@ -1,7 +1,8 @@
 """`bt gc`: remove what no stored plan needs.
 
 Removed: step outputs that no plan references, work folders of steps that are complete or no
-longer referenced, leftover temporary folders, quarantined objects, stamps of outputs that are
+longer referenced, leftover temporary folders, data files fetched from a bucket that no stored
+plan reads, quarantined objects, stamps of outputs that are
 gone, evaluation results that no step output holds, the cards and metrics summaries of plans and
 steps that are gone, and stored sweeps that name a plan no longer stored (a sweep is a record of
 a whole grid: once one of its plans is dropped, the rest stay as plain plans). Anything belonging
@@ -42,6 +43,7 @@ class Collected:
     warnings: list[str] = attrs.Factory(list)
     freed: int = 0  # bytes
     busy: bool = False
+    sources: set[str] = attrs.Factory(set)  # blake3 of the data files kept plans read
 
 
 def _size(path: Path) -> int:
@@ -123,16 +125,22 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
 
 
 def _referenced(store: Store, collected: Collected, dry_run: bool) -> tuple[dict[str, str], list[str]]:
-    """(step hashes the kept plans reference, the plans that cannot be read)."""
+    """(step hashes the kept plans reference, the plans that cannot be read). The digests of the
+    data files their steps read are kept in `collected.sources`."""
     referenced: dict[str, str] = {}  # step hash -> its kind
     damaged_plans: list[str] = []
     for plan_hash in store.plan_hashes():
         if dry_run and plan_hash in collected.dropped:
             continue
         try:
-            referenced.update((step.hash, step.kind) for step in load_plan(store, plan_hash).steps)
+            steps = load_plan(store, plan_hash).steps
         except BuildtrainError:
             damaged_plans.append(plan_hash)
+            continue
+        referenced.update((step.hash, step.kind) for step in steps)
+        collected.sources.update(
+            str(source.get("blake3")) for step in steps for source in step.inputs.get("sources", [])
+        )
     if damaged_plans:
         listed = ", ".join(h[:12] for h in damaged_plans)
         collected.warnings.append(
@@ -156,6 +164,8 @@ def _doomed(
             ]
     if not collected.busy:
         doomed += _listing(store.tmp)
+        if not damaged_plans:  # a fetched data file goes with the last plan that reads it
+            doomed += [p for p in _listing(store.source_cache) if p.name not in collected.sources]
     doomed += _listing(store.quarantined)
     kept_outputs = {p.name for p in outputs if p not in doomed}
     doomed += [p for p in _listing(store.stamps, "*.json") if p.stem not in kept_outputs]

@@ -11,9 +11,8 @@ from typing import Literal
 import attrs
 
 from buildtrain.errors import UsageError
+from buildtrain.store.data_url import BUCKET
 
-# S3 bucket names: 3-63 lower-case letters, digits, dots and hyphens, starting and ending alnum.
-BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 # One segment of a prefix: the characters S3 documents as safe in keys, no "." or ".." segment.
 SEGMENT = re.compile(r"^[A-Za-z0-9!_.*'()-]+$")
 SCHEMES = ("s3", "file")
