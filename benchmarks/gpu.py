@@ -8,7 +8,11 @@ Contenders, alternated, each in a fresh process, at the GPT-2-small shape (12 la
                      tokens/s as its log reports them; SwiGLU hidden 2048
   plain loop         buildtrain's Transformer in a hand-written loop: random batches, fused
                      torch AdamW, no determinism settings
-  reference GPT      a nanoGPT-shaped model written here (LayerNorm, GELU MLP of 4 x width,
+  previous layout    the same loop with buildtrain's model as it was before issue 26 (separate
+                     q/k/v projections, RoPE on interleaved pairs, F.rms_norm;
+                     benchmarks/reference_models.py): the CPU-driven layout change must not cost
+                     the GPU what it wins on the CPU
+  reference GPT      a nanoGPT-shaped model (benchmarks/reference_models.py: LayerNorm, GELU MLP of 4 x width,
                      learned positions, tied embeddings; about the same FLOPs per token), fused
                      AdamW, no determinism settings: the yardstick of the goals
 
@@ -19,6 +23,7 @@ Without CUDA the script says so and exits 0. `--device cpu` runs the same conten
 at a small shape (width 128, 2 layers, sequence 128), to check the script itself anywhere.
 
 Goals (issue 11, H100-class GPU): bt run >= 0.85 x the reference GPT eager; with compile >= 1.0 x.
+Issue 26: the plain loop >= 1.0 x the previous layout (the layout change must not cost the GPU).
 
 Run: python benchmarks/gpu.py [--quick] [--compile] [--device cpu]
 """
@@ -51,6 +56,7 @@ from common import (  # noqa: E402
     updates_per_second,
     workspace,
 )
+from reference_models import nanogpt, previous_layout  # noqa: E402
 
 GOAL_EAGER, GOAL_COMPILED = 0.85, 1.0
 SHAPES = {
@@ -63,46 +69,6 @@ VOCAB = 257
 # -- the child processes of the two loops (torch only here) ----------------------------------------
 
 
-def reference_gpt(shape: dict[str, int]) -> Any:
-    """nanoGPT's shape: LayerNorm, GELU MLP, learned positions, tied embeddings."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    dim, heads = shape["dim"], shape["heads"]
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-            self.attn, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
-            self.fc, self.out = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            B, T, C = x.shape
-            q, k, v = self.attn(self.ln_1(x)).split(dim, dim=2)
-            q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-            x = x + self.proj(y)
-            return x + self.out(F.gelu(self.fc(self.ln_2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokens, self.positions = nn.Embedding(VOCAB, dim), nn.Embedding(shape["seq"], dim)
-            self.blocks = nn.ModuleList(Block() for _ in range(shape["layers"]))
-            self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
-            self.head.weight = self.tokens.weight
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    return GPT()
-
-
 def child(spec: dict[str, Any]) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
@@ -113,16 +79,18 @@ def child(spec: dict[str, Any]) -> dict[str, float]:
 
     shape, device = spec["shape"], torch.device(spec["device"])
     generator = torch.Generator().manual_seed(0)
+    config = ModelConfig(
+        dim=shape["dim"],
+        n_layers=shape["layers"],
+        n_heads=shape["heads"],
+        n_kv_heads=shape["heads"],
+        ffn_hidden=shape["hidden"],
+    )
     if spec["model"] == "reference":
-        model = reference_gpt(shape)
+        model = nanogpt(shape["dim"], shape["layers"], shape["heads"], shape["seq"], VOCAB)
+    elif spec["model"] == "previous":
+        model = previous_layout(config, VOCAB, generator)
     else:
-        config = ModelConfig(
-            dim=shape["dim"],
-            n_layers=shape["layers"],
-            n_heads=shape["heads"],
-            n_kv_heads=shape["heads"],
-            ffn_hidden=shape["hidden"],
-        )
         model = Transformer.build(config, VOCAB, generator)
     model.to(device)
     fused = {"fused": True} if device.type == "cuda" else {}
@@ -227,6 +195,7 @@ def main() -> int:
         contenders = [
             bt_contender(space, "bt run", args.device, shape, steps + warmup, compiled=False),
             loop_contender(space, "plain loop", {**base, "model": "buildtrain", "compile": False}),
+            loop_contender(space, "previous layout", {**base, "model": "previous", "compile": False}),
             loop_contender(space, "reference GPT", {**base, "model": "reference", "compile": False}),
         ]
         if args.compile:
@@ -234,6 +203,9 @@ def main() -> int:
                 bt_contender(space, "bt run, compiled", args.device, shape, steps + warmup, compiled=True),
                 loop_contender(
                     space, "plain loop, compiled", {**base, "model": "buildtrain", "compile": True}
+                ),
+                loop_contender(
+                    space, "previous layout, compiled", {**base, "model": "previous", "compile": True}
                 ),
                 loop_contender(
                     space, "reference GPT, compiled", {**base, "model": "reference", "compile": True}
@@ -260,10 +232,16 @@ def main() -> int:
             rows,
         )
         eager = ratio(median(results["bt run"]), reference)
+        layout = ratio(median(results["plain loop"]), median(results["previous layout"]))
         goals = [
             goal_line(
                 f"bt run >= {GOAL_EAGER}x the reference GPT, eager", eager >= GOAL_EAGER, fmt_ratio(eager)
-            )
+            ),
+            goal_line(
+                "the model layout >= 1.0x the previous layout (plain loops, eager)",
+                layout >= 1.0,
+                fmt_ratio(layout),
+            ),
         ]
         if args.compile:
             compiled = ratio(median(results["bt run, compiled"]), reference)

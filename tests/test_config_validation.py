@@ -14,12 +14,13 @@ import attrs
 import pytest
 from conftest import BtRunner
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from strategies import LayeredPreset, emit, emit_value, layered_presets
 
 from buildtrain.config.checks import reads_of, validators_of
 from buildtrain.config.loader import load_preset
 from buildtrain.config.problems import KeyPath, PresetError, display
-from buildtrain.config.schema import SECTIONS, STAGE_KEYS, Stage, SyntheticConfig
+from buildtrain.config.schema import FFN_MULTIPLE, SECTIONS, STAGE_KEYS, ModelConfig, Stage, SyntheticConfig
 from buildtrain.errors import ConfigError, ExitCode
 
 # (id, files (the preset is p.toml), key path, what the message says)
@@ -629,3 +630,17 @@ def test_rules_read_only_the_fields_they_declare_and_those_come_first(cls: type)
             check(recorder, field, getattr(recorder.instance, field.name))
             assert recorder.read <= set(declared), (field.name, recorder.read)
             assert all(names.index(name) < names.index(field.name) for name in declared), field.name
+
+
+@given(half=st.integers(1, 1 << 15), mlp=st.sampled_from(["swiglu", "gelu"]))
+def test_the_derived_ffn_hidden_is_the_smallest_multiple_at_or_above_its_ratio(half: int, mlp: str) -> None:
+    dim = 2 * half  # one head of an even size
+    hidden = ModelConfig(dim=dim, n_heads=1, n_kv_heads=1, mlp=mlp).ffn_hidden
+    exact = 8 * dim / 3 if mlp == "swiglu" else 4 * dim
+    assert hidden % FFN_MULTIPLE == 0
+    assert exact <= hidden < exact + FFN_MULTIPLE
+
+
+def test_a_set_ffn_hidden_is_kept_as_it_is() -> None:
+    assert ModelConfig(dim=256, ffn_hidden=683).ffn_hidden == 683
+    assert ModelConfig(dim=256).ffn_hidden == 688 and ModelConfig().ffn_hidden == 176  # tiny's width

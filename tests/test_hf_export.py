@@ -90,7 +90,7 @@ def test_transformers_computes_the_same_logits(
         assert (got - expected).abs().max().item() <= 1e-5, (norm, mlp, length)
 
 
-def test_the_weights_are_the_same_bits_renamed_and_permuted(tmp_path: Path) -> None:
+def test_the_weights_are_the_same_bits_renamed_and_split(tmp_path: Path) -> None:
     config = ModelConfig(dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=48)
     export_random_model(tmp_path, config, seed=1)
     ours = {name: values for name, (_, _, values) in read_tensors(tmp_path / "model.safetensors").items()}
@@ -98,10 +98,12 @@ def test_the_weights_are_the_same_bits_renamed_and_permuted(tmp_path: Path) -> N
         name: values for name, (_, _, values) in read_tensors(tmp_path / "hf" / "model.safetensors").items()
     }
     assert ours["blocks.0.ffn.w1.weight"].tobytes() == theirs["model.layers.0.mlp.gate_proj.weight"].tobytes()
-    q, hf_q = ours["blocks.1.attention.wq.weight"], theirs["model.layers.1.self_attn.q_proj.weight"]
-    assert sorted(map(bytes, q)) == sorted(map(bytes, hf_q))  # rows permuted, never changed
-    # head 1 (rows 8..15 of 4 heads of 8): its even channels, then its odd ones
-    assert (hf_q[8:12] == q[[8, 10, 12, 14]]).all() and (hf_q[12:16] == q[[9, 11, 13, 15]]).all()
+    # wqkv of 4 query heads and 2 key/value heads of 8 channels: rows 0..31 q, 32..47 k, 48..63 v
+    qkv = ours["blocks.1.attention.wqkv.weight"]
+    hf = "model.layers.1.self_attn"
+    split = (theirs[f"{hf}.q_proj.weight"], theirs[f"{hf}.k_proj.weight"], theirs[f"{hf}.v_proj.weight"])
+    assert [part.shape for part in split] == [(32, 32), (16, 32), (16, 32)]
+    assert b"".join(part.tobytes() for part in split) == qkv.tobytes()  # rows split, never changed
     write_hf(
         tmp_path / "again",
         tmp_path / "model.safetensors",

@@ -1,5 +1,5 @@
-"""The transformer: parameter count agrees with `config.shape`, shapes, causality, seeded init, dropout;
-and the held-out evaluation that runs it."""
+"""The transformer: parameter count agrees with `config.shape`, shapes, causality, seeded init, dropout,
+the hand-written RMSNorm and RoPE against their definitions; and the held-out evaluation that runs it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from buildtrain.config.shape import parameter_count
 from buildtrain.errors import StepFailed
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.batches import TokenStream
-from buildtrain.steps.train.model import Transformer, dropout
+from buildtrain.steps.train.model import RMSNormFunction, RotaryQKV, Transformer, dropout, rope_tables
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -213,3 +213,71 @@ def test_build_never_draws_from_the_global_generator() -> None:
     assert first.output.weight is first.embedding.weight
     for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def rms_norm_by_definition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_rms_norm_function_computes_the_definition_and_its_gradient(rows: int, width: int, seed: int) -> None:
+    generator = seeded(seed)
+    x = torch.randn(2, rows, width, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(width, generator=generator, dtype=torch.float64, requires_grad=True)
+    ours = RMSNormFunction.apply(x, weight, 1e-5)
+    assert torch.allclose(ours, rms_norm_by_definition(x, weight, 1e-5), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, 1e-5), (x, weight))
+
+
+def test_rms_norm_function_agrees_with_torch_in_float32() -> None:
+    x = torch.randn(8, 64, 96, generator=seeded(3), requires_grad=True)
+    weight = torch.rand(96, generator=seeded(4)).add(0.5).requires_grad_()
+    grad = torch.randn(8, 64, 96, generator=seeded(5))
+    ours = RMSNormFunction.apply(x, weight, 1e-5)
+    ours_grads = torch.autograd.grad(ours, (x, weight), grad)
+    theirs = F.rms_norm(x, (96,), weight, 1e-5)
+    theirs_grads = torch.autograd.grad(theirs, (x, weight), grad)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    for mine, reference in zip(ours_grads, theirs_grads, strict=True):
+        assert torch.allclose(mine, reference, rtol=1e-4, atol=1e-5)
+
+
+def rotary(qkv: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    cos, sin = rope_tables(qkv.shape[-1], qkv.shape[1], 100.0)
+    return RotaryQKV.apply(qkv, cos.to(qkv.dtype), sin.to(qkv.dtype), n_heads, n_kv_heads)
+
+
+def test_rotary_qkv_rotates_channel_i_with_channel_i_plus_half_and_passes_v_through() -> None:
+    qkv = torch.randn(2, 5, 4 + 2 * 2, 8, generator=seeded(0), dtype=torch.float64)
+    q, k, v = rotary(qkv, 4, 2)
+    position, pair = 3, 1  # the angle of pair i at position t is t * 100 ** (-2i / hs)
+    angle = position * 100.0 ** (-2 * pair / 8)
+    x = torch.complex(qkv[:, position, :6, pair], qkv[:, position, :6, pair + 4])
+    turned = x * complex(math.cos(angle), math.sin(angle))
+    rotated = torch.cat((q, k), dim=2)[:, position]
+    assert torch.allclose(rotated[:, :, pair], turned.real) and torch.allclose(
+        rotated[:, :, pair + 4], turned.imag
+    )
+    assert torch.equal(v, qkv[:, :, 6:])
+
+
+@settings(max_examples=20, deadline=None)
+@given(shift=st.integers(0, 10), seed=st.integers(0, 2**16))
+def test_rotated_scores_depend_only_on_the_distance_between_positions(shift: int, seed: int) -> None:
+    """RoPE's law: a query at m and a key at n score as if the same vectors sat at m - n and 0."""
+    vector = torch.randn(2, 8, generator=seeded(seed), dtype=torch.float64)
+    qkv = torch.zeros(1, 16, 3, 8, dtype=torch.float64)
+    qkv[0, 5 + shift, 0], qkv[0, shift, 1] = vector[0], vector[1]  # query at 5 + shift, key at shift
+    q, k, _ = rotary(qkv, 1, 1)
+    qkv_near = torch.zeros(1, 16, 3, 8, dtype=torch.float64)
+    qkv_near[0, 5, 0], qkv_near[0, 0, 1] = vector[0], vector[1]
+    q_near, k_near, _ = rotary(qkv_near, 1, 1)
+    score = (q[0, 5 + shift, 0] * k[0, shift, 0]).sum()
+    # the tables are float32, so the angles agree to float32 rounding
+    assert torch.allclose(score, (q_near[0, 5, 0] * k_near[0, 0, 0]).sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_qkv_gradient_is_the_gradient_of_its_forward() -> None:
+    qkv = torch.randn(2, 5, 2 + 2 * 1, 6, generator=seeded(1), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: rotary(t, 2, 1), (qkv,))

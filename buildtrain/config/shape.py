@@ -20,7 +20,7 @@ def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> in
     """Parameters of `steps.train.model.Transformer(model, vocab_size)`: tied weights count once."""
     kv_dim = model.n_kv_heads * head_dim(model)
     norm = model.dim * (2 if model.norm == "layernorm" else 1)  # LayerNorm has a bias, RMSNorm not
-    attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2  # wq, wo; wk, wv
+    attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2  # wqkv (q part), wo; wqkv (k and v parts)
     mlp = model.dim * model.ffn_hidden * (3 if model.mlp == "swiglu" else 2)
     block = attention + mlp + 2 * norm
     embeddings = vocab_size * model.dim * (1 if model.tie_embeddings else 2)

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def _perturbation(text: str) -> list[Any]:
-    """`STEP:TENSOR:DELTA`, e.g. `7:blocks.0.attention.wq.weight:1e-3`."""
+    """`STEP:TENSOR:DELTA`, e.g. `7:blocks.0.attention.wqkv.weight:1e-3`."""
     step, tensor, delta = text.split(":")
     return [int(step), tensor, float(delta)]
 

@@ -9,13 +9,13 @@ computation (no approximation, so logits agree to float rounding):
     layernorm swiglu  stablelm       LayerNorm with bias, full rotary (partial_rotary_factor 1), gated MLP
     layernorm gelu    starcoder2     LayerNorm with bias, plain MLP; use_bias = false drops linear biases
 
-RoPE: buildtrain rotates interleaved channel pairs (0, 1), (2, 3), ... of a head; transformers
-rotates halves (i, i + head_dim / 2) with the same frequency for pair i. Permuting the output rows
-of the query and key projections per head (even channels first, then odd) turns one into the other
-and leaves every attention score unchanged, because queries and keys are permuted alike.
+RoPE: buildtrain rotates halves (channel i with channel i + head_dim / 2, frequency i), as
+transformers does, so the query and key rows need no reordering. buildtrain's fused `wqkv`
+projection (nh query heads, then nkv key heads, then nkv value heads, by rows) is split into
+q_proj, k_proj and v_proj.
 
 Torch-free and dtype-agnostic: tensors are read and written as raw little-endian safetensors, only
-renamed and permuted, so the weights are bit-identical to `model.safetensors`.
+renamed and split by rows, so the weights are bit-identical to `model.safetensors`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ ARCHITECTURES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ),
     ("layernorm", "gelu"): ("starcoder2", "Starcoder2ForCausalLM", {"w1": "c_fc", "w2": "c_proj"}),
 }
-NUMPY_OF = {"F32": np.uint32, "BF16": np.uint16, "F16": np.uint16}  # raw bits: permuted, never computed
+NUMPY_OF = {"F32": np.uint32, "BF16": np.uint16, "F16": np.uint16}  # raw bits: split, never computed
 
 
 def hf_config(
@@ -105,11 +105,18 @@ def hf_name(name: str, mlp_names: dict[str, str]) -> str:
     return f"model.layers.{layer}.{norm}.{parts[3]}"
 
 
-def rope_halves(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Output rows of a query or key projection, per head: interleaved pairs -> rotate-half order."""
-    width = rows.shape[1]
-    head_dim = rows.shape[0] // heads
-    return rows.reshape(heads, head_dim // 2, 2, width).transpose(0, 2, 1, 3).reshape(heads * head_dim, width)
+def split_qkv(
+    name: str, kind: str, values: np.ndarray, model: dict[str, Any]
+) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    """A fused `attention.wqkv` tensor as buildtrain's separate wq, wk, wv (split by output rows)."""
+    head_dim = model["dim"] // model["n_heads"]
+    rows = (model["n_heads"] * head_dim, model["n_kv_heads"] * head_dim, model["n_kv_heads"] * head_dim)
+    parts, start = {}, 0
+    for part, count in zip(("wq", "wk", "wv"), rows, strict=True):
+        block = values[start : start + count]
+        parts[name.replace("wqkv", part)] = (kind, list(block.shape), block)
+        start += count
+    return parts
 
 
 def read_tensors(path: Path) -> dict[str, tuple[str, list[int], np.ndarray]]:
@@ -162,10 +169,8 @@ def write_hf(
     tensors = read_tensors(weights)
     converted = {}
     for name, (kind, shape, values) in tensors.items():
-        if name.endswith(("wq.weight", "wk.weight")):
-            heads = model["n_heads"] if name.endswith("wq.weight") else model["n_kv_heads"]
-            values = rope_halves(values, heads)
-        converted[hf_name(name, mlp_names)] = (kind, shape, values)
+        parts = split_qkv(name, kind, values, model) if ".wqkv." in name else {name: (kind, shape, values)}
+        converted.update({hf_name(part, mlp_names): tensor for part, tensor in parts.items()})
     vocab_size = tensors["embedding.weight"][1][0]
     folder.mkdir()
     write_tensors(folder / "model.safetensors", converted)

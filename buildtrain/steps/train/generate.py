@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from buildtrain.steps.train.model import Transformer, apply_rope
+from buildtrain.steps.train.model import Transformer
 
 
 class KVCache:
@@ -43,10 +43,7 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     for layer, block in enumerate(model.blocks):
         attention = block.attention
         h = block.attention_norm(x)
-        q = attention.wq(h).view(B, T, attention.n_heads, attention.head_dim).transpose(1, 2)
-        k = attention.wk(h).view(B, T, attention.n_kv_heads, attention.head_dim).transpose(1, 2)
-        v = attention.wv(h).view(B, T, attention.n_kv_heads, attention.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = attention.qkv(h, cos, sin)  # (B, nh, T, hs), (B, nkv, T, hs) twice
         k, v = cache.extend(layer, k, v)  # (B, nkv, start + T, hs)
         gqa = attention.n_heads != attention.n_kv_heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=start == 0, enable_gqa=gqa)  # (B, nh, T, hs)

@@ -2,7 +2,7 @@
 
 Tensors go to safetensors (no pickle on any load path), structure to JSON. The same tensor names
 serve the files, the digests in the trace and the divergence report of `bt verify`, so a report can
-say `model.blocks.0.attention.wq.weight` and a reader can open that tensor.
+say `model.blocks.0.attention.wqkv.weight` and a reader can open that tensor.
 """
 
 from __future__ import annotations
