@@ -95,6 +95,9 @@ class RotaryQKV(torch.autograd.Function):
     def forward(
         ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # In the projection's dtype: under bf16 autocast, float32 tables would promote q and k to
+        # float32 copies that attention then casts back (on the CPU in float32, nothing changes).
+        cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         ctx.save_for_backward(cos, sin)
         ctx.n_heads = n_heads
         qk = n_heads + n_kv_heads
