@@ -161,7 +161,8 @@ def derived_ffn_hidden(dim: int, mlp: str) -> int:
     """The default hidden width of the feed-forward block: 8/3 x dim for swiglu (three matrices
     with the parameters of gelu's two of 4 x dim), 4 x dim for gelu, rounded up to FFN_MULTIPLE."""
     width = -(-8 * dim // 3) if mlp == "swiglu" else 4 * dim
-    return -(-width // FFN_MULTIPLE) * FFN_MULTIPLE
+    # at least one multiple: an invalid dim (0) is reported at model.dim, not again here
+    return max(FFN_MULTIPLE, -(-width // FFN_MULTIPLE) * FFN_MULTIPLE)
 
 
 @attrs.frozen(kw_only=True)
