@@ -6,6 +6,8 @@ tokenizer (`tokenized.py`). Needs no torch.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -15,40 +17,70 @@ from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
+MAX_IN_FLIGHT = 4  # full shards handed to the pool and not yet written: 4 x 2 MB by default
+
 
 class ShardWriter:
-    """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
+    """Writes one split as uint16 little-endian shard files of a fixed number of tokens.
 
-    def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
+    With a `pool`, a full shard is written and hashed in the pool's thread while the caller
+    goes on (both release the GIL); at most `MAX_IN_FLIGHT` shards wait, so memory stays bounded.
+    Names and digests are the same either way: a shard's name is fixed when it is handed over."""
+
+    def __init__(
+        self, folder: Path, split: str, shard_tokens: int, width: int = 2, pool: Executor | None = None
+    ) -> None:
         # width 4 (uint32) for vocabularies past 65,536 ids; see data_index.token_width
-        self.folder, self.split, self.width = folder, split, width
+        self.folder, self.split, self.width, self.pool = folder, split, width, pool
         self.shard_bytes = width * shard_tokens
         self.buffer = bytearray()
         self.shards: list[dict[str, Any]] = []
+        self.in_flight: deque[tuple[dict[str, Any], Future[str]]] = deque()
 
-    def write(self, tokens: bytes | bytearray) -> None:
-        self.buffer += tokens
-        while len(self.buffer) >= self.shard_bytes:
-            self._flush(bytes(self.buffer[: self.shard_bytes]))
-            del self.buffer[: self.shard_bytes]
+    def write(self, tokens: bytes | bytearray | memoryview) -> None:
+        view = memoryview(tokens).cast("B")
+        while len(view):
+            take = min(self.shard_bytes - len(self.buffer), len(view))
+            self.buffer += view[:take]
+            view = view[take:]
+            if len(self.buffer) == self.shard_bytes:
+                self._flush(self.buffer)
+                self.buffer = bytearray()  # the full one now belongs to the flush
 
     def close(self) -> None:
         if self.buffer:
-            self._flush(bytes(self.buffer))
+            self._flush(self.buffer)
             self.buffer = bytearray()
+        while self.in_flight:
+            self._settle()
 
-    def _flush(self, raw: bytes) -> None:
+    def _flush(self, raw: bytearray) -> None:
         name = f"{self.split}-{len(self.shards):05d}.bin"
-        (self.folder / name).write_bytes(raw)
         count = len(raw) // self.width
+        shard: dict[str, Any] = {"file": name, "tokens": count, "digest": ""}
+        self.shards.append(shard)
         dtype = "u16" if self.width == 2 else "u32"
-        self.shards.append(
-            {"file": name, "tokens": count, "digest": tensor_digest(name, dtype, [count], raw)}
-        )
+        if self.pool is None:
+            shard["digest"] = _store_shard(self.folder / name, dtype, count, raw)
+            return
+        future = self.pool.submit(_store_shard, self.folder / name, dtype, count, raw)
+        self.in_flight.append((shard, future))
+        if len(self.in_flight) > MAX_IN_FLIGHT:
+            self._settle()
+
+    def _settle(self) -> None:
+        shard, future = self.in_flight.popleft()
+        shard["digest"] = future.result()
 
     @property
     def tokens(self) -> int:
         return sum(shard["tokens"] for shard in self.shards)
+
+
+def _store_shard(path: Path, dtype: str, count: int, raw: bytearray) -> str:
+    """Write one shard file and return its tensor digest."""
+    path.write_bytes(raw)
+    return tensor_digest(path.name, dtype, [count], raw)
 
 
 def finish(
