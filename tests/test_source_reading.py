@@ -227,3 +227,47 @@ def test_planned_sources_pair_each_planned_file_with_its_path_in_plan_order() ->
     assert sources.planned_sources([], []) == []
     with pytest.raises(ValueError):  # a path for every planned file, never fewer
         sources.planned_sources(planned_inputs, ["/x/first"])
+
+
+def test_read_ahead_yields_every_chunk_in_order_and_raises_where_the_reader_raised() -> None:
+    from buildtrain.steps.read_ahead import read_ahead
+
+    def chunks() -> Iterator[bytes]:
+        yield from (bytes([i]) * 3 for i in range(50))
+        raise StepFailed("a.txt: changed since it was planned")
+
+    seen: list[bytes] = []
+    with pytest.raises(StepFailed, match="changed since it was planned"):
+        for chunk in read_ahead(chunks(), depth=2):
+            seen.append(chunk)
+    assert seen == [bytes([i]) * 3 for i in range(50)]
+
+
+def test_a_consumer_that_stops_early_closes_the_source(tmp_path: Path) -> None:
+    """A data step that fails on its first chunk (a bad record) must not leave the reading
+    thread holding the file open: the thread stops and closes its reader."""
+    path = tmp_path / "a.txt"
+    path.write_bytes(TEXT * 20)
+    opened: list[SourceReader] = []
+
+    def chunks() -> Iterator[bytes]:
+        with SourceReader(planned(path)) as reader:
+            opened.append(reader)
+            while chunk := reader.read(4096):
+                yield chunk
+
+    from buildtrain.steps.read_ahead import read_ahead
+
+    ahead = read_ahead(chunks(), depth=2)
+    assert next(ahead) == (TEXT * 20)[:4096]
+    ahead.close()  # what a for loop left by an exception does
+    assert opened[0].handle.closed
+
+
+def test_a_text_source_reads_ahead_with_the_same_tokens(tmp_path: Path) -> None:
+    """Chunks read in the helper thread reach the step in file order: the output equals the
+    plain read's (a path, read without the check) byte for byte."""
+    path = tmp_path / "a.txt"
+    path.write_bytes(TEXT * 30)
+    through_thread = b"".join(formats.text_chunks(planned(path)))
+    assert through_thread == path.read_bytes()

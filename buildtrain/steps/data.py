@@ -28,57 +28,37 @@ if TYPE_CHECKING:
 
 
 END_OF_DOCUMENT_TOKEN = np.array([END_OF_DOCUMENT], dtype="<u2")
-ROUTE_TOKENS = 1 << 21  # tokens gathered before their whole blocks are routed: 4 MB, 2,048 blocks
 
 
 class BlockRouter:
-    """The byte-token stream cut into split blocks, each sent to its split, many at a time.
+    """The byte-token stream cut into split blocks, each block's tokens sent to its split.
 
-    Bytes are widened to uint16 little-endian tokens straight into a buffer of `ROUTE_TOKENS`;
-    when it is full, its whole blocks are split at once (`split.held_out`) and written in runs
-    of consecutive blocks of one split. Widening one byte at a time through a bytearray slice
-    cost 256 ms per 80 MB here, numpy's conversion 20 ms. The shard writers copy what they are
-    given, so the buffer is reused: what is left of a block moves to its front."""
+    Which split a block goes to depends on its index alone, so it is known before its bytes
+    arrive (`split.SplitRuns`, decided many blocks at a time): bytes are copied once, from the
+    chunk just read straight into the shard of their split, widened to uint16 on the way, a run
+    of consecutive blocks of one split at a time. Widening one byte at a time through a
+    bytearray slice cost 256 ms per 80 MB here, numpy's conversion 20 ms."""
 
     def __init__(self, writers: dict[str, ShardWriter], block_size: int, fraction: float, seed: int) -> None:
-        self.writers, self.block_size, self.fraction, self.seed = writers, block_size, fraction, seed
-        self.capacity = max(ROUTE_TOKENS, block_size)
-        self.buffer = np.empty(self.capacity, dtype="<u2")
-        self.filled = 0
-        self.blocks = 0
+        self.writers, self.block_size = writers, block_size
+        self.runs = split.SplitRuns(seed, fraction)
+        self.tokens = 0  # so far in the stream
+
+    @property
+    def blocks(self) -> int:
+        """Blocks begun so far: the last one may be short."""
+        return -(-self.tokens // self.block_size)
 
     def add(self, data: bytes | np.ndarray) -> None:
         """Append bytes (each one token) or an array of tokens to the stream."""
         tokens = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         position = 0
         while position < len(tokens):
-            take = min(self.capacity - self.filled, len(tokens) - position)
-            self.buffer[self.filled : self.filled + take] = tokens[position : position + take]
-            self.filled += take
+            held_out, run_end = self.runs.run(self.tokens // self.block_size)
+            take = min(run_end * self.block_size - self.tokens, len(tokens) - position)
+            self.writers["heldout" if held_out else "train"].write(tokens[position : position + take])
             position += take
-            if self.filled == self.capacity:
-                self._route(last=False)
-
-    def close(self) -> None:
-        """Route what is left, the last block even if it is short."""
-        self._route(last=True)
-
-    def _route(self, *, last: bool) -> None:
-        whole = self.filled // self.block_size
-        count = whole + (1 if last and self.filled % self.block_size else 0)
-        if count:
-            held_out = split.held_out(self.seed, self.fraction, self.blocks, count)
-            # runs of consecutive blocks in one split: one write each, no per-block work
-            changes = np.flatnonzero(held_out[1:] != held_out[:-1]) + 1
-            starts = [0, *changes.tolist()]
-            ends = [*changes.tolist(), count]
-            for first, end in zip(starts, ends, strict=True):
-                tokens = self.buffer[first * self.block_size : min(end * self.block_size, self.filled)]
-                self.writers["heldout" if held_out[first] else "train"].write(tokens.data)
-            self.blocks += count
-        rest = 0 if last else self.filled - whole * self.block_size  # less than a block
-        self.buffer[:rest] = self.buffer[whole * self.block_size : whole * self.block_size + rest]
-        self.filled = rest
+            self.tokens += take
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
@@ -117,7 +97,6 @@ def build(step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any)
             document_count += 1
             if document_count % 1000 == 0:
                 log.info("data_progress", documents=document_count, blocks=router.blocks)
-        router.close()
         for writer in writers.values():
             writer.close()
     block_index = router.blocks

@@ -11,6 +11,8 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
 from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
@@ -21,50 +23,55 @@ MAX_IN_FLIGHT = 4  # full shards handed to the pool and not yet written: 4 x 2 M
 
 
 class ShardWriter:
-    """Writes one split as uint16 little-endian shard files of a fixed number of tokens.
+    """Writes one split as uint16 (or uint32) little-endian shard files of a fixed number of tokens.
 
-    With a `pool`, a full shard is written and hashed in the pool's thread while the caller
-    goes on (both release the GIL); at most `MAX_IN_FLIGHT` shards wait, so memory stays bounded.
-    Names and digests are the same either way: a shard's name is fixed when it is handed over."""
+    Tokens are copied (and converted) once, straight into the shard being filled. With a `pool`,
+    a full shard is written and hashed in the pool's thread while the caller goes on (both
+    release the GIL); at most `MAX_IN_FLIGHT` shards wait, so memory stays bounded. Names and
+    digests are the same either way: a shard's name is fixed when it is handed over."""
 
     def __init__(
         self, folder: Path, split: str, shard_tokens: int, width: int = 2, pool: Executor | None = None
     ) -> None:
         # width 4 (uint32) for vocabularies past 65,536 ids; see data_index.token_width
         self.folder, self.split, self.width, self.pool = folder, split, width, pool
-        self.shard_bytes = width * shard_tokens
-        self.buffer = bytearray()
+        self.dtype = np.dtype("<u2" if width == 2 else "<u4")
+        self.shard_tokens = shard_tokens
+        self.buffer = np.empty(0, dtype=self.dtype)  # allocated when the first token arrives
+        self.filled = 0
         self.shards: list[dict[str, Any]] = []
         self.in_flight: deque[tuple[dict[str, Any], Future[str]]] = deque()
 
-    def write(self, tokens: bytes | bytearray | memoryview) -> None:
-        view = memoryview(tokens).cast("B")
-        while len(view):
-            take = min(self.shard_bytes - len(self.buffer), len(view))
-            self.buffer += view[:take]
-            view = view[take:]
-            if len(self.buffer) == self.shard_bytes:
-                self._flush(self.buffer)
-                self.buffer = bytearray()  # the full one now belongs to the flush
+    def write(self, tokens: np.ndarray) -> None:
+        """Append `tokens`, an array of token ids (any unsigned type that fits the width)."""
+        position = 0
+        while position < len(tokens):
+            if not len(self.buffer):
+                self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
+            take = min(self.shard_tokens - self.filled, len(tokens) - position)
+            self.buffer[self.filled : self.filled + take] = tokens[position : position + take]
+            self.filled += take
+            position += take
+            if self.filled == self.shard_tokens:
+                self._flush()
 
     def close(self) -> None:
-        if self.buffer:
-            self._flush(self.buffer)
-            self.buffer = bytearray()
+        if self.filled:
+            self._flush()
         while self.in_flight:
             self._settle()
 
-    def _flush(self, raw: bytearray) -> None:
+    def _flush(self) -> None:
+        raw, count = self.buffer[: self.filled], self.filled
+        self.buffer, self.filled = np.empty(0, dtype=self.dtype), 0  # the full one belongs to the flush
         name = f"{self.split}-{len(self.shards):05d}.bin"
-        count = len(raw) // self.width
         shard: dict[str, Any] = {"file": name, "tokens": count, "digest": ""}
         self.shards.append(shard)
         dtype = "u16" if self.width == 2 else "u32"
         if self.pool is None:
-            shard["digest"] = _store_shard(self.folder / name, dtype, count, raw)
+            shard["digest"] = _store_shard(self.folder / name, dtype, raw)
             return
-        future = self.pool.submit(_store_shard, self.folder / name, dtype, count, raw)
-        self.in_flight.append((shard, future))
+        self.in_flight.append((shard, self.pool.submit(_store_shard, self.folder / name, dtype, raw)))
         if len(self.in_flight) > MAX_IN_FLIGHT:
             self._settle()
 
@@ -77,10 +84,11 @@ class ShardWriter:
         return sum(shard["tokens"] for shard in self.shards)
 
 
-def _store_shard(path: Path, dtype: str, count: int, raw: bytearray) -> str:
+def _store_shard(path: Path, dtype: str, tokens: np.ndarray) -> str:
     """Write one shard file and return its tensor digest."""
+    raw = tokens.data.cast("B")
     path.write_bytes(raw)
-    return tensor_digest(path.name, dtype, [count], raw)
+    return tensor_digest(path.name, dtype, [len(tokens)], raw)
 
 
 def finish(

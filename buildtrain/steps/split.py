@@ -20,6 +20,7 @@ from buildtrain.steps.short_blake3 import BLOCK_BYTES, digest_prefixes
 
 PURPOSE = "heldout"
 BATCH = 8192  # blocks per numpy pass: the 16 word arrays stay in the core's cache
+WINDOW = 4 * BATCH  # blocks decided ahead by SplitRuns: 32 MB of bytes at 1,024 tokens a block
 
 
 def _prefix(seed: int) -> bytes:
@@ -70,3 +71,26 @@ def held_out(seed: int, fraction: float, start: int, count: int) -> np.ndarray:
             mask[position - start : end - start] = _units_below(prefix, position, end - position, fraction)
         position = end
     return mask
+
+
+class SplitRuns:
+    """The split of every block, consulted in order as runs of consecutive blocks in one split,
+    and decided `WINDOW` blocks at a time (a pass over few blocks costs as much as over many)."""
+
+    def __init__(self, seed: int, fraction: float) -> None:
+        self.seed, self.fraction = seed, fraction
+        self.start = 0
+        self.mask = np.zeros(0, dtype=bool)
+        self.changes = np.zeros(0, dtype=np.int64)  # offsets in the window where a run starts
+
+    def run(self, block: int) -> tuple[bool, int]:
+        """Whether `block` is held out, and the first block after it that is not in the same run
+        (or that lies past the decided window: the run may go on there)."""
+        offset = block - self.start
+        if not 0 <= offset < len(self.mask):
+            self.start, offset = block, 0
+            self.mask = held_out(self.seed, self.fraction, block, WINDOW)
+            self.changes = np.flatnonzero(self.mask[1:] != self.mask[:-1]) + 1
+        after = int(np.searchsorted(self.changes, offset, side="right"))
+        end = int(self.changes[after]) if after < len(self.changes) else len(self.mask)
+        return bool(self.mask[offset]), self.start + end
