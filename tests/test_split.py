@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buildtrain.steps import split
 from buildtrain.steps.seeds import MASK_63, derive_unit
 from buildtrain.steps.short_blake3 import digest_prefixes
 from buildtrain.steps.split import held_out
@@ -74,3 +75,24 @@ def test_the_mask_is_what_derive_unit_masks() -> None:
     """The 63-bit mask of derive_seed: the top bit of the 8 bytes never reaches the unit."""
     assert MASK_63 == (1 << 63) - 1
     assert held_out(0, 1.0, 0, 100).all() and not held_out(0, 0.0, 0, 100).any()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=st.integers(0, 2**40),
+    fraction=st.floats(0.0, 1.0),
+    window=st.integers(1, 50),
+    blocks=st.lists(st.integers(0, 400), min_size=1, max_size=60),
+)
+def test_split_runs_answer_each_block_as_the_rule_does(
+    seed: int, fraction: float, window: int, blocks: list[int]
+) -> None:
+    """Asked about blocks in any order and with any window: the block's own split, and a run
+    end past it inside which every block has that split."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(split, "WINDOW", window)
+        runs = split.SplitRuns(seed, fraction)
+        for block in [*sorted(blocks), *blocks]:
+            held, end = runs.run(block)
+            assert end > block
+            assert per_block(seed, fraction, block, end - block) == [held] * (end - block)

@@ -79,18 +79,26 @@ class SplitRuns:
 
     def __init__(self, seed: int, fraction: float) -> None:
         self.seed, self.fraction = seed, fraction
-        self.start = 0
-        self.mask = np.zeros(0, dtype=bool)
-        self.changes = np.zeros(0, dtype=np.int64)  # offsets in the window where a run starts
+        self.start = self.stop = 0  # the decided window of blocks
+        self.ends: list[int] = []  # where each run of the window ends (block numbers)
+        self.held: list[bool] = []  # and whether it is held out
+        self.current = 0  # the run last asked about: blocks are asked about in order
 
     def run(self, block: int) -> tuple[bool, int]:
         """Whether `block` is held out, and the first block after it that is not in the same run
         (or that lies past the decided window: the run may go on there)."""
-        offset = block - self.start
-        if not 0 <= offset < len(self.mask):
-            self.start, offset = block, 0
-            self.mask = held_out(self.seed, self.fraction, block, WINDOW)
-            self.changes = np.flatnonzero(self.mask[1:] != self.mask[:-1]) + 1
-        after = int(np.searchsorted(self.changes, offset, side="right"))
-        end = int(self.changes[after]) if after < len(self.changes) else len(self.mask)
-        return bool(self.mask[offset]), self.start + end
+        if not self.start <= block < self.stop:
+            self._decide(block)
+        if block < (self.ends[self.current - 1] if self.current else self.start):
+            self.current = 0  # asked about an earlier block: look from the window's start
+        while self.ends[self.current] <= block:
+            self.current += 1
+        return self.held[self.current], self.ends[self.current]
+
+    def _decide(self, block: int) -> None:
+        mask = held_out(self.seed, self.fraction, block, WINDOW)
+        changes = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+        self.start, self.stop = block, block + WINDOW
+        self.ends = [*(block + changes).tolist(), self.stop]
+        self.held = [bool(mask[0]), *mask[changes].tolist()]
+        self.current = 0
