@@ -87,7 +87,10 @@ def build(step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any)
     """Write byte-token shards and `data.json` into `out`; return the logical digests of the output."""
     settings = step.data
     document_count = 0
-    with ThreadPoolExecutor(max_workers=1) as pool:  # shards written and hashed beside the routing
+    # Shards are written and hashed in a helper thread (both release the GIL) while this one
+    # routes. Measured on 2 cores at load 6-7: 533 ms median per 80 MB with the helper threads
+    # against 444 ms without; they pay only where a core is free (README, Performance).
+    with ThreadPoolExecutor(max_workers=1) as pool:
         writers = {s: ShardWriter(out, s, settings.shard_tokens, pool=pool) for s in ("train", "heldout")}
         router = BlockRouter(writers, settings.split_block, settings.heldout_fraction, settings.split_seed)
         for _, document in corpus(settings.text, sources):
