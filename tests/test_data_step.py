@@ -168,13 +168,15 @@ def test_file_tokens_are_raw_bytes_plus_end_of_document_in_digest_order(
     block=st.sampled_from([16, 17, 23]),
     window=st.integers(1, 5),
     chunk=st.integers(1, 64),
+    bulk=st.integers(1, 3),
 )
 def test_routing_by_runs_does_not_depend_on_the_window_or_the_chunks_read(
-    documents: list[bytes], block: int, window: int, chunk: int
+    documents: list[bytes], block: int, window: int, chunk: int, bulk: int
 ) -> None:
-    """The split is decided `split.WINDOW` blocks ahead and bytes arrive in chunks of any size:
-    a run of blocks cut by a window's end or a chunk's must still land where the per-block
-    rule sends each block, with the same shards and digests as the defaults give."""
+    """The split is decided `split.WINDOW` blocks ahead, bytes arrive in chunks of any size, and
+    whole blocks go by mask or by runs: a run of blocks cut by a window's end or a chunk's must
+    still land where the per-block rule sends each block, with the same shards and digests as
+    the defaults give."""
     config = files_config(split_block=block, heldout_fraction=0.5)
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
@@ -190,6 +192,7 @@ def test_routing_by_runs_does_not_depend_on_the_window_or_the_chunks_read(
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(split_module, "WINDOW", window)
             patch.setattr(formats, "READ_CHUNK", chunk)
+            patch.setattr(data, "BULK_BLOCKS", bulk)  # whole blocks by mask from 1, 2 or 3 on
             small, index = build(config, ordered, root / "small")
         assert small == default
         assert reassemble(root / "small", index, config) == expected_tokens([p.read_bytes() for p in ordered])

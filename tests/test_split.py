@@ -88,7 +88,7 @@ def test_split_runs_answer_each_block_as_the_rule_does(
     seed: int, fraction: float, window: int, blocks: list[int]
 ) -> None:
     """Asked about blocks in any order and with any window: the block's own split, and a run
-    end past it inside which every block has that split."""
+    end past it inside which every block has that split; and the splits of a range of blocks."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(split, "WINDOW", window)
         runs = split.SplitRuns(seed, fraction)
@@ -96,3 +96,5 @@ def test_split_runs_answer_each_block_as_the_rule_does(
             held, end = runs.run(block)
             assert end > block
             assert per_block(seed, fraction, block, end - block) == [held] * (end - block)
+            count = 1 + block % (2 * window)  # within a window and past one
+            assert runs.blocks(block, count).tolist() == per_block(seed, fraction, block, count)

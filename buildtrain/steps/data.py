@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 END_OF_DOCUMENT_TOKEN = np.array([END_OF_DOCUMENT], dtype="<u2")
+BULK_BLOCKS = 8  # whole blocks in hand from which they are routed by a mask rather than by runs
 
 
 class BlockRouter:
@@ -54,11 +55,29 @@ class BlockRouter:
         tokens = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
         position = 0
         while position < len(tokens):
+            whole = (len(tokens) - position) // self.block_size
+            if self.tokens % self.block_size == 0 and whole >= BULK_BLOCKS:
+                position += self._whole_blocks(tokens[position : position + whole * self.block_size])
+                continue
             held_out, run_end = self.runs.run(self.tokens // self.block_size)
             take = min(run_end * self.block_size - self.tokens, len(tokens) - position)
             self.writers["heldout" if held_out else "train"].write(tokens[position : position + take])
             position += take
             self.tokens += take
+
+    def _whole_blocks(self, tokens: np.ndarray) -> int:
+        """Route whole blocks from a block boundary: each split's blocks gathered in one copy of
+        the bytes (one call per split instead of one per run: 80 MB has 7,600 runs)."""
+        rows = tokens.reshape(-1, self.block_size)
+        held_out = self.runs.blocks(self.tokens // self.block_size, len(rows))
+        for flag, name in ((False, "train"), (True, "heldout")):
+            chosen = held_out == flag
+            if chosen.all():
+                self.writers[name].write(tokens)
+            elif chosen.any():
+                self.writers[name].write(rows[chosen].reshape(-1))
+        self.tokens += len(tokens)
+        return len(tokens)
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:

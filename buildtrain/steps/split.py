@@ -80,6 +80,7 @@ class SplitRuns:
     def __init__(self, seed: int, fraction: float) -> None:
         self.seed, self.fraction = seed, fraction
         self.start = self.stop = 0  # the decided window of blocks
+        self.mask = np.zeros(0, dtype=bool)  # its splits, block by block
         self.ends: list[int] = []  # where each run of the window ends (block numbers)
         self.held: list[bool] = []  # and whether it is held out
         self.current = 0  # the run last asked about: blocks are asked about in order
@@ -95,9 +96,18 @@ class SplitRuns:
             self.current += 1
         return self.held[self.current], self.ends[self.current]
 
+    def blocks(self, start: int, count: int) -> np.ndarray:
+        """Whether each of the blocks start .. start + count - 1 is held out (read only)."""
+        if count > WINDOW:
+            return held_out(self.seed, self.fraction, start, count)
+        if not (self.start <= start and start + count <= self.stop):
+            self._decide(start)
+        return self.mask[start - self.start : start - self.start + count]
+
     def _decide(self, block: int) -> None:
         mask = held_out(self.seed, self.fraction, block, WINDOW)
         changes = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+        self.mask = mask
         self.start, self.stop = block, block + WINDOW
         self.ends = [*(block + changes).tolist(), self.stop]
         self.held = [bool(mask[0]), *mask[changes].tolist()]
