@@ -91,7 +91,7 @@ def profile(space: common.Workspace, source: Any, out: Path) -> None:
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
-    print("\ndata step, cProfile by own time (one run; threads other than the main one are not seen):")
+    print("\ndata step, cProfile by own time (one run):")
     print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -203,13 +202,12 @@ def test_routing_by_runs_does_not_depend_on_the_window_or_the_chunks_read(
     tokens=st.lists(st.integers(0, 65535), min_size=1, max_size=300),
     cuts=st.lists(st.integers(1, 40), min_size=1, max_size=20),
     shard_tokens=st.integers(1, 70),
-    threaded=st.booleans(),
 )
 def test_shards_do_not_depend_on_how_tokens_are_handed_over(
-    tokens: list[int], cuts: list[int], shard_tokens: int, threaded: bool
+    tokens: list[int], cuts: list[int], shard_tokens: int
 ) -> None:
-    """Tokens written in pieces of any size, in this thread or written out by a pool: the same
-    shard files and digests as one write of them all, each shard's digest of its own bytes."""
+    """Tokens written in pieces of any size: the same shard files and digests as one write of
+    them all, each shard's digest of its own bytes."""
     array = np.array(tokens, dtype="<u2")
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
@@ -218,15 +216,14 @@ def test_shards_do_not_depend_on_how_tokens_are_handed_over(
         whole = ShardWriter(root / "whole", "train", shard_tokens)
         whole.write(array)
         whole.close()
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pieces = ShardWriter(root / "pieces", "train", shard_tokens, pool=pool if threaded else None)
-            position = 0
-            for cut in itertools.cycle(cuts):
-                if position >= len(array):
-                    break
-                pieces.write(array[position : position + cut])
-                position += cut
-            pieces.close()
+        pieces = ShardWriter(root / "pieces", "train", shard_tokens)
+        position = 0
+        for cut in itertools.cycle(cuts):
+            if position >= len(array):
+                break
+            pieces.write(array[position : position + cut])
+            position += cut
+        pieces.close()
         assert pieces.shards == whole.shards
         assert sum(shard["tokens"] for shard in whole.shards) == len(tokens)
         for shard in whole.shards:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import StepFailed
-from buildtrain.steps.read_ahead import read_ahead
 from buildtrain.steps.sources import open_source, private_copy
 
 if TYPE_CHECKING:
@@ -29,11 +28,6 @@ PARQUET_BATCH_ROWS = 4096  # rows per record batch: a few MB of text at most
 
 
 def text_chunks(path: Path) -> Iterator[bytes]:
-    """A plain text file in chunks, read (and checked against the plan) a few chunks ahead."""
-    return read_ahead(_chunks(path))
-
-
-def _chunks(path: Path) -> Iterator[bytes]:
     with open_source(path) as handle:
         while chunk := handle.read(READ_CHUNK):
             yield chunk
