@@ -15,7 +15,10 @@ Prints wall time, throughput (MB of text per second), the ratio (goal: data step
 library's throughput) and each process's peak resident memory (goal: the data step's bounded,
 independent of corpus size; the library's holds the corpus and its ids).
 
-Run: python benchmarks/bpe_data_step.py [--sizes 25,100] (MB of JSONL)
+Each size runs the two side by side in alternated rounds (`--rounds`, default 3) and reports
+medians, and the data step's time per MB at the largest size over the smallest (1.00: linear).
+
+Run: python benchmarks/bpe_data_step.py [--sizes 25,100] [--rounds N] (MB of JSONL)
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 WORDS = [
     "the",
@@ -227,43 +234,67 @@ def run(script: str, *args: str) -> tuple[dict, int]:
     return json.loads(output), usage.ru_maxrss * 1024
 
 
+def measure(root: Path, size: int, rounds: int) -> tuple[int, dict, int, dict, int]:
+    """Library and data step alternated `rounds` times on one corpus: the medians of their times
+    (the library's faster way per round), the text size, and each one's peak RSS."""
+    corpus = root / f"corpus-{size}.jsonl"
+    text_bytes = write_corpus(corpus, size)
+    tokenizer = root / "tokenizer"
+    if not tokenizer.exists():
+        train_tokenizer(corpus, tokenizer)
+    seen: dict[str, tuple[dict, int]] = {}
+
+    def library() -> float:
+        seen["library"] = run(LIBRARY, str(tokenizer / "tokenizer.json"), str(corpus))
+        return min(seen["library"][0]["batched"], seen["library"][0]["seconds"])
+
+    def step() -> float:
+        out = root / f"out-{size}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        seen["step"] = run(DATA_STEP, str(tokenizer), str(corpus), str(out))
+        return seen["step"][0]["seconds"]
+
+    times = common.alternate([("library", library), ("data step", step)], rounds, warmup=0)
+    lib = {**seen["library"][0], "best": common.median(times["library"]), "all": times["library"]}
+    own = {**seen["step"][0], "seconds": common.median(times["data step"]), "all": times["data step"]}
+    corpus.unlink()
+    return text_bytes, lib, seen["library"][1], own, seen["step"][1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="25,100", help="corpus sizes in MB of JSONL (default 25,100)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds per size (default 3)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"tokenizers {__import__('tokenizers').__version__}, {os.cpu_count()} cores, RSS via wait4")
+    print(f"tokenizers {__import__('tokenizers').__version__}, RSS via wait4; {common.machine_line()}")
     with tempfile.TemporaryDirectory(prefix="bt-tokenize-") as scratch:
         root = Path(scratch)
-        rows = []
-        for size in sizes:
-            corpus = root / f"corpus-{size}.jsonl"
-            text_bytes = write_corpus(corpus, size)
-            tokenizer = root / "tokenizer"
-            if not tokenizer.exists():
-                train_tokenizer(corpus, tokenizer)
-            library, library_rss = run(LIBRARY, str(tokenizer / "tokenizer.json"), str(corpus))
-            out = root / f"out-{size}"
-            out.mkdir()
-            step, step_rss = run(DATA_STEP, str(tokenizer), str(corpus), str(out))
-            rows.append((size, text_bytes, library, library_rss, step, step_rss))
-        header = f"{'JSONL MB':>8} {'text MB':>8} {'tokens':>11} {'lib batches s':>13} {'lib 1 call s':>12}"
-        header += f" {'MB/s':>6} {'RSS MB':>7}"
+        rows = [(size, *measure(root, size, args.rounds)) for size in sizes]
+        header = f"{'JSONL MB':>8} {'text MB':>8} {'tokens':>11} {'library s':>9} {'MB/s':>6} {'RSS MB':>7}"
         header += f" {'data step s':>11} {'MB/s':>6} {'RSS MB':>7} {'ratio':>6}"
+        print(
+            f"medians of {args.rounds} alternated rounds (library: the faster of 4 MB batches and one call)"
+        )
         print(header)
         for size, text_bytes, library, library_rss, step, step_rss in rows:
             mb = text_bytes / 2**20
-            best = min(library["batched"], library["seconds"])
+            best = library["best"]
             print(
-                f"{size:>8} {mb:>8.1f} {library['tokens']:>11,} {library['batched']:>13.2f} "
-                f"{library['seconds']:>12.2f} {mb / best:>6.2f} {library_rss / 2**20:>7.0f} "
-                f"{step['seconds']:>11.2f} {mb / step['seconds']:>6.2f} {step_rss / 2**20:>7.0f} "
-                f"{best / step['seconds']:>5.2f}x"
+                f"{size:>8} {mb:>8.1f} {library['tokens']:>11,} {best:>9.2f} {mb / best:>6.2f} "
+                f"{library_rss / 2**20:>7.0f} {step['seconds']:>11.2f} {mb / step['seconds']:>6.2f} "
+                f"{step_rss / 2**20:>7.0f} {best / step['seconds']:>5.2f}x"
             )
+        if len(rows) > 1:
+            small, large = rows[0], rows[-1]  # (size, text bytes, library, its RSS, step, its RSS)
+            growth = (large[4]["seconds"] / small[4]["seconds"]) / (large[1] / small[1])
+            print(f"data step time per MB at {large[0]} MB / at {small[0]} MB: {growth:.2f} (1.00 = linear)")
         print(
             "ratio: data step throughput / the library's faster throughput (goal >= 0.80x). The data step encodes the "
             "text cut into <= 1 KB pieces (the train/held-out split), so its token count differs slightly."
         )
+        print(common.machine_line())
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
 from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
@@ -17,34 +19,41 @@ from buildtrain.store.tensors import tensor_digest
 
 
 class ShardWriter:
-    """Writes one split as uint16 little-endian shard files of a fixed number of tokens."""
+    """Writes one split as uint16 (or uint32) little-endian shard files of a fixed number of tokens.
+
+    Tokens are copied (and converted) once, straight into the shard being filled; a full shard
+    is written and hashed, and its buffer filled again."""
 
     def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
         # width 4 (uint32) for vocabularies past 65,536 ids; see data_index.token_width
         self.folder, self.split, self.width = folder, split, width
-        self.shard_bytes = width * shard_tokens
-        self.buffer = bytearray()
+        self.buffer = np.empty(shard_tokens, dtype="<u2" if width == 2 else "<u4")
+        self.filled = 0
         self.shards: list[dict[str, Any]] = []
 
-    def write(self, tokens: bytes | bytearray) -> None:
-        self.buffer += tokens
-        while len(self.buffer) >= self.shard_bytes:
-            self._flush(bytes(self.buffer[: self.shard_bytes]))
-            del self.buffer[: self.shard_bytes]
+    def write(self, tokens: np.ndarray) -> None:
+        """Append `tokens`, an array of token ids (any unsigned type that fits the width)."""
+        position = 0
+        while position < len(tokens):
+            take = min(len(self.buffer) - self.filled, len(tokens) - position)
+            self.buffer[self.filled : self.filled + take] = tokens[position : position + take]
+            self.filled += take
+            position += take
+            if self.filled == len(self.buffer):
+                self._flush()
 
     def close(self) -> None:
-        if self.buffer:
-            self._flush(bytes(self.buffer))
-            self.buffer = bytearray()
+        if self.filled:
+            self._flush()
 
-    def _flush(self, raw: bytes) -> None:
+    def _flush(self) -> None:
+        raw = self.buffer[: self.filled].data.cast("B")
         name = f"{self.split}-{len(self.shards):05d}.bin"
         (self.folder / name).write_bytes(raw)
-        count = len(raw) // self.width
         dtype = "u16" if self.width == 2 else "u32"
-        self.shards.append(
-            {"file": name, "tokens": count, "digest": tensor_digest(name, dtype, [count], raw)}
-        )
+        digest = tensor_digest(name, dtype, [self.filled], raw)
+        self.shards.append({"file": name, "tokens": self.filled, "digest": digest})
+        self.filled = 0
 
     @property
     def tokens(self) -> int:

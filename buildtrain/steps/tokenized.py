@@ -68,7 +68,7 @@ def build_tokenized(
                 counts["documents"] += 1
         for held_out, split in ((False, "train"), (True, "heldout")):
             if ids[held_out]:
-                writers[split].write(np.array(ids[held_out], dtype=dtype).tobytes())
+                writers[split].write(np.array(ids[held_out], dtype=dtype))
         counts["pieces"] += len(batch)
         log.info("data_progress", documents=counts["documents"], blocks=counts["pieces"])
 

@@ -1,0 +1,145 @@
+"""The byte data step against reading and blake3-hashing the same bytes.
+
+Writes a plain-text corpus (lines of generated words; 80 MB, `--quick` 40 MB), then alternates,
+in this process and on a warm page cache:
+
+- read + blake3: the file read in 1 MB chunks and hashed, single-threaded: the least work any
+  step that checks its source against the plan must do;
+- data step: `buildtrain.steps.data.build` with the file as a checked `Source` (read, hashed and
+  refused if it changed), 1,024-token split blocks, 5% held out, shards of 1M tokens: widen to
+  uint16 tokens, split, write and hash the shards (twice the bytes of the text), write the index.
+
+Prints the medians, their spread and the ratio of throughputs (goal: data step >= 0.5x read +
+blake3) and, with `--profile`, the functions that took the data step's time (cProfile, one run).
+
+Run: python benchmarks/data_step.py [--quick] [--megabytes N] [--profile]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+CHUNK = 1 << 20
+
+
+class Log:
+    def info(self, *_: Any, **__: Any) -> None:
+        pass
+
+
+def write_corpus(path: Path, megabytes: int) -> None:
+    """Lines of 4-16 words from a vocabulary of 2,000, in blocks of 64 KB written at once."""
+    rng = random.Random(0)
+    words = [f"{rng.choice('bcdfghklmnprstvz')}{rng.choice('aeiou')}{i}" for i in range(2000)]
+    with open(path, "wb") as handle:
+        written = 0
+        while written < megabytes * 1_000_000:
+            lines = [" ".join(rng.choices(words, k=rng.randrange(4, 17))) for _ in range(2000)]
+            block = ("\n".join(lines) + "\n").encode() * 8  # repeated: generation is not measured
+            handle.write(block)
+            written += len(block)
+
+
+def read_and_hash(path: Path) -> float:
+    import blake3
+
+    started = time.perf_counter()
+    hasher = blake3.blake3()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            hasher.update(chunk)
+    hasher.hexdigest()
+    return time.perf_counter() - started
+
+
+def data_step(space: common.Workspace, source: Any, out: Path) -> float:
+    from buildtrain.config.steps import DataStep
+    from buildtrain.steps import data
+
+    config = {
+        "source": "files",
+        "split_block": 1024,
+        "heldout_fraction": 0.05,
+        "split_seed": 0,
+        "shard_tokens": 1 << 20,
+        "tokenizer": "bytes",
+    }
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    started = time.perf_counter()
+    data.build(DataStep.from_config({"data": config}), [source], out, Log())
+    return time.perf_counter() - started
+
+
+def profile(space: common.Workspace, source: Any, out: Path) -> None:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    data_step(space, source, out)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    print("\ndata step, cProfile by own time (one run):")
+    print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--megabytes", type=int, help="corpus size in MB (default 80, --quick 40)")
+    parser.add_argument("--profile", action="store_true", help="also profile one data step run")
+    args = parser.parse_args()
+    megabytes = args.megabytes or (40 if args.quick else 80)
+    with common.workspace("data-step", args) as space:
+        common.print_header("byte data step vs read + blake3", args, space)
+        space.import_buildtrain()
+        from buildtrain.steps.sources import Source
+        from buildtrain.store.sources import hash_regular
+
+        corpus = space.path("corpus.txt")
+        write_corpus(corpus, megabytes)
+        digest, size = hash_regular(corpus)
+        source = Source(path=corpus, blake3=digest, size=size)
+        out = space.path("out")
+        contenders = [
+            ("read + blake3", lambda: read_and_hash(corpus)),
+            ("data step", lambda: data_step(space, source, out)),
+        ]
+        results = common.alternate(contenders, common.rounds(args, 5, 9))
+        base, step = common.median(results["read + blake3"]), common.median(results["data step"])
+        rows = [
+            (
+                name,
+                common.fmt_seconds(common.median(times)),
+                common.fmt_spread(times),
+                f"{size / common.median(times) / 1e6:.0f}",
+            )
+            for name, times in results.items()
+        ]
+        common.print_table(
+            f"{common.fmt_bytes(size)} of text, medians of alternated rounds",
+            ["", "median", "spread", "MB/s"],
+            rows,
+        )
+        ratio = common.ratio(base, step)
+        common.print_goals(
+            [common.goal_line("data step >= 0.5x read + blake3", ratio >= 0.5, common.fmt_ratio(ratio))]
+        )
+        print(common.machine_line())
+        if args.profile:
+            profile(space, source, out)
+
+
+if __name__ == "__main__":
+    main()

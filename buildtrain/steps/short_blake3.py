@@ -1,0 +1,86 @@
+"""blake3 of many short messages at once, in numpy: the first 8 bytes of each digest.
+
+A message of at most 64 bytes is one blake3 chunk of one block, so its digest is a single call of
+the compression function (7 rounds of the quarter-round G over 16 32-bit words) with the flags
+CHUNK_START | CHUNK_END | ROOT. Evaluating that function over arrays of messages, one array per
+word, gives bit for bit what the blake3 library gives one message at a time, at a fraction of the
+per-call cost (0.3-0.7 us a message in batches of 8,192 here, against 1.2 us for one library call
+and 7.5 us for derive_unit with its canonical JSON; tests check results against the library). Words that are the same in every message of a batch stay
+scalars, so the parts of the first round that see only them are computed once.
+
+Only what the data split needs: messages of one length per call, and only the first 64 bits of
+the output. Needs no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+BLOCK_BYTES = 64
+IV = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19)
+MESSAGE_PERMUTATION = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
+ONE_BLOCK_ROOT = 1 | 2 | 8  # CHUNK_START | CHUNK_END | ROOT: the flags of a message of one block
+# (state a, b, c, d, message word x, message word y) of the eight G calls of a round
+ROUND = (
+    (0, 4, 8, 12, 0, 1),
+    (1, 5, 9, 13, 2, 3),
+    (2, 6, 10, 14, 4, 5),
+    (3, 7, 11, 15, 6, 7),
+    (0, 5, 10, 15, 8, 9),
+    (1, 6, 11, 12, 10, 11),
+    (2, 7, 8, 13, 12, 13),
+    (3, 4, 9, 14, 14, 15),
+)
+
+Word = Any  # a numpy uint32 array of one word per message, or a np.uint32 shared by all
+
+
+def _rotate_right(x: Word, bits: int) -> Word:
+    return (x >> np.uint32(bits)) | (x << np.uint32(32 - bits))
+
+
+def _g(v: list[Word], a: int, b: int, c: int, d: int, x: Word, y: Word) -> None:
+    v[a] = v[a] + v[b] + x
+    v[d] = _rotate_right(v[d] ^ v[a], 16)
+    v[c] = v[c] + v[d]
+    v[b] = _rotate_right(v[b] ^ v[c], 12)
+    v[a] = v[a] + v[b] + y
+    v[d] = _rotate_right(v[d] ^ v[a], 8)
+    v[c] = v[c] + v[d]
+    v[b] = _rotate_right(v[b] ^ v[c], 7)
+
+
+def _words(messages: np.ndarray) -> list[Word]:
+    """The 16 little-endian message words of each zero-padded message; a word the same in every
+    message becomes one scalar."""
+    padded = np.zeros((len(messages), BLOCK_BYTES), dtype=np.uint8)
+    padded[:, : messages.shape[1]] = messages
+    columns = padded.view("<u4").T
+    words: list[Word] = []
+    for column in columns:
+        first = column[0]
+        words.append(np.uint32(first) if (column == first).all() else np.ascontiguousarray(column, np.uint32))
+    return words
+
+
+def digest_prefixes(messages: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of blake3 of each row of `messages` (uint8, shape (n, length), length at
+    most 64, n at least 1), as little-endian uint64 numbers."""
+    count, length = messages.shape
+    if length > BLOCK_BYTES or count == 0:
+        raise ValueError(
+            f"digest_prefixes takes 1 or more messages of at most 64 bytes, got {messages.shape}"
+        )
+    m = _words(messages)
+    v: list[Word] = [np.uint32(w) for w in (*IV, *IV[:4], 0, 0, length, ONE_BLOCK_ROOT)]
+    with np.errstate(over="ignore"):  # additions wrap modulo 2**32, as the function defines them
+        for round_index in range(7):
+            for a, b, c, d, x, y in ROUND:
+                _g(v, a, b, c, d, m[x], m[y])
+            if round_index < 6:
+                m = [m[i] for i in MESSAGE_PERMUTATION]
+        low = np.broadcast_to(v[0] ^ v[8], (count,)).astype(np.uint64)
+        high = np.broadcast_to(v[1] ^ v[9], (count,)).astype(np.uint64)
+    return low | (high << np.uint64(32))
