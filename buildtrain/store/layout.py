@@ -17,6 +17,7 @@ so the CLI and the views read what a torch-side step wrote without importing tor
     quarantine/                   damaged objects moved aside, never loaded
     cache/files.json              stat cache of source file digests
     cache/verified/<step>.json    stamps: an output's file stats at its last full re-hash
+    cache/plans/<hh>/<plan hash>  the plan index by prefix (store/plan_index.py); INDEX.json: complete
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ FOLDERS = (
     QUARANTINE,
     CACHE,
     f"{CACHE}/verified",
+    f"{CACHE}/plans",
 )
 # What the top of a store may hold (a store made by an earlier bt has no marker).
 TOP_LEVEL = frozenset({MARKER, *(folder.split("/")[0] for folder in FOLDERS)})
 STAT_CACHE = f"{CACHE}/files.json"
 STAMPS = f"{CACHE}/verified"
+PLAN_INDEX = f"{CACHE}/plans"
 CARDS = f"{METRICS}/plans"
 STEP_METRICS = f"{METRICS}/steps"
 PLAN_LOCK_PREFIX = "plan-"

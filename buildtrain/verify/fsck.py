@@ -137,6 +137,7 @@ def scan(store: Store) -> FsckResult:
         _evals,
         _metrics,
         _caches,
+        _plan_index,
         _locks,
     ]
     checked, damaged = 0, []
@@ -316,6 +317,15 @@ def _caches(store: Store, _: Known) -> Found:
     return checked, found
 
 
+def _plan_index(store: Store, _: Known) -> Found:
+    """The plan index must list exactly the stored plans (it is rebuilt, never trusted alone)."""
+    problems = store.plan_index_problems()
+    if not problems:
+        return int(store.plan_index.is_ready()), []
+    note = "an optimisation only: every plan is found through plans/; it is rebuilt from there"
+    return 1, [Damage(object=layout.PLAN_INDEX, kind="plan index", problems=problems, note=note)]
+
+
 def _locks(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.locks)
     for path in entries:
@@ -354,6 +364,10 @@ def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: l
         with contextlib.ExitStack() as stack:
             if item.step is not None and layout.HASH_NAME.match(item.step):
                 stack.enter_context(store.lock(item.step, wait=False))
+            if item.kind == "plan index":
+                store.repair_plan_index()
+                repaired.append(f"{item.object}: rebuilt from plans/")
+                return
             if item.kind in CACHES:
                 store.set_aside(path, keep=False)
                 repaired.append(f"{item.object}: removed")
