@@ -35,7 +35,7 @@ from buildtrain.plan.card import read_card
 from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import claim_store, load_plan
 from buildtrain.plan.sweep import sweep_problem
-from buildtrain.store import layout
+from buildtrain.store import layout, trace
 from buildtrain.store.checkpoints import checkpoint_problems
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
@@ -250,7 +250,27 @@ def _work(store: Store, known: Known) -> Found:
                         step=guard,
                     )
                 )
+        count, damaged = _segments(store, work.name, layout.trace_segments(folder), known)
+        checked, found = checked + count, found + damaged
     return checked, found
+
+
+def _segments(store: Store, step_hash: str, pool: Path, known: Known) -> Found:
+    """The trace segments beside a step's checkpoints: each must hash to its name."""
+    segments = _listing(pool)
+    found = [
+        Damage(
+            object=_relative(store, path),
+            kind="trace segment",
+            problems=[problem],
+            referenced_by=known.labels.get(step_hash, ["no stored plan"]),
+            note="a build whose trace links to it starts the step again from update 1",
+            step=step_hash if layout.HASH_NAME.match(step_hash) else None,
+        )
+        for path in segments
+        if (problem := trace.pool_problem(path)) is not None
+    ]
+    return len(segments), found
 
 
 def _not_a_folder(path: Path) -> str | None:
