@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
+from buildtrain.errors import StepFailed
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
@@ -339,3 +340,38 @@ def test_a_checkpoint_renamed_or_linked_under_another_step_is_never_resumed(
 
 def test_the_torch_free_layout_names_the_same_state_file() -> None:
     assert layout.TRAIN_STATE == TRAIN_STATE
+
+
+def test_a_checkpoint_taken_at_an_interruption_is_no_boundary_of_the_trace(tmp_path: Path) -> None:
+    """Resumed from a checkpoint taken at an interruption, the next scheduled checkpoint seals the
+    very segment an uninterrupted build seals: an output's files do not depend on interruptions.
+    The resume reads that checkpoint's own segment, never the segments before it."""
+    model, optimizer = fresh()
+    lines = trace_to(4)
+    straight = tmp_path / "straight" / "checkpoints"
+    history = checkpoint.Trace(straight)
+    for step in (1, 2, 3, 4):
+        history.append(lines[step - 1])
+        if step % 2 == 0:
+            checkpoint.save(straight, step, model, optimizer, state_at(step), history)
+
+    interrupted = tmp_path / "interrupted" / "checkpoints"
+    history = checkpoint.Trace(interrupted)
+    for step in (1, 2, 3):
+        history.append(lines[step - 1])
+        if step == 2:
+            checkpoint.save(interrupted, step, model, optimizer, state_at(step), history)
+    checkpoint.save(interrupted, 3, model, optimizer, state_at(3), history, boundary=False)
+    (interrupted.parent / "trace" / f"{history.head}.jsonl").unlink()  # resume must not need it
+    resumed = checkpoint.load_newest(interrupted, *fresh(seed=9), IDENTITY, Skips())
+    assert resumed is not None and resumed.update == 3
+    resumed.trace.reopen((resumed.path / TRACE).read_bytes())
+    resumed.trace.append(lines[3])
+    checkpoint.save(interrupted, 4, model, optimizer, state_at(4), resumed.trace)
+
+    ours, theirs = interrupted / "step-000004", straight / "step-000004"
+    assert (ours / TRACE).read_bytes() == (theirs / TRACE).read_bytes()
+    assert segment_entries(ours) == lines[2:]
+    with pytest.raises(StepFailed, match="damaged"):  # the segment of updates 1-2 was removed above
+        resumed.trace.whole()
+    assert checkpoint.candidates(interrupted) == []  # moved aside: the next build starts afresh

@@ -3,7 +3,8 @@
 Rewriting the whole trace at every checkpoint cost 9.6 / 12.8 / 46 ms per checkpoint at 200 /
 2,000 / 20,000 updates (O(updates^2 / checkpoint_every) over a run), and resume read it all back
 (2.3 / 22 / 292 ms). Now a checkpoint's `trace.jsonl` is one segment: a header line, then the
-trace lines of the updates since the previous checkpoint:
+trace lines of the updates since the previous scheduled checkpoint (one taken at an interruption
+is no boundary, so the segments that enter an output do not depend on interruptions):
 
     {"first":51,"format":1,"last":100,"previous":"<blake3 of the previous segment>"|null}
 

@@ -8,8 +8,8 @@ recorded step and identity agree with their name are candidates for resume; any 
 moved aside (renamed `damaged-...`, out of the candidates, removed with the work folder) and
 skipped; a temporary one is ignored.
 
-A checkpoint holds one segment of the trace, the updates since the checkpoint before it, linked to
-that one by its blake3 (`store/trace.py`): saving and resuming cost the same at update 20,000 as at
+A checkpoint holds one segment of the trace, the updates since the scheduled checkpoint before it,
+linked to that one's segment by its blake3 (`store/trace.py`): saving and resuming cost the same at update 20,000 as at
 update 200, and the whole trace is read once, when the output is assembled.
 """
 
@@ -67,13 +67,24 @@ class Trace:
     def append(self, entry: dict[str, Any]) -> None:
         self._lines.append(canonical_bytes(entry) + b"\n")
 
-    def seal(self, update: int) -> tuple[bytes, str]:
-        """The segment of the lines since the newest checkpoint (which it links to), and its
-        blake3; the trace then counts it as the newest."""
+    def seal(self, update: int, *, boundary: bool = True) -> tuple[bytes, str]:
+        """The segment of the lines since the newest boundary (which it links to), and its
+        blake3. At a boundary (a scheduled checkpoint) the trace then starts its next segment;
+        a checkpoint taken at an interruption is no boundary, so that the segments of scheduled
+        checkpoints, which enter the output, are the same however often a build was interrupted."""
         header = trace.Header(first=self.sealed_until + 1, last=update, previous=self.head)
         raw = trace.segment_bytes(header, self._lines)
-        self.head, self.sealed_until, self._lines = trace.segment_digest(raw), update, []
-        return raw, self.head
+        digest = trace.segment_digest(raw)
+        if boundary:
+            self.head, self.sealed_until, self._lines = digest, update, []
+        return raw, digest
+
+    def reopen(self, raw: bytes) -> None:
+        """Resumed from a checkpoint that is no boundary: its segment's lines are pending again,
+        to be sealed with the updates up to the next boundary."""
+        header = trace.read_header(raw)
+        self.head, self.sealed_until = header.previous, header.first - 1
+        self._lines = raw.partition(b"\n")[2].splitlines(keepends=True)
 
     def whole(self) -> list[dict[str, Any]]:
         """Every entry from update 1: the chain of sealed segments read back (each checked
@@ -111,10 +122,12 @@ def save(
     state: dict[str, Any],
     history: Trace,
     midway: Callable[[int], None] | None = None,
+    *,
+    boundary: bool = True,
 ) -> Path:
     """Write a complete checkpoint for `update` atomically, with the trace lines since the newest
-    one as its segment; returns its folder. `midway` is called with the update once the weights
-    are written and nothing else is (a fault can strike there)."""
+    boundary as its segment (`Trace.seal`); returns its folder. `midway` is called with the update
+    once the weights are written and nothing else is (a fault can strike there)."""
     require_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(update)
@@ -126,7 +139,7 @@ def save(
         midway(update)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
-    raw, segment = history.seal(update)
+    raw, segment = history.seal(update, boundary=boundary)
     # Kept by its blake3 first, so that a later checkpoint's link to it holds after this one is pruned.
     trace.keep(history.pool, segment, raw=raw)
     (temporary / TRACE).write_bytes(raw)

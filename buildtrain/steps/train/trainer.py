@@ -137,6 +137,8 @@ class Training:
         )
         if resumed is not None:
             self.update, self.trace = resumed.update, resumed.trace
+            if not checkpoint_due(resumed.update, self.setup.train):  # taken at an interruption
+                self.trace.reopen((resumed.path / checkpoint.TRACE).read_bytes())
             self.cursor = self.controls.observer.resumed(resumed.state["cursor"])
             self.log.info(
                 "resumed",
@@ -178,10 +180,17 @@ class Training:
             tokens = at * self.setup.train.batch_size * self.setup.train.seq_len
             state = {**self.setup.identity, "step": at, "cursor": self.cursor, "tokens": tokens}
             midway = observer.checkpoint_half_written
-            path = checkpoint.save(
-                self.setup.work, at, self.model, self.optimizer, state, self.trace, midway=midway
-            )
             train = self.setup.train
+            path = checkpoint.save(
+                self.setup.work,
+                at,
+                self.model,
+                self.optimizer,
+                state,
+                self.trace,
+                midway=midway,
+                boundary=checkpoint_due(at, train),
+            )
             checkpoint.prune(self.setup.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
             self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
         observer.checkpoint_written(at)
