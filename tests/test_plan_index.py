@@ -4,6 +4,7 @@ only ever a hint checked against plans/, and concurrent writers never lose an en
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import MICRO
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,3 +200,32 @@ def test_the_index_answers_as_a_listing_does(hashes: list[str], length: int, pic
         else:
             with pytest.raises(UsageError, match="ambiguous"):
                 store.resolve(prefix)
+
+
+def test_parallel_bt_plan_processes_index_every_plan(tmp_path: Path) -> None:
+    """Four `bt plan --sweep` processes at once into one store: every plan they print is stored,
+    indexed, and found by a prefix."""
+    store = tmp_path / ".bt"
+    environment = {**os.environ, "BT_STORE": str(store)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "buildtrain", "plan", str(MICRO), "--sweep", f"name={names}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+            cwd=tmp_path,
+        )
+        for names in (",".join(f"w{w}-{i}" for i in range(10)) for w in range(4))
+    ]
+    printed = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        printed += out.split()
+    opened = Store(store)
+    assert len(set(printed)) == 40 and set(printed) == set(opened.plan_hashes())
+    assert set(printed) <= opened.plan_index.indexed()
+    for plan_hash in printed:
+        assert opened.resolve(plan_hash[:12]) == plan_hash
+    assert opened.plan_index_problems() == []

@@ -476,7 +476,8 @@ class Store:
         if _is_marker(self.marker):
             return "marked"
         try:
-            names = set(os.listdir(self.root))
+            # Less the marker being written by another process creating the store right now.
+            names = {n for n in os.listdir(self.root) if not _marker_in_writing(n)}
         except FileNotFoundError:
             return "new"
         except NotADirectoryError:
@@ -511,6 +512,11 @@ def _not_a_folder(path: Path) -> str | None:
     if stat.S_ISDIR(mode):
         return None
     return "a file" if stat.S_ISREG(mode) else "neither a folder nor a file"
+
+
+def _marker_in_writing(name: str) -> bool:
+    """The temporary name `objects.write_bytes_durably` writes the marker under."""
+    return name.startswith(f".{layout.MARKER}.") and name.endswith(".tmp")
 
 
 def _is_marker(path: Path) -> bool:
