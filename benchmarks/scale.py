@@ -27,6 +27,7 @@ Run: python benchmarks/scale.py [--quick] [--part planner|plans|trace] [--before
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import shutil
 import subprocess
@@ -211,7 +212,7 @@ def plan_stores(version: Version) -> dict[int, tuple[Path, Path, str]]:
     return stores
 
 
-def measure_plans(space: Workspace, versions: list[Version], n: int) -> None:
+def measure_plans(space: Workspace, versions: list[Version], n: int, warmup: int) -> None:
     stores = {v.label: plan_stores(v) for v in versions}
     commands = {
         "bt ls": ("per plan", lambda s, p: ("ls",)),
@@ -228,18 +229,26 @@ def measure_plans(space: Workspace, versions: list[Version], n: int) -> None:
                     (f"{version.label} {what} {count}", lambda v=version, s=store, a=args: v.bt(s, *a)[0])
                 )
     note(f"plans: {n} alternating rounds over N = {', '.join(map(str, PLAN_COUNTS))}")
-    results = alternate(contenders, n)
+    results = alternate(contenders, n, warmup=warmup)
     rows = []
     for version in versions:
         for what, (item, _) in commands.items():
             totals = [median(results[f"{version.label} {what} {c}"]) for c in PLAN_COUNTS]
             costs = [t / c if item == "per plan" else t for t, c in zip(totals, PLAN_COUNTS, strict=True)]
+            # What each added plan costs, without the process start that dominates at N = 10.
+            added = [
+                (totals[i + 1] - totals[i]) / (PLAN_COUNTS[i + 1] - PLAN_COUNTS[i])
+                for i in range(len(totals) - 1)
+            ]
+            per_plan = item == "per plan"
             rows.append(
                 [
                     f"{version.label}: {what}",
                     item,
                     *(fmt_item(cost) for cost in costs),
                     fmt_ratio(ratio(costs[-1], costs[0])),
+                    *((fmt_item(a) for a in added) if per_plan else ["-"] * len(added)),
+                    fmt_ratio(ratio(added[-1], added[0])) if per_plan else "-",
                     *(fmt_seconds(total) for total in totals),
                 ]
             )
@@ -250,6 +259,8 @@ def measure_plans(space: Workspace, versions: list[Version], n: int) -> None:
             "item",
             *(f"N={c:,}" for c in PLAN_COUNTS),
             "largest/smallest",
+            *(f"added {a:,}->{b:,}" for a, b in itertools.pairwise(PLAN_COUNTS)),
+            "ratio",
             *(f"total N={c:,}" for c in PLAN_COUNTS),
         ],
         rows,
@@ -407,7 +418,7 @@ def main() -> int:
             file_counts = (10, 1_000) if args.quick else (10, 1_000, 10_000)
             measure(space, "files", {count: files_preset(space, count) for count in file_counts}, n_planner)
         if "plans" in parts:
-            measure_plans(space, versions, n)
+            measure_plans(space, versions, n, warmup=0 if args.quick else 1)
         if "trace" in parts:
             measure_trace(space, versions, n)
     return 0

@@ -224,8 +224,10 @@ def _work(store: Store, known: Known) -> Found:
     for work in _listing(store.work):
         guard = work.name if layout.HASH_NAME.match(work.name) else None
         folder = store.checkpoints_dir(work.name)
-        # A file or link in place of the work folder or its checkpoints: resume could not write there.
-        misplaced = next((p for p in (work, folder) if os.path.lexists(p) and _not_a_folder(p)), None)
+        # A file or link in place of the work folder, its checkpoints or their trace segments:
+        # resume could not write there.
+        places = (work, folder, layout.trace_segments(folder))
+        misplaced = next((p for p in places if os.path.lexists(p) and _not_a_folder(p)), None)
         if misplaced is not None:
             checked += 1
             problem = _not_a_folder(misplaced) or ""

@@ -151,9 +151,10 @@ def save(
 
 
 def require_folder(folder: Path) -> None:
-    """Refuse a file or a link in place of the checkpoints folder or its work folder: writing a
-    checkpoint there fails (or goes elsewhere), and the message would blame the disk."""
-    for path in (folder.parent, folder):
+    """Refuse a file or a link in place of the checkpoints folder, its work folder or the trace
+    segments beside it: writing a checkpoint there fails (or goes elsewhere), and the message would
+    blame the disk."""
+    for path in (folder.parent, folder, trace_segments(folder)):
         if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
             raise CorruptObject(
                 f"{path} is {'a symbolic link' if path.is_symlink() else 'a file'}, not a folder of "
