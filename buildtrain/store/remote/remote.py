@@ -158,6 +158,7 @@ class Remote:
         """Download the trace segments the pulled `checkpoint` links back to that the local pool
         lacks, each checked against its blake3; kept oldest first."""
         pool, fetched = trace_segments(checkpoint.parent), []
+        previous: str | None = None
         try:
             previous = trace.read_header((checkpoint / TRACE).read_bytes()).previous
             while previous is not None:
@@ -170,11 +171,11 @@ class Remote:
                     fetched.append((previous, raw))
                 previous = trace.read_header(raw).previous
         except ObjectMissing:
-            raise self.damaged(
-                what, keys.blob(str(previous)), "links to a trace segment it does not hold"
-            ) from None
+            key = keys.blob(str(previous))
+            raise self.damaged(what, key, "links to a trace segment it does not hold") from None
         except (OSError, trace.TraceDamaged) as exc:
-            raise self.damaged(what, keys.blob(str(previous)), f"has a damaged trace ({exc})") from None
+            key = keys.blob(previous) if previous else f"{TRACE} of the checkpoint"
+            raise self.damaged(what, key, f"has a damaged trace ({exc})") from None
         for segment, raw in reversed(fetched):
             trace.keep(pool, segment, raw=raw)
 
