@@ -132,10 +132,10 @@ def measure_size(space: Workspace, target: int, n: int) -> tuple[int, int, dict[
     model, optimizer = training_state(target)
     tensors = state_tensors(model, optimizer)
     state_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    trace = checkpoint.Trace(fake_trace(sorted(tensors), TRACE_UPDATES))
-    trace_bytes = len(trace.to_bytes())
+    lines = fake_trace(sorted(tensors), TRACE_UPDATES)
+    trace_bytes = sum(len(json.dumps(line, separators=(",", ":"))) + 1 for line in lines)
     identity = {"step_hash": "benchmark"}
-    state = {**identity, "step": 100, "cursor": 1600, "tokens": 102400}
+    state = {**identity, "step": TRACE_UPDATES, "cursor": 16 * TRACE_UPDATES, "tokens": 1024 * TRACE_UPDATES}
     fresh_model, fresh_optimizer = training_state(target)
     folder = space.path(f"checkpoints-{target}")
     shutil.rmtree(folder, ignore_errors=True)
@@ -143,8 +143,11 @@ def measure_size(space: Workspace, target: int, n: int) -> tuple[int, int, dict[
 
     def bt_save() -> float:
         shutil.rmtree(folder, ignore_errors=True)
+        trace = checkpoint.Trace(folder)  # the lines since the previous checkpoint: all of them
+        for line in lines:
+            trace.append(line)
         started = time.perf_counter()
-        checkpoint.save(folder, 100, model, optimizer, state, trace)
+        checkpoint.save(folder, TRACE_UPDATES, model, optimizer, state, trace)
         return time.perf_counter() - started
 
     def torch_save(fsync: bool) -> float:

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
+from buildtrain.errors import StepFailed
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
@@ -29,7 +30,7 @@ from buildtrain.steps.train.state import (
     save_tensors,
     state_tensors,
 )
-from buildtrain.store import layout, objects
+from buildtrain.store import layout, objects, trace
 
 CONFIG = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32)
 IDENTITY = {"step_hash": "a" * 64, "seed": 0}
@@ -72,6 +73,18 @@ def trace_to(step: int) -> list[dict[str, Any]]:
     return [{"step": s, "loss": f"{s:08x}", "lr": 0.01 * s} for s in range(1, step + 1)]
 
 
+def history_to(folder: Path, step: int) -> checkpoint.Trace:
+    """A trace holding the lines of updates 1 to `step`, none of them sealed yet."""
+    history = checkpoint.Trace(folder)
+    for entry in trace_to(step):
+        history.append(entry)
+    return history
+
+
+def segment_entries(path: Path) -> list[dict[str, Any]]:
+    return trace.parse((path / TRACE).read_bytes())[1]
+
+
 def snapshot(model: Transformer, optimizer: AdamW) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state_tensors(model, optimizer).items()}
 
@@ -97,9 +110,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dic
     folder = tmp_path_factory.mktemp("run") / "checkpoints"
     model, optimizer = fresh()
     states = {}
+    history = checkpoint.Trace(folder)
     for step in (1, 2):
         train_step(model, optimizer, step)
-        checkpoint.save(folder, step, model, optimizer, state_at(step), checkpoint.Trace(trace_to(step)))
+        history.append(trace_to(step)[-1])
+        checkpoint.save(folder, step, model, optimizer, state_at(step), history)
         states[step] = snapshot(model, optimizer)
     return folder, states
 
@@ -117,7 +132,9 @@ def test_save_writes_a_sealed_complete_checkpoint_and_no_temporary(saved: tuple[
         [MODEL, OPTIMIZER, TRAIN_STATE, TRACE, objects.MANIFEST]
     )
     assert objects.verify(path) == []
-    assert checkpoint.read_trace(path / TRACE) == trace_to(2)
+    assert segment_entries(path) == trace_to(2)[1:]  # only the update since the checkpoint before
+    pool = sorted(p.name for p in (folder.parent / "trace").iterdir())
+    assert pool == sorted(f"{objects.sealed_files(p)[TRACE]}.jsonl" for p in folder.iterdir())
 
 
 def test_load_newest_restores_weights_and_adamw_state_exactly(
@@ -130,7 +147,7 @@ def test_load_newest_restores_weights_and_adamw_state_exactly(
     assert resumed is not None and skips.calls == []
     assert resumed.update == 2 and resumed.path == folder / "step-000002"
     assert resumed.state == {"format": checkpoint.STATE_FORMAT, **state_at(2)}
-    assert resumed.trace.entries == trace_to(2)
+    assert resumed.trace.whole() == trace_to(2)  # read back through the chain of segments
     assert_same_tensors(snapshot(model, optimizer), states[2])
     assert any(name.endswith(".exp_avg_sq") for name in states[2])
 
@@ -189,10 +206,10 @@ def test_a_checkpoint_of_another_configuration_is_skipped(tmp_path: Path) -> Non
     folder = tmp_path / "checkpoints"
     model, optimizer = fresh()
     train_step(model, optimizer, 1)
-    checkpoint.save(folder, 1, model, optimizer, state_at(1), checkpoint.Trace(trace_to(1)))
+    checkpoint.save(folder, 1, model, optimizer, state_at(1), history_to(folder, 1))
     at_one = snapshot(model, optimizer)
     train_step(model, optimizer, 2)
-    checkpoint.save(folder, 2, model, optimizer, state_at(2, seed=7), checkpoint.Trace(trace_to(2)))
+    checkpoint.save(folder, 2, model, optimizer, state_at(2, seed=7), history_to(folder, 2))
 
     skips = Skips()
     restored, restored_optimizer = fresh(seed=5)
@@ -223,10 +240,10 @@ def test_saving_a_step_again_replaces_it(saved: tuple[Path, Any], tmp_path: Path
     (folder / ".step-000002.tmp").mkdir()  # left over from a crash
     (folder / ".step-000002.tmp" / "junk").write_bytes(b"half written")
     model, optimizer = fresh(seed=3)
-    path = checkpoint.save(folder, 2, model, optimizer, state_at(2), checkpoint.Trace(trace_to(1)))
+    path = checkpoint.save(folder, 2, model, optimizer, state_at(2), history_to(folder, 2))
     assert objects.verify(path) == []
     assert sorted(p.name for p in folder.iterdir()) == ["step-000001", "step-000002"]
-    assert checkpoint.read_trace(path / TRACE) == trace_to(1)
+    assert segment_entries(path) == trace_to(2)
     assert digests(model_tensors(model)) == digests(model_tensors(load_into_fresh(path)))
 
 
@@ -323,3 +340,38 @@ def test_a_checkpoint_renamed_or_linked_under_another_step_is_never_resumed(
 
 def test_the_torch_free_layout_names_the_same_state_file() -> None:
     assert layout.TRAIN_STATE == TRAIN_STATE
+
+
+def test_a_checkpoint_taken_at_an_interruption_is_no_boundary_of_the_trace(tmp_path: Path) -> None:
+    """Resumed from a checkpoint taken at an interruption, the next scheduled checkpoint seals the
+    very segment an uninterrupted build seals: an output's files do not depend on interruptions.
+    The resume reads that checkpoint's own segment, never the segments before it."""
+    model, optimizer = fresh()
+    lines = trace_to(4)
+    straight = tmp_path / "straight" / "checkpoints"
+    history = checkpoint.Trace(straight)
+    for step in (1, 2, 3, 4):
+        history.append(lines[step - 1])
+        if step % 2 == 0:
+            checkpoint.save(straight, step, model, optimizer, state_at(step), history)
+
+    interrupted = tmp_path / "interrupted" / "checkpoints"
+    history = checkpoint.Trace(interrupted)
+    for step in (1, 2, 3):
+        history.append(lines[step - 1])
+        if step == 2:
+            checkpoint.save(interrupted, step, model, optimizer, state_at(step), history)
+    checkpoint.save(interrupted, 3, model, optimizer, state_at(3), history, boundary=False)
+    (interrupted.parent / "trace" / f"{history.head}.jsonl").unlink()  # resume must not need it
+    resumed = checkpoint.load_newest(interrupted, *fresh(seed=9), IDENTITY, Skips())
+    assert resumed is not None and resumed.update == 3
+    resumed.trace.reopen((resumed.path / TRACE).read_bytes())
+    resumed.trace.append(lines[3])
+    checkpoint.save(interrupted, 4, model, optimizer, state_at(4), resumed.trace)
+
+    ours, theirs = interrupted / "step-000004", straight / "step-000004"
+    assert (ours / TRACE).read_bytes() == (theirs / TRACE).read_bytes()
+    assert segment_entries(ours) == lines[2:]
+    with pytest.raises(StepFailed, match="damaged"):  # the segment of updates 1-2 was removed above
+        resumed.trace.whole()
+    assert checkpoint.candidates(interrupted) == []  # moved aside: the next build starts afresh

@@ -242,17 +242,20 @@ def test_a_file_or_link_in_place_of_a_store_folder_is_reported_and_repaired(
     assert run_bt("fsck", store=store).returncode == ExitCode.OK
 
 
-def test_a_file_in_place_of_a_step_s_checkpoints_is_reported_and_named_by_run(micro_built, tmp_path):
+@pytest.mark.parametrize("folder", ["checkpoints", "trace"])
+def test_a_file_in_place_of_a_step_s_checkpoints_is_reported_and_named_by_run(micro_built, tmp_path, folder):
+    """Also in place of the trace segments kept beside the checkpoints."""
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
     train = load_plan(Store(store), micro_built[1]).by_label("train:main").hash
     shutil.rmtree(store / "steps" / train)  # so that bt run trains it again
-    checkpoints = Store(store).checkpoints_dir(train)
-    checkpoints.parent.mkdir(parents=True, exist_ok=True)
-    checkpoints.write_text("not a folder")
+    shutil.rmtree(Store(store).work_dir(train), ignore_errors=True)
+    misplaced = Store(store).work_dir(train) / folder
+    misplaced.parent.mkdir(parents=True, exist_ok=True)
+    misplaced.write_text("not a folder")
     found = run_bt("fsck", store=store)
     assert found.returncode == ExitCode.CORRUPT
-    assert f"damaged work folder: work/{train}/checkpoints" in found.stderr
+    assert f"damaged work folder: work/{train}/{folder}" in found.stderr
     failed = run_bt("run", micro_built[1], store=store)
     assert failed.returncode == ExitCode.CORRUPT, failed.stderr
     assert "not a folder of checkpoints; run bt fsck --repair" in failed.stderr

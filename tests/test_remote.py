@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged, UsageError
 from buildtrain.plan.stored import load_plan
-from buildtrain.store import objects
+from buildtrain.store import layout, objects, trace
 from buildtrain.store.remote import keys, leases
 from buildtrain.store.remote.attest import Attestation, agreeing, attest, attestations, disagreements
 from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing, RemoteUnavailable
@@ -237,20 +237,36 @@ def test_a_damaged_local_output_is_never_pushed(
 # -- checkpoints ----------------------------------------------------------------------------------
 
 
-def make_checkpoint(store: Store, step: str, number: int, payload: bytes) -> Path:
+def make_checkpoint(
+    store: Store, step: str, number: int, payload: bytes, previous: tuple[int, str | None] = (0, None)
+) -> Path:
+    """A sealed checkpoint of update `number` whose trace segment follows the one that ends at
+    `previous` (its last update, its blake3), kept in the pool as a train step keeps it."""
     parent = store.work_dir(step) / "checkpoints"
     folder = store.new_temp("ckpt")
     (folder / "state.json").write_bytes(payload)
     (folder / "model.safetensors").write_bytes(payload * 1000)
+    header = trace.Header(first=previous[0] + 1, last=number, previous=previous[1])
+    lines = [canonical_bytes({"step": s}) + b"\n" for s in range(previous[0] + 1, number + 1)]
+    raw = trace.segment_bytes(header, lines)
+    trace.keep(layout.trace_segments(parent), trace.segment_digest(raw), raw=raw)
+    (folder / layout.TRACE).write_bytes(raw)
     final = parent / f"step-{number:06d}"
     objects.publish(folder, final)
     return final
 
 
+def segment_of(checkpoint: Path) -> tuple[int, str]:
+    return trace.read_header((checkpoint / layout.TRACE).read_bytes()).last, objects.sealed_files(checkpoint)[
+        layout.TRACE
+    ]
+
+
 def test_the_newest_checkpoint_that_verifies_is_pulled(remote: Remote, tmp_path: Path) -> None:
     local, step = fresh_store(tmp_path, "a"), "12" * 32
+    previous: tuple[int, str | None] = (0, None)
     for number in (4, 8, 12):
-        make_checkpoint(local, step, number, f"update {number}".encode())
+        previous = segment_of(make_checkpoint(local, step, number, f"update {number}".encode(), previous))
         pushed = remote.push_newest_checkpoint(step, local.work_dir(step) / "checkpoints")
         assert pushed is not None and pushed.manifest == "written"
     assert remote.checkpoints(step) == ["step-000012", "step-000008", "step-000004"]
@@ -264,6 +280,27 @@ def test_the_newest_checkpoint_that_verifies_is_pulled(remote: Remote, tmp_path:
     assert len(problems) == 1 and "step-000012" in problems[0] and "missing" in problems[0]
     assert sorted(p.name for p in into.iterdir()) == ["step-000008"]
     assert not any(other.tmp.iterdir())
+    # The segments it links back to came with it: the trace reads whole from update 1.
+    whole = trace.whole(layout.trace_segments(into), (pulled / layout.TRACE).read_bytes())
+    assert [entry["step"] for entry in whole] == list(range(1, 9))
+
+
+def test_a_checkpoint_whose_trace_the_remote_lacks_is_never_resumed(remote: Remote, tmp_path: Path) -> None:
+    """Segments are pushed before the checkpoint that links to them; one lost on the remote makes
+    every checkpoint after it unusable there, and the pull falls back to one before it."""
+    local, step = fresh_store(tmp_path, "a"), "56" * 32
+    first = make_checkpoint(local, step, 4, b"four")
+    remote.push_checkpoint(step, first)
+    second = make_checkpoint(local, step, 8, b"eight", segment_of(first))
+    remote.push_checkpoint(step, make_checkpoint(local, step, 12, b"twelve", segment_of(second)))
+    assert remote.backend.exists(keys.blob(segment_of(second)[1])) is not None  # pushed with 12
+    remote.backend.delete(keys.blob(segment_of(first)[1]))
+    other = fresh_store(tmp_path)
+    into = other.work_dir(step) / "checkpoints"
+    pulled, problems = remote.pull_newest_checkpoint(other, step, into)
+    assert pulled is None and len(problems) == 2
+    assert all("trace segment" in problem or "missing" in problem for problem in problems), problems
+    assert not any(into.glob("step-*"))
 
 
 def test_another_steps_checkpoint_is_foreign(remote: Remote, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ checks checkpoints exactly as resume does without loading torch.
 
 A checkpoint `step-000050/` must verify against its manifest (every file, and the folder name it
 was sealed under), and its training state must record step 50 and the identity of its step (the
-step hash). A folder renamed, linked or copied from another step or another plan fails one of these.
+step hash), and its trace segment must end at that step. A folder renamed, linked or copied from another step or another plan fails one of these.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from buildtrain.store import objects
-from buildtrain.store.layout import STATE_FORMAT, TRAIN_STATE
+from buildtrain.store import objects, trace
+from buildtrain.store.layout import STATE_FORMAT, TRACE, TRAIN_STATE
 
 
 def checkpoint_problems(path: Path, update: int, expect: dict[str, Any]) -> list[str]:
@@ -32,4 +32,8 @@ def checkpoint_problems(path: Path, update: int, expect: dict[str, Any]) -> list
     mismatched = [key for key, value in expect.items() if state.get(key) != value]
     if mismatched:
         return [f"belongs to another configuration ({', '.join(mismatched)})"]
-    return []
+    try:
+        problem = trace.header_problem((path / TRACE).read_bytes(), update)
+    except OSError as exc:
+        problem = f"unreadable ({exc.strerror or exc})"
+    return [f"{TRACE}: {problem}"] if problem else []

@@ -9,6 +9,7 @@ so the CLI and the views read what a torch-side step wrote without importing tor
     sweeps/<sweep hash>.json      a sweep's axes and plans (content-addressed)
     steps/<step hash>/            completed step outputs, sealed by MANIFEST.json
     work/<step hash>/checkpoints/step-NNNNNN/   checkpoints of a step in progress
+    work/<step hash>/trace/<blake3>.jsonl       every trace segment they sealed (store/trace.py)
     evals/<key>.json              evaluation results by (suite, version, weights, data)
     metrics/plans/<plan hash>.json   plan cards (what tables need of a plan)
     metrics/steps/<step hash>.json   a built step's summary (final loss, tokens/s, wall time)
@@ -18,6 +19,7 @@ so the CLI and the views read what a torch-side step wrote without importing tor
     cache/files.json              stat cache of source file digests
     cache/verified/<step>.json    stamps: an output's file stats at its last full re-hash
     cache/sources/<blake3>        data files fetched from a bucket, named by their content
+    cache/plans/<hh>/<plan hash>  the plan index by prefix (store/plan_index.py); INDEX.json: complete
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ FOLDERS = (
     CACHE,
     f"{CACHE}/verified",
     f"{CACHE}/sources",
+    f"{CACHE}/plans",
 )
 # What the top of a store may hold (a store made by an earlier bt has no marker).
 TOP_LEVEL = frozenset({MARKER, *(folder.split("/")[0] for folder in FOLDERS)})
 STAT_CACHE = f"{CACHE}/files.json"
 STAMPS = f"{CACHE}/verified"
 SOURCE_CACHE = f"{CACHE}/sources"
+PLAN_INDEX = f"{CACHE}/plans"
 CARDS = f"{METRICS}/plans"
 STEP_METRICS = f"{METRICS}/steps"
 PLAN_LOCK_PREFIX = "plan-"
@@ -75,8 +79,11 @@ CHECKPOINT = re.compile(r"^step-(\d{6,})$")
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 TRAIN_STATE = "train_state.json"
-TRACE = "trace.jsonl"
-STATE_FORMAT = 1
+TRACE = "trace.jsonl"  # in an output: the whole trace; in a checkpoint: its segment (store/trace.py)
+STATE_FORMAT = 2  # 2: the checkpoint's trace is a segment, not the whole trace so far
+# Beside a work folder's checkpoints: every trace segment, by its blake3.
+TRACE_SEGMENTS = "trace"
+SEGMENT_SUFFIX = ".jsonl"
 # A train step's summary of its output (final update, weights path, digests).
 RESULT = "result.json"
 # An eval step's output, and the copy an export package carries.
@@ -103,6 +110,11 @@ def newest_first(paths: Iterable[Path]) -> list[tuple[int, Path]]:
     as strings: `step-1000000` is newer than `step-999999`."""
     found = [(update, path) for path in paths if (update := checkpoint_update(path.name)) is not None]
     return sorted(found, key=lambda item: item[0], reverse=True)
+
+
+def trace_segments(checkpoints: Path) -> Path:
+    """The pool of trace segments that belongs with a folder of checkpoints."""
+    return checkpoints.parent / TRACE_SEGMENTS
 
 
 def json_name(stem: str) -> str:

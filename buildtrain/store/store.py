@@ -23,7 +23,7 @@ from typing import Any
 from buildtrain import clock
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, Locked, UsageError
-from buildtrain.store import layout, locks, metrics, objects
+from buildtrain.store import layout, locks, metrics, objects, plan_index
 from buildtrain.store.meta import read_meta, seal_meta
 from buildtrain.store.sources import StatCache
 
@@ -53,6 +53,7 @@ class Store:
         self.stamps = root / layout.STAMPS
         self.stat_cache_path = root / layout.STAT_CACHE
         self.source_cache = root / layout.SOURCE_CACHE
+        self.plan_index = plan_index.PlanIndex(root / layout.PLAN_INDEX, self.plans)
         self._claimed = False  # known to be a store (or made one) by `folder`
 
     @classmethod
@@ -73,9 +74,11 @@ class Store:
         path = self.plan_path(plan_hash)
         if not self._holds(path, raw):
             self.folder(self.plans)
+            self.index_plan(plan_hash)  # before the file: a plan of this bt is never unindexed
             if os.path.lexists(path):
                 self.set_aside(path)
             objects.write_bytes_durably(path, raw)
+        self.index_plan(plan_hash)  # and after: `bt fsck --repair` may have dropped it meanwhile
         previous = self.plan_meta(plan_hash)
         now = clock.iso_seconds()
         record = {"created": previous.get("created", now), **previous, **meta, "planned": now}
@@ -100,11 +103,16 @@ class Store:
         return sorted(p.name[:-5] for p in self.plans.glob("*.json") if not p.name.endswith(META_SUFFIX))
 
     def resolve(self, ref: str) -> str:
-        """The full hash of the one stored plan that `ref` (a hash or unique prefix) names."""
+        """The full hash of the one stored plan that `ref` (a hash or unique prefix) names.
+        A full hash is looked up by its path and a prefix in the index (`store/plan_index.py`):
+        neither lists plans/, unless the index knows no plan with that prefix."""
         ref = ref.strip().lower()
         if not HEX.match(ref) or len(ref) < MIN_PREFIX:
             raise UsageError(f"'{ref}' is not a plan hash or a prefix of at least {MIN_PREFIX} hex digits")
-        matches = [h for h in self.plan_hashes() if h.startswith(ref)]
+        if layout.HASH_NAME.match(ref):
+            matches = [ref] if os.path.lexists(self.plan_path(ref)) else []
+        else:
+            matches = self._indexed(ref)
         if not matches and _not_a_folder(self.plans):
             self.check_layout()  # plans/ is a file or a link: say so, not "no such plan"
         if not matches:
@@ -113,6 +121,51 @@ class Store:
             listed = ", ".join(m[: layout.SHORT] for m in matches[:5])
             raise UsageError(f"plan prefix {ref} is ambiguous ({listed}); give more digits")
         return matches[0]
+
+    def index_plan(self, plan_hash: str) -> None:
+        """Add a plan to the index (best effort: a read-only store is searched by listing)."""
+        with contextlib.suppress(OSError, CorruptObject):
+            self.folder(self.plan_index.folder)
+            self.plan_index.add(plan_hash)
+
+    def rebuild_plan_index(self) -> None:
+        """Index every stored plan and mark the index complete (`bt fsck --repair`, and the
+        first lookup by prefix in a store without an index)."""
+        self.folder(self.plan_index.folder)
+        self.plan_index.rebuild(self.plan_hashes())
+
+    def plan_index_problems(self) -> list[str]:
+        """What is wrong with the plan index (`bt fsck`); [] when it is sound, or not complete
+        yet (`bt plan` adds entries, and the first lookup by prefix completes it)."""
+        if not self.plan_index.is_ready():
+            return []
+        stored, indexed = set(self.plan_hashes()), self.plan_index.indexed()
+        problems = []
+        missing, extra = sorted(stored - indexed), sorted(indexed - stored)
+        if missing:
+            problems.append(f"{len(missing)} stored plan(s) not indexed ({missing[0][: layout.SHORT]}, ...)")
+        if extra:
+            problems.append(f"{len(extra)} entr(ies) for plans not stored ({extra[0][: layout.SHORT]}, ...)")
+        return problems
+
+    def repair_plan_index(self) -> None:
+        """Drop the entries of plans that are not stored, then index every stored plan."""
+        self.plan_index.prune(set(self.plan_hashes()))
+        self.rebuild_plan_index()
+
+    def _indexed(self, prefix: str) -> list[str]:
+        """Stored plans whose hash starts with `prefix`, through the index; an index that is not
+        complete, or that knows none, is checked against a listing of plans/ (and rebuilt)."""
+        if self.plan_index.is_ready():
+            matches = self.plan_index.matches(prefix)
+            if matches:
+                return matches
+        listed = [h for h in self.plan_hashes() if h.startswith(prefix)]
+        # Only in a marked store (a lookup never marks one), and a read-only store is listed every time.
+        with contextlib.suppress(OSError, CorruptObject):
+            if (listed or not self.plan_index.is_ready()) and _is_marker(self.marker):
+                self.rebuild_plan_index()
+        return listed
 
     def plan_bytes(self, ref: str) -> tuple[str, bytes]:
         """(full hash, stored bytes) of the plan `ref` names; unchecked: `plan.stored.load_plan`
@@ -424,7 +477,8 @@ class Store:
         if _is_marker(self.marker):
             return "marked"
         try:
-            names = set(os.listdir(self.root))
+            # Less the marker being written by another process creating the store right now.
+            names = {n for n in os.listdir(self.root) if not _marker_in_writing(n)}
         except FileNotFoundError:
             return "new"
         except NotADirectoryError:
@@ -459,6 +513,11 @@ def _not_a_folder(path: Path) -> str | None:
     if stat.S_ISDIR(mode):
         return None
     return "a file" if stat.S_ISREG(mode) else "neither a folder nor a file"
+
+
+def _marker_in_writing(name: str) -> bool:
+    """The temporary name `objects.write_bytes_durably` writes the marker under."""
+    return name.startswith(f".{layout.MARKER}.") and name.endswith(".tmp")
 
 
 def _is_marker(path: Path) -> bool:

@@ -36,7 +36,7 @@ from buildtrain.plan.card import read_card
 from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import claim_store, load_plan
 from buildtrain.plan.sweep import sweep_problem
-from buildtrain.store import layout
+from buildtrain.store import layout, trace
 from buildtrain.store.checkpoints import checkpoint_problems
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
@@ -140,6 +140,7 @@ def scan(store: Store) -> FsckResult:
         _metrics,
         _caches,
         _fetched_sources,
+        _plan_index,
         _locks,
     ]
     checked, damaged = 0, []
@@ -226,8 +227,10 @@ def _work(store: Store, known: Known) -> Found:
     for work in _listing(store.work):
         guard = work.name if layout.HASH_NAME.match(work.name) else None
         folder = store.checkpoints_dir(work.name)
-        # A file or link in place of the work folder or its checkpoints: resume could not write there.
-        misplaced = next((p for p in (work, folder) if os.path.lexists(p) and _not_a_folder(p)), None)
+        # A file or link in place of the work folder, its checkpoints or their trace segments:
+        # resume could not write there.
+        places = (work, folder, layout.trace_segments(folder))
+        misplaced = next((p for p in places if os.path.lexists(p) and _not_a_folder(p)), None)
         if misplaced is not None:
             checked += 1
             problem = _not_a_folder(misplaced) or ""
@@ -252,7 +255,27 @@ def _work(store: Store, known: Known) -> Found:
                         step=guard,
                     )
                 )
+        count, damaged = _segments(store, work.name, layout.trace_segments(folder), known)
+        checked, found = checked + count, found + damaged
     return checked, found
+
+
+def _segments(store: Store, step_hash: str, pool: Path, known: Known) -> Found:
+    """The trace segments beside a step's checkpoints: each must hash to its name."""
+    segments = _listing(pool)
+    found = [
+        Damage(
+            object=_relative(store, path),
+            kind="trace segment",
+            problems=[problem],
+            referenced_by=known.labels.get(step_hash, ["no stored plan"]),
+            note="a build whose trace links to it starts the step again from update 1",
+            step=step_hash if layout.HASH_NAME.match(step_hash) else None,
+        )
+        for path in segments
+        if (problem := trace.pool_problem(path)) is not None
+    ]
+    return len(segments), found
 
 
 def _not_a_folder(path: Path) -> str | None:
@@ -341,6 +364,15 @@ def _fetched_sources(store: Store, _: Known) -> Found:
     return len(entries), found
 
 
+def _plan_index(store: Store, _: Known) -> Found:
+    """The plan index must list exactly the stored plans (it is rebuilt, never trusted alone)."""
+    problems = store.plan_index_problems()
+    if not problems:
+        return int(store.plan_index.is_ready()), []
+    note = "an optimisation only: every plan is found through plans/; it is rebuilt from there"
+    return 1, [Damage(object=layout.PLAN_INDEX, kind="plan index", problems=problems, note=note)]
+
+
 def _locks(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.locks)
     for path in entries:
@@ -379,6 +411,10 @@ def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: l
         with contextlib.ExitStack() as stack:
             if item.step is not None and layout.HASH_NAME.match(item.step):
                 stack.enter_context(store.lock(item.step, wait=False))
+            if item.kind == "plan index":
+                store.repair_plan_index()
+                repaired.append(f"{item.object}: rebuilt from plans/")
+                return
             if item.kind in CACHES:
                 store.set_aside(path, keep=False)
                 repaired.append(f"{item.object}: removed")

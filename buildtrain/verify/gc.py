@@ -105,6 +105,7 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
             with store.dropping(plan_hash):
                 for path in (store.plan_path(plan_hash), store.plan_meta_path(plan_hash)):
                     objects.remove_tree(path)
+                store.plan_index.remove(plan_hash)
     referenced, damaged_plans = _referenced(store, collected, dry_run)
     doomed = _doomed(store, collected, referenced, damaged_plans)
     for path in doomed:

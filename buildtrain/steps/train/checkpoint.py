@@ -7,6 +7,10 @@ from another step never passes for another update. Only folders whose manifest v
 recorded step and identity agree with their name are candidates for resume; any other is reported,
 moved aside (renamed `damaged-...`, out of the candidates, removed with the work folder) and
 skipped; a temporary one is ignored.
+
+A checkpoint holds one segment of the trace, the updates since the scheduled checkpoint before it,
+linked to that one's segment by its blake3 (`store/trace.py`): saving and resuming cost the same at update 20,000 as at
+update 200, and the whole trace is read once, when the output is assembled.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import attrs
 import torch
 
 from buildtrain.canonical import canonical_bytes
-from buildtrain.errors import CorruptObject
+from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
     MODEL,
@@ -36,9 +40,9 @@ from buildtrain.steps.train.state import (
     optimizer_tensors,
     save_tensors,
 )
-from buildtrain.store import objects
+from buildtrain.store import objects, trace
 from buildtrain.store.checkpoints import checkpoint_problems
-from buildtrain.store.layout import STATE_FORMAT, checkpoint_name, newest_first
+from buildtrain.store.layout import STATE_FORMAT, checkpoint_name, newest_first, trace_segments
 
 
 @attrs.frozen
@@ -50,24 +54,63 @@ class Resumed:
 
 
 class Trace:
-    """The per-update record of a train step; each entry is encoded once, when it is added, since
-    every checkpoint writes the whole trace so far."""
+    """The per-update record of a train step on rank 0: the lines since the newest checkpoint,
+    and where the sealed segments before them end (the newest one's blake3 and last update)."""
 
-    def __init__(self, entries: list[dict[str, Any]] | None = None) -> None:
-        self.entries: list[dict[str, Any]] = []
+    def __init__(self, folder: Path, head: str | None = None, sealed_until: int = 0) -> None:
+        self.folder = folder  # the checkpoints; their segments are kept beside them
+        self.pool = trace_segments(folder)
+        self.head = head
+        self.sealed_until = sealed_until
         self._lines: list[bytes] = []
-        for entry in entries or []:
-            self.append(entry)
 
     def append(self, entry: dict[str, Any]) -> None:
-        self.entries.append(entry)
         self._lines.append(canonical_bytes(entry) + b"\n")
 
-    def to_bytes(self) -> bytes:
-        return b"".join(self._lines)
+    def seal(self, update: int, *, boundary: bool = True) -> tuple[bytes, str]:
+        """The segment of the lines since the newest boundary (which it links to), and its
+        blake3. At a boundary (a scheduled checkpoint) the trace then starts its next segment;
+        a checkpoint taken at an interruption is no boundary, so that the segments of scheduled
+        checkpoints, which enter the output, are the same however often a build was interrupted."""
+        header = trace.Header(first=self.sealed_until + 1, last=update, previous=self.head)
+        raw = trace.segment_bytes(header, self._lines)
+        digest = trace.segment_digest(raw)
+        if boundary:
+            self.head, self.sealed_until, self._lines = digest, update, []
+        return raw, digest
+
+    def reopen(self, raw: bytes) -> None:
+        """Resumed from a checkpoint that is no boundary: its segment's lines are pending again,
+        to be sealed with the updates up to the next boundary."""
+        header = trace.read_header(raw)
+        self.head, self.sealed_until = header.previous, header.first - 1
+        self._lines = raw.partition(b"\n")[2].splitlines(keepends=True)
+
+    def whole(self) -> list[dict[str, Any]]:
+        """Every entry from update 1: the chain of sealed segments read back (each checked
+        against its blake3), then the lines since. Raises StepFailed, with every checkpoint
+        moved aside, when a segment is missing or damaged: the trace before it is lost, so the
+        step is built again from the start."""
+        pending = [json.loads(line) for line in self._lines]
+        if self.head is None:
+            return pending
+        path = trace.pool_path(self.pool, self.head)
+        try:
+            raw = path.read_bytes()
+            if trace.segment_digest(raw) != self.head:
+                raise trace.TraceDamaged(f"trace segment {path.name} does not match its blake3")
+            return trace.whole(self.pool, raw) + pending
+        except (trace.TraceDamaged, OSError) as exc:
+            for _, checkpoint in candidates(self.folder):
+                set_aside(checkpoint)
+            raise StepFailed(
+                f"the trace of this step is damaged ({exc}); every checkpoint was moved aside: "
+                "bt run again builds the step from the start"
+            ) from None
 
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
+    """A whole trace file (a train step output's), one entry per line."""
     return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
@@ -77,11 +120,14 @@ def save(
     model: torch.nn.Module,
     optimizer: AdamW,
     state: dict[str, Any],
-    trace: Trace,
+    history: Trace,
     midway: Callable[[int], None] | None = None,
+    *,
+    boundary: bool = True,
 ) -> Path:
-    """Write a complete checkpoint for `update` atomically; returns its folder. `midway` is called
-    with the update once the weights are written and nothing else is (a fault can strike there)."""
+    """Write a complete checkpoint for `update` atomically, with the trace lines since the newest
+    boundary as its segment (`Trace.seal`); returns its folder. `midway` is called with the update
+    once the weights are written and nothing else is (a fault can strike there)."""
     require_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(update)
@@ -93,7 +139,10 @@ def save(
         midway(update)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
-    (temporary / TRACE).write_bytes(trace.to_bytes())
+    raw, segment = history.seal(update, boundary=boundary)
+    # Kept by its blake3 first, so that a later checkpoint's link to it holds after this one is pruned.
+    trace.keep(history.pool, segment, raw=raw)
+    (temporary / TRACE).write_bytes(raw)
     objects.seal(temporary, name=final.name)  # before removing anything: a crash here costs nothing
     if final.exists():  # a checkpoint of this step from an earlier attempt: same content by design
         objects.remove_tree(final)
@@ -102,9 +151,10 @@ def save(
 
 
 def require_folder(folder: Path) -> None:
-    """Refuse a file or a link in place of the checkpoints folder or its work folder: writing a
-    checkpoint there fails (or goes elsewhere), and the message would blame the disk."""
-    for path in (folder.parent, folder):
+    """Refuse a file or a link in place of the checkpoints folder, its work folder or the trace
+    segments beside it: writing a checkpoint there fails (or goes elsewhere), and the message would
+    blame the disk."""
+    for path in (folder.parent, folder, trace_segments(folder)):
         if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
             raise CorruptObject(
                 f"{path} is {'a symbolic link' if path.is_symlink() else 'a file'}, not a folder of "
@@ -169,5 +219,7 @@ def load_newest(
         state = json.loads((path / TRAIN_STATE).read_bytes())
         load_model(model, path / MODEL)
         load_optimizer(model, optimizer, path / OPTIMIZER)
-        return Resumed(update=update, state=state, trace=Trace(read_trace(path / TRACE)), path=path)
+        history = Trace(folder, objects.sealed_files(path)[TRACE], update)
+        trace.keep(history.pool, history.head, source=path / TRACE)  # one pulled from a remote brings it
+        return Resumed(update=update, state=state, trace=history, path=path)
     return None

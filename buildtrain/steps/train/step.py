@@ -83,14 +83,15 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
     final_update, final_path = retained[0]
     for _, path in retained:
         objects.link_tree(path, out / CHECKPOINTS / path.name)  # the work copy stays valid until commit
-    (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in result.trace))
+    entries = result.trace.whole()  # read once, here: checkpoints hold only their segments
+    (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in entries))
     weights = f"checkpoints/{final_path.name}/{MODEL}"
     weights_digest = combine(safetensors_digests(out / weights))
-    final_entry = next(e for e in reversed(result.trace) if "state" in e)
+    final_entry = next(e for e in reversed(entries) if "state" in e)
     digests = {
         "weights": weights_digest,
         "state": final_entry["state"],
-        "trace": digest("trace", result.trace),
+        "trace": digest("trace", entries),
     }
     body: dict[str, Any] = {
         "format": RESULT_FORMAT,

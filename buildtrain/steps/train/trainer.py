@@ -40,7 +40,7 @@ from buildtrain.steps.train.state import load_model, state_tensors
 @attrs.frozen
 class TrainResult:
     updates_done: int
-    trace: list[dict[str, Any]]
+    trace: checkpoint.Trace  # `trace.whole()` reads it back from update 1
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -89,7 +89,7 @@ class Training:
     heldout: TokenStream | None  # rank 0 evaluates during training (eval.every > 0)
     update: int = 0
     cursor: int = 0
-    trace: checkpoint.Trace = attrs.Factory(checkpoint.Trace)
+    trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
 
     @classmethod
     def start(cls, setup: TrainSetup, log: Any, controls: TrainControls) -> Training:
@@ -137,6 +137,8 @@ class Training:
         )
         if resumed is not None:
             self.update, self.trace = resumed.update, resumed.trace
+            if not checkpoint_due(resumed.update, self.setup.train):  # taken at an interruption
+                self.trace.reopen((resumed.path / checkpoint.TRACE).read_bytes())
             self.cursor = self.controls.observer.resumed(resumed.state["cursor"])
             self.log.info(
                 "resumed",
@@ -178,10 +180,17 @@ class Training:
             tokens = at * self.setup.train.batch_size * self.setup.train.seq_len
             state = {**self.setup.identity, "step": at, "cursor": self.cursor, "tokens": tokens}
             midway = observer.checkpoint_half_written
-            path = checkpoint.save(
-                self.setup.work, at, self.model, self.optimizer, state, self.trace, midway=midway
-            )
             train = self.setup.train
+            path = checkpoint.save(
+                self.setup.work,
+                at,
+                self.model,
+                self.optimizer,
+                state,
+                self.trace,
+                midway=midway,
+                boundary=checkpoint_due(at, train),
+            )
             checkpoint.prune(self.setup.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
             self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
         observer.checkpoint_written(at)
@@ -225,10 +234,10 @@ def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) ->
             ended = run.record(loss, grad_norm, lr, started) or ended
         stopping, ended = ranks.any(stop.signal_name is not None, ended)
         if ended:
-            return TrainResult(run.update, run.trace.entries)  # a spot check or a divergence ends here
+            return TrainResult(run.update, run.trace)  # a spot check or a divergence ends here
         if checkpoint_due(run.update, cfg) or stopping or observer.wants_checkpoint(run.update):
             run.save()
         if stopping:
             signal_name = stop.signal_name or "a signal to another rank"
             raise Interrupted(f"stopped by {signal_name} after step {run.update}; checkpoint written")
-    return TrainResult(run.update, run.trace.entries)
+    return TrainResult(run.update, run.trace)

@@ -30,7 +30,8 @@ import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
-from buildtrain.store import objects
+from buildtrain.store import objects, trace
+from buildtrain.store.layout import TRACE, trace_segments
 from buildtrain.store.remote import keys
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing, open_backend
 from buildtrain.store.remote.url import RemoteUrl
@@ -131,7 +132,52 @@ class Remote:
         manifest = {**objects.parse_manifest(raw), "self": json.loads(raw)["self"]}  # whole, as sealed
         body = {"format": CHECKPOINT_FORMAT, "step": step_hash, "name": folder.name, "manifest": manifest}
         sealed = canonical_bytes({**body, "seal": digest("remote-checkpoint", body)})
+        self._push_trace(folder)
         return self._push_files(folder, manifest, keys.checkpoint(step_hash, folder.name), sealed)
+
+    def _push_trace(self, folder: Path) -> None:
+        """Upload the trace segments a checkpoint links back to (blobs by their blake3), oldest
+        first, so that a segment on the remote always has every one before it there too: the
+        walk back stops at the first one already pushed, and a push costs the segments since."""
+        pool, missing = trace_segments(folder.parent), []
+        try:
+            previous = trace.read_header((folder / TRACE).read_bytes()).previous
+            while previous is not None and self.backend.exists(keys.blob(previous)) is None:
+                path = trace.pool_path(pool, previous)
+                raw = path.read_bytes()
+                if trace.segment_digest(raw) != previous:
+                    raise trace.TraceDamaged(f"{path.name} does not match its blake3")
+                missing.append((previous, path))
+                previous = trace.read_header(raw).previous
+        except (OSError, trace.TraceDamaged) as exc:
+            raise CorruptObject(f"checkpoint {folder} was not pushed: its trace is damaged ({exc})") from None
+        for segment, path in reversed(missing):
+            self.backend.put_file(keys.blob(segment), path)
+
+    def _pull_trace(self, checkpoint: Path, what: str) -> None:
+        """Download the trace segments the pulled `checkpoint` links back to that the local pool
+        lacks, each checked against its blake3; kept oldest first."""
+        pool, fetched = trace_segments(checkpoint.parent), []
+        previous: str | None = None
+        try:
+            previous = trace.read_header((checkpoint / TRACE).read_bytes()).previous
+            while previous is not None:
+                local = trace.pool_path(pool, previous)
+                raw = local.read_bytes() if local.is_file() and not local.is_symlink() else None
+                if raw is None or trace.segment_digest(raw) != previous:
+                    raw = self.backend.get(keys.blob(previous))
+                    if trace.segment_digest(raw) != previous:
+                        raise trace.TraceDamaged(f"segment {previous[:12]} does not match its blake3")
+                    fetched.append((previous, raw))
+                previous = trace.read_header(raw).previous
+        except ObjectMissing:
+            key = keys.blob(str(previous))
+            raise self.damaged(what, key, "links to a trace segment it does not hold") from None
+        except (OSError, trace.TraceDamaged) as exc:
+            key = keys.blob(previous) if previous else f"{TRACE} of the checkpoint"
+            raise self.damaged(what, key, f"has a damaged trace ({exc})") from None
+        for segment, raw in reversed(fetched):
+            trace.keep(pool, segment, raw=raw)
 
     def push_newest_checkpoint(self, step_hash: str, parent: Path) -> Pushed | None:
         """Push the newest checkpoint folder in `parent` that verifies (names such as
@@ -161,6 +207,11 @@ class Remote:
         destination = into / name
         if not os.path.lexists(destination):
             self._assemble(store, canonical_bytes(manifest), name, destination, what=what, key=key)
+        try:
+            self._pull_trace(destination, what)
+        except RemoteDamaged:
+            objects.remove_tree(destination)  # never resumed from: its trace could not be published
+            raise
         return destination
 
     def pull_newest_checkpoint(
