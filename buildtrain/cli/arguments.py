@@ -122,3 +122,13 @@ def non_negative(text: str) -> float:
     if not value >= 0.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def add_executor(sub: argparse.ArgumentParser) -> None:
+    """--executor: where the steps' processes run; never part of any hash."""
+    sub.add_argument(
+        "--executor",
+        choices=("local", "ray", "slurm"),
+        help="where steps run (default: $BT_EXECUTOR or local): local processes, Ray tasks "
+        "(RAY_ADDRESS, else a local Ray instance) or Slurm jobs; never part of any hash",
+    )
