@@ -45,6 +45,25 @@ def on_slurm(cluster: slurm.Slurm, **extra: str) -> dict[str, str]:
     return {**cluster.env(), "BT_EXECUTOR": "", **extra}
 
 
+def bt_without_submitit(*args: str, store: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`bt ARGS` in a process where `import submitit` fails (None in sys.modules is Python's own
+    way of saying that a module cannot be imported), as where it is not installed."""
+    program = "import sys; sys.modules['submitit'] = None; from buildtrain.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", program, *args],
+        env={
+            **os.environ,
+            "BT_STORE": str(store),
+            "BT_EXPERIMENTS": str(store.parent / "experiments"),
+            **env,
+        },
+        cwd=store.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
@@ -126,8 +145,8 @@ def test_a_sweep_on_slurm_gives_the_local_bits_and_then_a_null_build(
     assert running and {line["node"] for line in running} == {slurm_cluster.node}
     assert not list((remote / "tmp" / "slurm").glob("*_outcome.json"))  # a built step leaves no job files
 
-    # Nothing to build: neither submitit nor any Slurm command is needed (none would work here).
-    again = run_bt(
+    # Nothing to build: neither submitit nor any Slurm command is needed (neither would work here).
+    again = bt_without_submitit(
         "run", *plans, "--executor", "slurm", "--progress", "off", store=remote, env={"SLURM_CONF": NO_SLURM}
     )
     assert again.returncode == 0, again.stderr
@@ -147,8 +166,17 @@ def _running_train_job(folder: Path, deadline: float) -> str:
     raise AssertionError(f"no train step saved a checkpoint in a Slurm job ({sorted(os.listdir(folder))})")
 
 
+# How a running job is made to go back to the queue: by hand, and by the warning submitit asks
+# Slurm to send before the time limit (`--signal USR2@90`), here sent at once.
+REQUEUES = {
+    "scontrol_requeue": lambda job: ["scontrol", "requeue", job],
+    "time_limit_warning": lambda job: ["scancel", "--signal=USR2", job],
+}
+
+
+@pytest.mark.parametrize("how", sorted(REQUEUES))
 def test_a_requeued_train_job_resumes_and_gives_the_uninterrupted_bits(
-    slurm_cluster: slurm.Slurm, micro_built: Reference, tmp_path: Path
+    how: str, slurm_cluster: slurm.Slurm, micro_built: Reference, tmp_path: Path
 ) -> None:
     _, planned, reference = micro_built
     store = tmp_path / ".bt"
@@ -173,10 +201,7 @@ def test_a_requeued_train_job_resumes_and_gives_the_uninterrupted_bits(
         try:
             job = _running_train_job(store / "tmp" / "slurm", time.monotonic() + 180)
             requeued = subprocess.run(
-                ["scontrol", "requeue", job],
-                env={**os.environ, **slurm_cluster.env()},
-                capture_output=True,
-                text=True,
+                REQUEUES[how](job), env={**os.environ, **slurm_cluster.env()}, capture_output=True, text=True
             )
             assert requeued.returncode == 0, requeued.stderr
             _, stderr = bt.communicate(timeout=300)
@@ -197,15 +222,15 @@ def test_a_requeued_train_job_resumes_and_gives_the_uninterrupted_bits(
 
 
 def test_without_submitit_the_run_says_how_to_install_it(tmp_path: Path, slurm_cluster: slurm.Slurm) -> None:
-    # None in sys.modules is Python's own way of saying "this module cannot be imported".
-    program = "import sys; sys.modules['submitit'] = None; from buildtrain.cli import main; sys.exit(main())"
-    done = subprocess.run(
-        [sys.executable, "-c", program, "run", str(MICRO), "--executor", "slurm", "--progress", "off"],
-        env={**os.environ, "BT_STORE": str(tmp_path / ".bt"), **on_slurm(slurm_cluster)},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = bt_without_submitit(
+        "run",
+        str(MICRO),
+        "--executor",
+        "slurm",
+        "--progress",
+        "off",
+        store=tmp_path / ".bt",
+        env=on_slurm(slurm_cluster),
     )
     assert done.returncode == ExitCode.ENGINE_UNAVAILABLE, done.stderr
     said = error_lines(done.stderr)

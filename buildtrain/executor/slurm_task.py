@@ -134,8 +134,11 @@ class StepTask:
         import submitit
 
         for process in RUNNING:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
-                process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            # Not process.wait(): this handler runs on top of `__call__`'s wait, which holds the
+            # Popen's lock (a wait here deadlocked). waitid with WNOWAIT sees the exit and leaves
+            # the reaping to that wait.
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
         return submitit.helpers.DelayedSubmission(self)
