@@ -154,6 +154,28 @@ def test_a_sweep_on_slurm_gives_the_local_bits_and_then_a_null_build(
     assert all(set(actions(summary).values()) == {"cached"} for summary in records)
 
 
+def test_a_two_rank_train_step_is_one_job_of_two_tasks_with_the_local_bits(
+    slurm_cluster: slurm.Slurm, tmp_path: Path
+) -> None:
+    local, remote = tmp_path / "local" / ".bt", tmp_path / "slurm" / ".bt"
+    for folder in (local.parent, remote.parent):
+        folder.mkdir()
+    here = run_bt("run", str(MICRO), "--nproc", "2", "--progress", "off", store=local)
+    assert here.returncode == 0, here.stderr
+    there = run_bt(
+        "run", str(MICRO), "--nproc", "2", "--executor", "slurm", "--progress", "off", store=remote,
+        env=on_slurm(slurm_cluster),
+    )  # fmt: skip
+    assert there.returncode == 0, there.stderr
+    planned = plan_hash(run_bt("plan", str(MICRO), "--nproc", "2", store=remote))
+    assert step_digests(remote, planned) == step_digests(local, planned)
+    log = "".join(p.read_text() for p in (tmp_path / "slurm" / "experiments").glob("*/train.log"))
+    applied = [
+        json.loads(line) for line in log.splitlines() if '"numerics_applied"' in line and '"train:' in line
+    ]
+    assert sorted(line["rank"] for line in applied) == [0, 1]  # both tasks trained, each its own process
+
+
 def _running_train_job(folder: Path, deadline: float) -> str:
     """The id of the train step's job once its worker saved a checkpoint (so there is one to
     resume from), from the events the job appends."""
