@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -238,6 +239,66 @@ def test_a_requeued_train_job_resumes_and_gives_the_uninterrupted_bits(
     names = [event.get("event") for event in events]
     assert "slurm_job_requeued" in names
     assert "resumed" in names[names.index("slurm_job_requeued") :]
+
+
+def test_ctrl_c_cancels_the_job_which_checkpoints_and_the_next_run_resumes(
+    slurm_cluster: slurm.Slurm, micro_built: Reference, tmp_path: Path
+) -> None:
+    _, planned, reference = micro_built
+    store = tmp_path / ".bt"
+    env = {
+        **os.environ,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
+        **on_slurm(slurm_cluster, BT_TEST_STEP_DELAY="0.4"),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "buildtrain",
+        "run",
+        str(MICRO),
+        "--executor",
+        "slurm",
+        "--progress",
+        "off",
+    ]
+    with subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True) as bt:
+        try:
+            job = _running_train_job(store / "tmp" / "slurm", time.monotonic() + 180)
+            bt.send_signal(signal.SIGINT)
+            _, stderr = bt.communicate(timeout=120)
+        finally:
+            if bt.poll() is None:
+                bt.kill()
+    assert bt.returncode == ExitCode.INTERRUPTED, stderr
+    state = slurm_job_state(slurm_cluster, job)
+    assert state in ("CANCELLED", "GONE"), state  # nothing of the step runs on behind bt's back
+    again = run_bt(
+        "run",
+        str(MICRO),
+        "--executor",
+        "slurm",
+        "--progress",
+        "off",
+        store=store,
+        env=on_slurm(slurm_cluster),
+    )
+    assert again.returncode == 0, again.stderr
+    assert "resuming from checkpoint" in again.stderr
+    assert step_digests(store, planned) == reference
+
+
+def slurm_job_state(cluster: slurm.Slurm, job: str) -> str:
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job],
+        env={**os.environ, **cluster.env()},
+        capture_output=True,
+        text=True,
+    )
+    if shown.returncode != 0:
+        return "GONE"
+    return shown.stdout.split("JobState=", 1)[1].split()[0]
 
 
 # -- one line each when the engine cannot run a step -----------------------------------------
