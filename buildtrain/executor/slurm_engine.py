@@ -145,7 +145,10 @@ def _slurm(command: list[str], timeout: float = 60) -> subprocess.CompletedProce
 
 def job_info(job_id: str) -> JobInfo | None:
     """The job as the controller sees it; None where the controller did not answer."""
-    done = _slurm(["scontrol", "show", "job", "--oneliner", job_id])
+    try:
+        done = _slurm(["scontrol", "show", "job", "--oneliner", job_id], timeout=PING_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
     if done.returncode != 0:
         if "Invalid job id" in done.stderr:
             return JobInfo("GONE", -1, "", "the controller no longer knows the job")
