@@ -370,3 +370,22 @@ def test_a_step_no_node_can_hold_is_refused_in_one_line(tmp_path: Path, slurm_cl
     assert "Slurm refused data:main" in last and "2 GPU(s)" in last and "--slurm-partition" in last
     assert "Traceback" not in done.stderr
     assert not list((tmp_path / ".bt" / "tmp" / "slurm").glob("*.job.json"))  # nothing left behind
+
+
+def test_a_job_that_can_never_start_is_cancelled_in_one_line(
+    tmp_path: Path, slurm_cluster: slurm.Slurm
+) -> None:
+    # One rank more than the node has CPUs, one CPU each: sbatch accepts the job, which would then
+    # wait for ever (PartitionConfig) unless bt cancels it.
+    ranks = str(slurm_cluster.cpus + 1)
+    sets = ("--set", f"train.batch_size={ranks}", "--set", "train.micro_batch_size=1")
+    done = run_bt(
+        "run", str(MICRO), *sets, "--nproc", ranks, "--executor", "slurm", "--progress", "off",
+        store=tmp_path / ".bt", env=on_slurm(slurm_cluster),
+    )  # fmt: skip
+    assert done.returncode == ExitCode.ENGINE_UNAVAILABLE, done.stderr
+    last = error_lines(done.stderr)[-1]
+    assert "of train:main can never start (PartitionConfig)" in last and "--slurm-partition" in last
+    job = last.split("job ", 1)[1].split()[0]
+    assert slurm_job_state(slurm_cluster, job) in ("CANCELLED", "GONE")
+    assert "Traceback" not in done.stderr
