@@ -368,6 +368,7 @@ def test_a_step_no_node_can_hold_is_refused_in_one_line(tmp_path: Path, slurm_cl
     assert done.returncode == ExitCode.ENGINE_UNAVAILABLE, done.stderr
     last = error_lines(done.stderr)[-1]
     assert "Slurm refused data:main" in last and "2 GPU(s)" in last and "--slurm-partition" in last
+    assert not [line for line in error_lines(done.stderr) if line.startswith("sbatch:")]  # said once
     assert "Traceback" not in done.stderr
     assert not list((tmp_path / ".bt" / "tmp" / "slurm").glob("*.job.json"))  # nothing left behind
 

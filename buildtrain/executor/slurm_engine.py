@@ -16,15 +16,15 @@ anything.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -323,9 +323,39 @@ class SlurmHandle:
             _slurm(["scancel", self.job_id], timeout=30)
 
 
-# submitit prints a failed sbatch's stderr itself before it raises; that line is said once, by
-# the error below, so submissions swap stderr out (one at a time: sys.stderr is the process's).
+class QuietThread:
+    """Stands in for sys.stderr while one thread submits: submitit prints a refused sbatch's
+    message there before it raises, and that message is said once, in the error. Every other
+    thread's writes pass through, also later on: a run that took this object for its stderr while
+    it stood in (a sweep's plans start at once) keeps printing."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.quiet: int | None = threading.get_ident()
+
+    def write(self, text: str) -> int:
+        if threading.get_ident() == self.quiet:
+            return len(text)
+        return int(self.stream.write(text))
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding: the stream's
+        return getattr(self.stream, name)
+
+
+# One submission at a time: sys.stderr is the process's.
 SUBMITTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    with SUBMITTING:
+        stand_in = QuietThread(sys.stderr)
+        sys.stderr = stand_in
+        try:
+            yield
+        finally:
+            stand_in.quiet = None
+            sys.stderr = stand_in.stream
 
 
 @attrs.define
@@ -352,7 +382,7 @@ class SlurmEngine:
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**self.parameters(step.label, resources))
         task = StepTask(job_file=str(job_file), environment=environment_of(submission), folder=str(folder))
-        with SUBMITTING, contextlib.redirect_stderr(io.StringIO()):
+        with quiet_stderr():
             try:
                 job = executor.submit(task)
             except submitit.core.utils.FailedJobError as exc:
