@@ -20,6 +20,7 @@ class ExitCode(enum.IntEnum):
     CORRUPT = 5  # the store holds an object whose content does not match its digest
     TOOLCHAIN_MISMATCH = 6  # the plan was compiled for another machine or torch build
     LOCKED = 7  # another `bt` holds a lock and --no-wait was given
+    ENGINE_UNAVAILABLE = 8  # --executor names an engine that is not installed, not reachable, or too small
 
 
 class BuildtrainError(Exception):
@@ -66,6 +67,13 @@ class ToolchainMismatch(BuildtrainError):
 
 class Locked(BuildtrainError):
     exit_code = ExitCode.LOCKED
+
+
+class EngineUnavailable(BuildtrainError):
+    """The executor's engine cannot run a step: its package is not installed, its address does
+    not answer, no node has the resources a step asks for, or a node's toolchain differs."""
+
+    exit_code = ExitCode.ENGINE_UNAVAILABLE
 
 
 class RemoteDamaged(CorruptObject):

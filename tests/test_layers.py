@@ -145,6 +145,7 @@ ENTRY_POINTS = {
         "buildtrain.executor.launch",
         "buildtrain.executor.deliver",
         "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
+        "buildtrain.executor.engine",  # --executor: which engine, with what options
     ),
 }
 NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [

@@ -122,3 +122,44 @@ def non_negative(text: str) -> float:
     if not value >= 0.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def add_executor(sub: argparse.ArgumentParser) -> None:
+    """--executor: where the steps' processes run; never part of any hash."""
+    sub.add_argument(
+        "--executor",
+        choices=("local", "ray", "slurm"),
+        help="where steps run (default: $BT_EXECUTOR or local): local processes, Ray tasks "
+        "(RAY_ADDRESS, else a local Ray instance) or Slurm jobs; never part of any hash",
+    )
+    slurm = sub.add_argument_group("Slurm (--executor slurm; never part of any hash)")
+    for option, variable, what in SLURM_OPTIONS:
+        slurm.add_argument(
+            f"--slurm-{option}", metavar=option.split("-")[0].upper(), help=f"{what} (or {variable})"
+        )
+
+
+# --slurm-* options: (option, variable, help); their values reach the engine as strings and are
+# checked there (buildtrain/executor/slurm_engine.py), with the variables as fallback.
+SLURM_OPTIONS = (
+    ("partition", "BT_SLURM_PARTITION", "the partition each step's job is submitted to (default: Slurm's)"),
+    ("account", "BT_SLURM_ACCOUNT", "the account the jobs are charged to"),
+    (
+        "time",
+        "BT_SLURM_TIME",
+        "each job's time limit in minutes (default 60); a job that reaches it is requeued and resumes",
+    ),
+    (
+        "gpus-per-node",
+        "BT_SLURM_GPUS_PER_NODE",
+        "GPUs each job asks for (default: one per rank of a GPU step)",
+    ),
+)
+
+
+def engine_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The engine-specific options given on the command line (`--slurm-time 30` -> time: "30")."""
+    given = {
+        option: getattr(args, f"slurm_{option.replace('-', '_')}", None) for option, _, _ in SLURM_OPTIONS
+    }
+    return {option.replace("-", "_"): value for option, value in given.items() if value is not None}

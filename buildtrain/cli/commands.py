@@ -120,7 +120,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
+    from buildtrain.cli.arguments import engine_settings
     from buildtrain.cli.team import remote_of
+    from buildtrain.executor.engine import EngineOptions, engine_name
     from buildtrain.executor.run import RunOptions
 
     return RunOptions(
@@ -132,6 +134,9 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
         target=args.target,
         launch=launch,
         remote=remote_of(args),
+        executor=EngineOptions(
+            name=engine_name(getattr(args, "executor", None)), settings=engine_settings(args)
+        ),
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from buildtrain import __version__
 from buildtrain.cli import commands, queries, team
-from buildtrain.cli.arguments import add_world_size, positive, seed, temperature, thread_count
+from buildtrain.cli.arguments import add_executor, add_world_size, positive, seed, temperature, thread_count
 from buildtrain.errors import ExitCode
 
 EPILOG = """\
@@ -242,6 +242,7 @@ def _add_run(command: Command) -> None:
         "there (every byte checked), else built here while holding its lease on the remote and "
         "then pushed; s3://bucket/prefix (AWS_* variables) or file:///shared/folder; never part of any hash",
     )
+    add_executor(sub)
     add_world_size(sub, rendezvous=True)
     sub.set_defaults(func=commands.cmd_run)
 

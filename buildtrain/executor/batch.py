@@ -11,15 +11,18 @@ sharing saved. The first plan that fails stops the batch (like make without -k).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 
-from buildtrain.errors import BuildtrainError, ExitCode
+from buildtrain.errors import BuildtrainError, ExitCode, Interrupted
+from buildtrain.executor.engine import Engine
 from buildtrain.executor.processes import StepProcesses
-from buildtrain.executor.run import RunOptions, run_plan
+from buildtrain.executor.run import LOCAL, RunOptions, engine_for, run_plan, signals_interrupt
+from buildtrain.executor.schedule import LiveSteps
 from buildtrain.plan.plan import Plan
 from buildtrain.store.store import Store
 
@@ -71,9 +74,14 @@ def run_plans(
     executed: set[str] = set()
     records: list[str] = []
     processes = StepProcesses()
+    engine = engine_for(plans[0][1].executor if plans else LOCAL, processes)
     try:
-        ran, code, stopped, error = _run_each(store, plans, processes, on_plan, executed, records)
+        if engine.concurrent:
+            ran, code, stopped, error = _run_together(store, plans, engine, on_plan, executed, records)
+        else:
+            ran, code, stopped, error = _run_each(store, plans, processes, on_plan, executed, records)
     finally:
+        engine.close()
         processes.close()
     return BatchSummary(
         plans=len(plans),
@@ -118,4 +126,52 @@ def _run_each(
             stopped = plan.hash
             break
         ran += 1
+    return ran, code, stopped, error
+
+
+def _run_together(
+    store: Store,
+    plans: Sequence[tuple[Plan, RunOptions]],
+    engine: Engine,
+    on_plan: Callable[[int, Plan], None] | None,
+    executed: set[str],
+    records: list[str],
+) -> tuple[int, int, str | None, str | None]:
+    """On a concurrent engine every plan runs at once, each in a thread of its own; a step the
+    plans share is built once (the others wait for its lock, then find it built). The first plan
+    in order that failed is reported; an interruption cancels every started step and is raised."""
+    live = LiveSteps()
+    experiments = {options.experiments for _, options in plans}
+    before = {p.name for folder in experiments if folder.is_dir() for p in folder.iterdir()}
+
+    def one(index: int, plan: Plan, options: RunOptions) -> tuple[int, str | None]:
+        if on_plan is not None:
+            on_plan(index, plan)
+        try:
+            return run_plan(store, plan, options, engine=engine, live=live), None
+        except BuildtrainError as exc:
+            return int(exc.exit_code), str(exc)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(plans)), thread_name_prefix="bt-plan")
+    try:
+        with signals_interrupt(plans[0][0]):
+            futures = [pool.submit(one, i, plan, options) for i, (plan, options) in enumerate(plans)]
+            concurrent.futures.wait(futures)
+    except BaseException:
+        live.cancel_all()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    code, ran, stopped, error = int(ExitCode.OK), 0, None, None
+    for (plan, options), future in zip(plans, futures, strict=True):
+        plan_code, message = future.result()
+        summary = _record_of(options.experiments, before, plan)
+        if summary is not None:
+            records.append(summary["folder"])
+            executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
+        if plan_code == ExitCode.INTERRUPTED:
+            raise Interrupted(message or f"interrupted; resume with: bt run {plan.hash}")
+        if plan_code != ExitCode.OK and stopped is None:
+            code, stopped, error = plan_code, plan.hash, message
+        ran += plan_code == ExitCode.OK
     return ran, code, stopped, error

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.errors import CorruptObject
+from buildtrain.executor.engine import Engine, Submission
 from buildtrain.executor.launch import Launch
+from buildtrain.executor.local import LocalEngine
 from buildtrain.executor.outcome import StepResult, raise_for_status
-from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
+from buildtrain.executor.schedule import LiveSteps
 from buildtrain.executor.spawn import spawn
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
@@ -51,8 +53,9 @@ class Builder:
     reporter: Reporter
     launch: Launch
     wait: bool = True
-    processes: StepProcesses | None = None  # workers shared between steps (and plans)
+    engine: Engine = attrs.field(factory=lambda: LocalEngine(processes=None))  # where processes run
     remote: RemoteCache | None = None  # a team cache: pull before building, push what was built
+    live: LiveSteps = attrs.Factory(LiveSteps)  # the steps started on the engine (Ctrl-C cancels them)
 
     def build(self, step: Step) -> StepResult:
         """A cache hit when the step's output verifies; else, under the step's lock, set aside
@@ -72,10 +75,12 @@ class Builder:
                         if not build:  # only a remote hands out a pull instead of a build
                             assert self.remote is not None
                             return self._result(step, started, "pulled", f"from {self.remote.url}")
-                        self._compute(step, lock_fd)
-                        if self.remote is not None:  # holding the lease: a waiter then pulls it
+                        node = self._compute(step, lock_fd)
+                        # Holding the lease: a waiter then pulls it. An engine whose process
+                        # built it in a store of its own has pushed it (and this run pulled it).
+                        if self.remote is not None and not self.engine.pushes_outputs:
                             self.remote.report_push(self.store, self.plan, step, self.record.event)
-                    return self._result(step, started, "executed")
+                    return self._result(step, started, "executed", "" if node == "local" else f"on {node}")
                 except CorruptObject:
                     damaged = damaged_inputs(self.store, self.plan, step) if attempt == 1 else []
                     if not damaged:
@@ -115,8 +120,9 @@ class Builder:
                 return self._result(step, started, "cached", kind.completes_from_store)
         return None
 
-    def _compute(self, step: Step, lock_fd: int) -> None:
-        """Run the step's process (or ranks) holding its lock; raises for how it ended."""
+    def _compute(self, step: Step, lock_fd: int) -> str:
+        """Run the step's process (or ranks) on the engine holding its lock; raises for how it
+        ended, else returns the node it ran on."""
         self.record.event("step_started", step=step.label, hash=step.hash, threads=self.threads)
         if kind_of(step.kind).ranks:
             self.reporter.progress_started(step.label)
@@ -127,20 +133,29 @@ class Builder:
             self.record.forward(line)
             self.reporter.event(line)
 
+        submission = Submission(
+            store=self.store,
+            plan=self.plan,
+            step=step,
+            threads=self.threads,
+            lock_fd=lock_fd,
+            launch=self.launch,
+            remote=self.remote.url if self.remote is not None else None,
+        )
+        handle = self.engine.start(submission, on_event)
+        self.live.add(handle)
         try:
-            outcome = spawn(
-                self.store,
-                self.plan,
-                step,
-                self.threads,
-                lock_fd,
-                on_event,
-                launch=self.launch,
-                processes=self.processes,
-            )
+            outcome = handle.wait()
+        except BaseException:  # this run is stopping (Ctrl-C): stop the step too
+            handle.cancel()
+            raise
         finally:
+            self.live.discard(handle)
             self.reporter.progress_finished()
+        if handle.node != "local":
+            self.record.event("step_placed", step=step.label, hash=step.hash, node=handle.node)
         raise_for_status(step, outcome, self.plan)
+        return handle.node
 
     def _waiting(self, step: Step) -> Any:
         def waiting(holder: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ class RunRecord:
         self.steps: list[StepResult] = []
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._writing = threading.Lock()
 
     @classmethod
     def create(
@@ -72,14 +74,16 @@ class RunRecord:
         self._write_line(logs.event_line(event, **fields))
 
     def _write_line(self, line: str) -> None:
-        append_flushed(self._log, line + "\n")
+        with self._writing:
+            append_flushed(self._log, line + "\n")
 
     def forward(self, line: dict[str, Any]) -> None:
-        append_flushed(self._log, json.dumps(line, sort_keys=True) + "\n")
-        if line.get("event") in METRIC_EVENTS:
-            metric = {k: v for k, v in line.items() if k not in ("level",)}
-            append_flushed(self._metrics, json.dumps(metric, sort_keys=True) + "\n")
-            self.metrics.event(line)
+        with self._writing:  # a concurrent engine's steps report from threads of their own
+            append_flushed(self._log, json.dumps(line, sort_keys=True) + "\n")
+            if line.get("event") in METRIC_EVENTS:
+                metric = {k: v for k, v in line.items() if k not in ("level",)}
+                append_flushed(self._metrics, json.dumps(metric, sort_keys=True) + "\n")
+                self.metrics.event(line)
 
     def step_result(self, result: StepResult) -> None:
         self.steps.append(result)

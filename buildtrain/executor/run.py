@@ -24,11 +24,15 @@ import attrs
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, UsageError
 from buildtrain.executor import numerics
 from buildtrain.executor.build import Builder
+from buildtrain.executor.engine import DEFAULT_ENGINE, Engine, EngineOptions, open_engine
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch
+from buildtrain.executor.local import LocalEngine
+from buildtrain.executor.outcome import StepResult
 from buildtrain.executor.policy import pinned_threads, prepare
 from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
+from buildtrain.executor.schedule import LiveSteps, build_in_order
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
@@ -36,6 +40,9 @@ from buildtrain.store.store import Store
 if TYPE_CHECKING:
     from buildtrain.executor.remote import RemoteCache
     from buildtrain.store.remote.url import RemoteUrl
+
+
+LOCAL = EngineOptions()
 
 
 @attrs.frozen(kw_only=True)
@@ -48,6 +55,7 @@ class RunOptions:
     target: str | None = None  # build only this step (by label) and what it needs
     launch: Launch = SINGLE_PROCESS  # processes for the train steps (torchrun when more than one)
     remote: RemoteUrl | None = None  # a team cache (never part of a hash: where, not what)
+    executor: EngineOptions = LOCAL  # where the steps' processes run (never part of a hash)
 
 
 def with_inputs(steps: list[Step], wanted: set[str]) -> list[Step]:
@@ -96,8 +104,17 @@ def signals_interrupt(plan: Plan) -> Iterator[None]:
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
-def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesses | None = None) -> int:
-    """Execute `plan`; `shared`: workers that outlive this plan (the plans of a sweep share them)."""
+def run_plan(
+    store: Store,
+    plan: Plan,
+    options: RunOptions,
+    shared: StepProcesses | None = None,
+    engine: Engine | None = None,
+    live: LiveSteps | None = None,
+) -> int:
+    """Execute `plan`; `shared`: local workers that outlive this plan (the plans of a sweep share
+    them); `engine`: one that outlives it (else `options.executor` is opened for this plan);
+    `live`: the started steps of every plan of a sweep (Ctrl-C cancels them all)."""
     started = time.perf_counter()
     launch = options.launch
     steps = steps_for(plan, options.target)
@@ -108,8 +125,9 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
     reporter = Reporter(options.progress, options.log_every)
     _announce(plan, steps, threads, launch, record, reporter)
     outcome, code = "failed", int(ExitCode.FAILED)
-    # Steps of one numerics environment share a process (and the plans of a sweep, when `shared`).
-    processes = shared if shared is not None else StepProcesses()
+    own_engine = engine is None
+    if engine is None:
+        engine = engine_for(options.executor, shared)
     builder = Builder(
         store=store,
         plan=plan,
@@ -118,14 +136,20 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
         reporter=reporter,
         launch=launch,
         wait=options.wait,
-        processes=processes,
+        engine=engine,
         remote=_remote_cache(options.remote, reporter),
+        live=live if live is not None else LiveSteps(),
     )
+
+    def build(step: Step) -> StepResult:
+        joins = launch.follower and kind_of(step.kind).ranks
+        return builder.join(step) if joins else builder.build(step)
+
     try:
         with signals_interrupt(plan), store.running(plan.hash):
-            for step in steps:
-                joins = launch.follower and kind_of(step.kind).ranks
-                record.step_result(builder.join(step) if joins else builder.build(step))
+            concurrent = engine.concurrent and not launch.follower
+            for result in build_in_order(steps, build, concurrent=concurrent, cancel=builder.live.cancel_all):
+                record.step_result(result)
         outcome, code = "done", int(ExitCode.OK)
     except KeyboardInterrupt:  # SIGINT where no handler of ours was installed (another thread)
         outcome, code = "interrupted", int(ExitCode.INTERRUPTED)
@@ -137,8 +161,8 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
         record.event("run_" + outcome, message=str(exc))
         raise
     finally:
-        if shared is None:
-            processes.close()
+        if own_engine:
+            engine.close()
         duration = time.perf_counter() - started
         record.close(outcome, code, duration)
         if outcome == "done":
@@ -150,6 +174,15 @@ def run_plan(store: Store, plan: Plan, options: RunOptions, shared: StepProcesse
             )
             reporter.say(f"done in {duration:.1f}s: {done}; record: {record.folder}")
     return code
+
+
+def engine_for(options: EngineOptions, shared: StepProcesses | None) -> Engine:
+    """The engine of one plan's run: local steps share `shared` workers (a sweep's) or their own."""
+    if options.name == DEFAULT_ENGINE:
+        if shared is not None:
+            return LocalEngine(processes=shared, owns_processes=False)
+        return LocalEngine(processes=StepProcesses())
+    return open_engine(options)
 
 
 def _remote_cache(url: RemoteUrl | None, reporter: Reporter) -> RemoteCache | None:

@@ -17,8 +17,7 @@ import attrs
 
 from buildtrain.errors import ExitCode, StepFailed
 from buildtrain.executor import numerics
-from buildtrain.executor.faults import test_hooks_from_environment
-from buildtrain.executor.job import PLAIN_RUN, Job, JobNumerics, JobOptions
+from buildtrain.executor.job import PLAIN_RUN, JobOptions
 from buildtrain.executor.launch import (
     PARENT_PID,
     SINGLE_PROCESS,
@@ -184,17 +183,10 @@ def _write_job(
     options: JobOptions,
     on_event: Callable[[dict[str, Any]], None],
 ) -> Path:
-    settings = plan.numerics
-    job = Job(
-        store=str(store.root),
-        plan=plan.hash,
-        step=step.hash,
-        kind=step.kind,
-        numerics=JobNumerics(
-            profile=settings.profile, device=settings.device, dtype=settings.dtype, threads=threads
-        ),
-        sources=tuple(source_paths(store, plan, step, on_event)) if kind_of(step.kind).reads_sources else (),
-        options=attrs.evolve(options, hooks={**test_hooks_from_environment(), **options.hooks}),
+    from buildtrain.executor.engine import Submission, job_of
+
+    job = job_of(
+        Submission(store=store, plan=plan, step=step, threads=threads, lock_fd=-1, options=options), on_event
     )
     store.tmp.mkdir(parents=True, exist_ok=True)
     path = store.tmp / f"job-{step.hash[:16]}-{os.getpid()}.json"

@@ -1,0 +1,80 @@
+"""The local engine: a step's process on this machine, as `bt run` always started it.
+
+One worker per step, a worker shared by consecutive steps of one numerics environment
+(`processes.py`), or torchrun and its ranks (`launch.py`); see `spawn.py`. Steps run one at a
+time: the machine's cores go to the step that runs (its ranks or threads), not to several.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from buildtrain.executor.engine import EngineOptions, OnEvent, Submission
+from buildtrain.executor.outcome import Outcome
+from buildtrain.executor.processes import StepProcesses
+from buildtrain.executor.spawn import spawn
+from buildtrain.plan.plan import Plan
+
+
+@attrs.define
+class LocalHandle:
+    """A local step runs inside `wait` (spawn forwards this run's signals to it as it runs)."""
+
+    submission: Submission
+    on_event: OnEvent
+    processes: StepProcesses | None
+    outcome: Outcome | None = None
+
+    @property
+    def node(self) -> str:
+        return "local"
+
+    def state(self) -> str:
+        return "finished" if self.outcome is not None else "pending"
+
+    def wait(self) -> Outcome:
+        if self.outcome is None:
+            sub = self.submission
+            self.outcome = spawn(
+                sub.store,
+                sub.plan,
+                sub.step,
+                sub.threads,
+                sub.lock_fd,
+                self.on_event,
+                sub.options,
+                launch=sub.launch,
+                processes=self.processes,
+            )
+        return self.outcome
+
+    def cancel(self) -> None:
+        """Nothing to do: a local step receives this run's SIGINT/SIGTERM itself (see spawn)."""
+
+
+@attrs.define
+class LocalEngine:
+    """This machine; `processes`: workers shared by the steps (and plans) of one `bt run`."""
+
+    processes: StepProcesses | None = attrs.Factory(StepProcesses)
+    owns_processes: bool = True  # else a caller's (a sweep's), closed by that caller
+    name: str = "local"
+    concurrent: bool = False
+    pushes_outputs: bool = False
+
+    def start(self, submission: Submission, on_event: OnEvent) -> LocalHandle:
+        return LocalHandle(submission, on_event, self.processes)
+
+    def worker_toolchain(self, plan: Plan) -> Mapping[str, Any] | None:
+        return None  # this machine's: the planner's own
+
+    def close(self) -> None:
+        if self.processes is not None and self.owns_processes:
+            self.processes.close()
+
+
+def open_engine(options: EngineOptions) -> LocalEngine:
+    return LocalEngine()
