@@ -516,9 +516,14 @@ def configs(draw: st.DrawFn) -> Config:
 # -- from a spec to a TOML document ---------------------------------------------------------------
 
 
+DERIVED = object()  # a default computed from other fields (ffn_hidden from dim): never left out
+
+
 def default_of(cls: type, key: str) -> Any:
     default = attrs.fields_dict(cls)[key].default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        if default.takes_self:
+            return DERIVED
         default = default.factory()
     if attrs.has(type(default)):
         return attrs.asdict(default)
