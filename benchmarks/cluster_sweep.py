@@ -53,6 +53,7 @@ def ray_cluster(root: Path) -> Iterator[dict[str, str]]:
     sys.path.insert(0, str(REPO / "tests"))
     import raycluster
 
+    root.mkdir(parents=True, exist_ok=True)
     cluster = raycluster.start(root)
     try:
         yield {**cluster.env(), "BT_EXECUTOR": "ray"}
