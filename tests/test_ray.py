@@ -1,12 +1,14 @@
 """`bt run --executor ray` on a real local Ray cluster of two logical nodes (started once per test
 session, stopped at its end): the same bits as a local build, point by point; a null build that
-never loads Ray; two ranks placed by Ray; and the error lines."""
+never loads Ray; two ranks placed by Ray; a killed worker retried and resumed; the error lines."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +98,71 @@ def test_two_ranks_placed_by_ray_give_the_bits_of_two_local_ranks(
     assert step_digests(cluster, plan) == step_digests(local, plan)
     record = next((tmp_path / "cluster" / "experiments").iterdir()) / "train.log"
     assert '"world_size": 2' in record.read_text()  # both ranks reported: it ran on two
+
+
+def test_a_killed_ray_worker_is_retried_and_resumes(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster, micro_built: tuple
+) -> None:
+    """SIGKILL the Ray worker of a running train step once it has checkpointed: Ray retries the
+    task, which resumes from the checkpoint (in the run's store: no remote here), and the
+    weights are those of an uninterrupted build."""
+    store = tmp_path / ".bt"
+    plan = plan_hash(run_bt("plan", str(MICRO), store=store))
+    assert plan == micro_built[1]
+    env = {
+        **os.environ,
+        **ray_cluster.env(),
+        "BT_EXECUTOR": "ray",
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(tmp_path / "exp"),
+        "BT_TEST_STEP_DELAY": "0.7",  # 12 updates: time to kill it after its first checkpoint
+    }
+    argv = [sys.executable, "-m", "buildtrain", "run", plan, *ONE_THREAD]
+    run = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        killed = _kill_the_train_task_after_a_checkpoint(store)
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert killed, "no Ray worker was seen training after a checkpoint"
+    assert run.returncode == 0, stderr
+    assert step_digests(store, plan) == micro_built[2]
+    log = next((tmp_path / "exp").iterdir()) / "train.log"
+    assert '"event": "resumed"' in log.read_text()
+
+
+def _kill_the_train_task_after_a_checkpoint(store: Path) -> bool:
+    """SIGKILL the Ray worker (the parent) of the step process training in `store`, once the
+    step has a checkpoint."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if any(store.glob("work/*/checkpoints/step-*")):
+            parents = _train_worker_parents(store)
+            for pid in parents:
+                os.kill(pid, signal.SIGKILL)
+            if parents:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def _train_worker_parents(store: Path) -> list[int]:
+    """The parents (Ray workers) of the step processes training a step of `store`."""
+    parents = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if b"buildtrain.executor.worker" not in command or b"--job" not in command:
+            continue
+        job = Path(command[command.index(b"--job") + 1].decode())
+        if job.is_relative_to(store) and job.is_file() and '"kind": "train"' in job.read_text():
+            parents.append(int(stat.rsplit(")", 1)[1].split()[1]))
+    return parents
 
 
 def test_engine_errors_are_one_line_with_exit_8(tmp_path: Path, ray_cluster: raycluster.RayCluster) -> None:
