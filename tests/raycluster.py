@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,3 +119,4 @@ def stop(cluster: RayCluster) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    shutil.rmtree(cluster.temp, ignore_errors=True)  # its sessions' sockets and logs
