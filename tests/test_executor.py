@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import MICRO, Reference, run_bt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from buildtrain.executor.engine import ENGINES, Resources, engine_name
 from buildtrain.executor.outcome import StepResult
 from buildtrain.executor.schedule import build_in_order
 from buildtrain.plan.plan import Step
-from tests.conftest import MICRO, Reference, run_bt
 
 ENGINE_PACKAGES = ("ray", "submitit")
 

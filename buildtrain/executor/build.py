@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from buildtrain.errors import CorruptObject
+from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.executor.engine import Engine, Submission
 from buildtrain.executor.launch import Launch
 from buildtrain.executor.local import LocalEngine
@@ -75,10 +75,10 @@ class Builder:
                         if not build:  # only a remote hands out a pull instead of a build
                             assert self.remote is not None
                             return self._result(step, started, "pulled", f"from {self.remote.url}")
-                        node = self._compute(step, lock_fd)
+                        node, collected = self._compute(step, lock_fd)
                         # Holding the lease: a waiter then pulls it. An engine whose process
                         # built it in a store of its own has pushed it (and this run pulled it).
-                        if self.remote is not None and not self.engine.pushes_outputs:
+                        if self.remote is not None and not collected:
                             self.remote.report_push(self.store, self.plan, step, self.record.event)
                     return self._result(step, started, "executed", "" if node == "local" else f"on {node}")
                 except CorruptObject:
@@ -96,7 +96,7 @@ class Builder:
         """Without a remote: build. With one: pull, or build holding the remote lease."""
         if self.remote is None:
             return contextlib.nullcontext(True)
-        return self.remote.turn(self.store, step, wait=self.wait)
+        return self.remote.turn(self.store, step, wait=self.wait, checkpoints=not self.engine.pushes_outputs)
 
     def _found_complete(self, step: Step, started: float) -> StepResult | None:
         """Holding the lock: the output another run built meanwhile, or one the kind completes
@@ -120,9 +120,9 @@ class Builder:
                 return self._result(step, started, "cached", kind.completes_from_store)
         return None
 
-    def _compute(self, step: Step, lock_fd: int) -> str:
+    def _compute(self, step: Step, lock_fd: int) -> tuple[str, bool]:
         """Run the step's process (or ranks) on the engine holding its lock; raises for how it
-        ended, else returns the node it ran on."""
+        ended, else returns the node it ran on and whether the output came through the remote."""
         self.record.event("step_started", step=step.label, hash=step.hash, threads=self.threads)
         if kind_of(step.kind).ranks:
             self.reporter.progress_started(step.label)
@@ -133,6 +133,10 @@ class Builder:
             self.record.forward(line)
             self.reporter.event(line)
 
+        # An engine whose processes build in stores of their own hands outputs over through the
+        # remote; without one (or with one out of reach) they build in this store, which they
+        # must then see (a local Ray instance, a shared file system), or are refused.
+        via_remote = self.remote is not None and not self.remote.offline and self.engine.pushes_outputs
         submission = Submission(
             store=self.store,
             plan=self.plan,
@@ -140,7 +144,7 @@ class Builder:
             threads=self.threads,
             lock_fd=lock_fd,
             launch=self.launch,
-            remote=self.remote.url if self.remote is not None else None,
+            remote=self.remote.url if via_remote else None,
         )
         handle = self.engine.start(submission, on_event)
         self.live.add(handle)
@@ -155,7 +159,18 @@ class Builder:
         if handle.node != "local":
             self.record.event("step_placed", step=step.label, hash=step.hash, node=handle.node)
         raise_for_status(step, outcome, self.plan)
-        return handle.node
+        if via_remote:
+            self._collect(step, handle.node)
+        return handle.node, via_remote
+
+    def _collect(self, step: Step, node: str) -> None:
+        """Pull the output that the engine's process built on `node` and pushed to the remote."""
+        assert self.remote is not None
+        if not self.remote.pull(self.store, step):
+            raise StepFailed(
+                f"{step.label}: built on {node} and pushed, but its output could not be pulled from "
+                f"{self.remote.url}; bt run again pulls it"
+            )
 
     def _waiting(self, step: Step) -> Any:
         def waiting(holder: str) -> None:

@@ -49,8 +49,15 @@ class Job:
     options: JobOptions = PLAIN_RUN
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(converter.unstructure(self)), encoding="utf-8")
+        path.write_text(self.to_json(), encoding="utf-8")
 
     @classmethod
     def read(cls, path: Path) -> Job:
-        return converter.structure(json.loads(path.read_text(encoding="utf-8")), cls)
+        return cls.from_json(path.read_text(encoding="utf-8"))
+
+    def to_json(self) -> str:
+        return json.dumps(converter.unstructure(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        return converter.structure(json.loads(text), cls)

@@ -21,7 +21,9 @@ class Reporter:
         if self._progress is not None:
             self._progress.console.print(text, highlight=False, markup=False)
         else:
-            print(text, file=self.stream, flush=True)
+            # One write per line: the steps (and plans) of a concurrent engine report from threads.
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def step(self, label: str, status: str, detail: str = "") -> None:
         self.say(f"  {label:<16} {status}{'  ' + detail if detail else ''}")

@@ -155,10 +155,14 @@ class RemoteCache:
     # -- a step's turn -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def turn(self, store: Store, step: Step, *, wait: bool = True) -> Iterator[bool]:
+    def turn(
+        self, store: Store, step: Step, *, wait: bool = True, checkpoints: bool = True
+    ) -> Iterator[bool]:
         """The caller holds the step's local lock and found no local output: pull it (yields
         False: nothing to build), else yield True holding the remote lease while it builds. A
-        remote that cannot be reached is one line, and the run goes on without it."""
+        remote that cannot be reached is one line, and the run goes on without it. Without
+        `checkpoints` a resumable step's checkpoints are left to the process that builds it (on
+        a cluster node, in a store of its own: see `on_node.py`)."""
         try:
             pulled = not self.offline and self.pull(store, step)
         except RemoteUnavailable as exc:
@@ -171,7 +175,7 @@ class RemoteCache:
             yield False
             return
         with self.building(store, step, wait=wait) as build:
-            if not build or not kind_of(step.kind).resumable:
+            if not build or not checkpoints or not kind_of(step.kind).resumable:
                 yield build
                 return
             with self.checkpoints(store, step):
@@ -200,6 +204,14 @@ class RemoteCache:
         finally:
             stop.set()
             pusher.join()
+
+    def push_newest_checkpoint(self, store: Store, step: Step) -> None:
+        """Push the newest checkpoint once more, after the step process ended (the one a stop
+        wrote may be newer than the pusher's last look); a failure is left to the next run."""
+        newest = _newest(store.checkpoints_dir(step.hash))
+        if newest is not None:
+            with contextlib.suppress(BuildtrainError, OSError, ValueError):
+                self.remote.push_checkpoint(step.hash, newest)
 
     def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
         pushed: str | None = None
