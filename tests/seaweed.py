@@ -11,9 +11,7 @@ about 12 s here. It ignores SIGTERM for 15 s or more (it waits for its volume se
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -21,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+from daemons import stop_by_pid
 
 GRPC_OFFSET = 10000
 HIGHEST_PORT = 65535 - GRPC_OFFSET
@@ -189,16 +188,7 @@ def start(root: Path) -> Seaweed:
 
 def stop(server: Seaweed) -> None:
     """SIGTERM, a short grace, then SIGKILL: by the server's pid, never by name."""
-    process = server.process
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
-            process.wait()
+    stop_by_pid(server.process, STOP_GRACE_S)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+from daemons import stop_by_pid
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 COMMANDS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "mungekey")
@@ -263,15 +263,7 @@ def stop(cluster: Slurm) -> None:
     ):
         _cancel_jobs(cluster)
     for process in reversed(cluster.processes):
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_by_pid(process, STOP_GRACE_S)
 
 
 @contextlib.contextmanager

@@ -177,6 +177,29 @@ def test_a_two_rank_train_step_is_one_job_of_two_tasks_with_the_local_bits(
     assert sorted(line["rank"] for line in applied) == [0, 1]  # both tasks trained, each its own process
 
 
+def slow_micro_run_on_slurm(cluster: slurm.Slurm, tmp_path: Path) -> subprocess.Popen:
+    """`bt run MICRO --executor slurm` in the background, its train step slowed so that a test can
+    act on its running job (12 updates: about 5 s of training); the store is tmp_path/.bt."""
+    env = {
+        **os.environ,
+        "BT_STORE": str(tmp_path / ".bt"),
+        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
+        **on_slurm(cluster, BT_TEST_STEP_DELAY="0.4"),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "buildtrain",
+        "run",
+        str(MICRO),
+        "--executor",
+        "slurm",
+        "--progress",
+        "off",
+    ]
+    return subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+
+
 def _running_train_job(folder: Path, deadline: float) -> str:
     """The id of the train step's job once its worker saved a checkpoint (so there is one to
     resume from), from the events the job appends."""
@@ -203,24 +226,7 @@ def test_a_requeued_train_job_resumes_and_gives_the_uninterrupted_bits(
 ) -> None:
     _, planned, reference = micro_built
     store = tmp_path / ".bt"
-    env = {
-        **os.environ,
-        "BT_STORE": str(store),
-        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
-        **on_slurm(slurm_cluster, BT_TEST_STEP_DELAY="0.4"),  # 12 updates: about 5 s of training
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "buildtrain",
-        "run",
-        str(MICRO),
-        "--executor",
-        "slurm",
-        "--progress",
-        "off",
-    ]
-    with subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True) as bt:
+    with slow_micro_run_on_slurm(slurm_cluster, tmp_path) as bt:
         try:
             job = _running_train_job(store / "tmp" / "slurm", time.monotonic() + 180)
             requeued = subprocess.run(
@@ -246,24 +252,7 @@ def test_ctrl_c_cancels_the_job_which_checkpoints_and_the_next_run_resumes(
 ) -> None:
     _, planned, reference = micro_built
     store = tmp_path / ".bt"
-    env = {
-        **os.environ,
-        "BT_STORE": str(store),
-        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
-        **on_slurm(slurm_cluster, BT_TEST_STEP_DELAY="0.4"),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "buildtrain",
-        "run",
-        str(MICRO),
-        "--executor",
-        "slurm",
-        "--progress",
-        "off",
-    ]
-    with subprocess.Popen(command, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True) as bt:
+    with slow_micro_run_on_slurm(slurm_cluster, tmp_path) as bt:
         try:
             job = _running_train_job(store / "tmp" / "slurm", time.monotonic() + 180)
             bt.send_signal(signal.SIGINT)
