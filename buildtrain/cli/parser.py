@@ -17,6 +17,7 @@ exit codes:
   1  a step failed (NaN, OOM)     5  corrupt object in the store (bt fsck)
   2  usage or preset error        6  plan compiled for another toolchain or machine
   3  interrupted, resumable       7  step locked by another bt (with --no-wait)
+                                  8  --executor cannot run a step (not installed, unreachable, too small)
   (bt push: 4 when the remote holds a different result: non-determinism; bt pull: 4 when a step
    has fewer agreeing builds than --min-attestations, 5 when the remote's copy is damaged)
 
