@@ -54,7 +54,8 @@ def _ray_start(temp: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **NO_TOKEN},
+            # The nodes' own store (with a remote) is this cluster's, not the machine's default.
+            env={**os.environ, **NO_TOKEN, "BT_NODE_STORE": str(log.parent / "node-store")},
         )
 
 

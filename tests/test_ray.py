@@ -90,7 +90,7 @@ def test_two_ranks_placed_by_ray_give_the_bits_of_two_local_ranks(
         "off",
         store=cluster,
         # No remote: the ranks build in the run's own store, which both nodes of this one-machine
-        # cluster see (with a remote, rank 0 did not start here: see the report in the README).
+        # cluster see.
         env={**ray_cluster.env(), "BT_EXECUTOR": "ray"},
         timeout=200,
     )
@@ -98,6 +98,34 @@ def test_two_ranks_placed_by_ray_give_the_bits_of_two_local_ranks(
     assert step_digests(cluster, plan) == step_digests(local, plan)
     record = next((tmp_path / "cluster" / "experiments").iterdir()) / "train.log"
     assert '"world_size": 2' in record.read_text()  # both ranks reported: it ran on two
+
+    # With a remote the ranks build in the nodes' own store and the output comes back through the
+    # remote. Then again against an empty remote: the lead rank finds the step in its node's store
+    # and pushes it, and the other rank, which would wait for it at the rendezvous, is stopped.
+    for attempt in ("built", "found on the node"):
+        folder = tmp_path / attempt.replace(" ", "-")
+        folder.mkdir()
+        again = run_bt(
+            "run",
+            str(MICRO),  # planned for the workers (the same machine here: the same hash)
+            *("--nproc", "2", "--progress", "off"),
+            store=folder / ".bt",
+            env=on_ray(ray_cluster, folder / "remote"),
+            timeout=200,
+        )
+        assert again.returncode == 0, (attempt, again.stderr)
+        assert step_digests(folder / ".bt", plan) == step_digests(local, plan), attempt
+
+
+def test_a_plan_for_the_ray_workers_asks_a_worker_for_its_toolchain(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster
+) -> None:
+    """`bt plan --executor ray` plans for the machine a Ray worker reports: here the same machine,
+    so the same hash as a plan made for this one."""
+    here = plan_hash(run_bt("plan", str(MICRO), store=tmp_path / ".bt"))
+    planned = run_bt("plan", str(MICRO), "--executor", "ray", store=tmp_path / ".bt", env=ray_cluster.env())
+    assert plan_hash(planned) == here
+    assert "planning for the ray workers: torch " in planned.stderr, planned.stderr
 
 
 def test_a_killed_ray_worker_is_retried_and_resumes(

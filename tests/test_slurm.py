@@ -342,9 +342,10 @@ def test_no_controller_is_one_line_naming_slurm_conf(tmp_path: Path, slurm_clust
 
 
 def test_a_step_no_node_can_hold_is_refused_in_one_line(tmp_path: Path, slurm_cluster: slurm.Slurm) -> None:
+    plan = plan_hash(run_bt("plan", str(MICRO), store=tmp_path / ".bt"))  # a preset would ask a probe job
     done = run_bt(
         "run",
-        str(MICRO),
+        plan,
         "--executor",
         "slurm",
         "--slurm-gpus-per-node",
@@ -379,3 +380,42 @@ def test_a_job_that_can_never_start_is_cancelled_in_one_line(
     job = last.split("job ", 1)[1].split()[0]
     assert slurm_job_state(slurm_cluster, job) in ("CANCELLED", "GONE")
     assert "Traceback" not in done.stderr
+
+
+def test_a_plan_for_the_slurm_workers_names_their_toolchain_and_nodes_refuse_another(
+    tmp_path: Path, slurm_cluster: slurm.Slurm
+) -> None:
+    """The jobs inherit bt's environment, so the test hook that makes a process report another
+    torch build makes the node differ from this machine, as a GPU node differs from a laptop."""
+    store = tmp_path / ".bt"
+    here = plan_hash(run_bt("plan", str(MICRO), store=store))
+    other = on_slurm(slurm_cluster, BT_TEST_TORCH_BUILD="2.99.0+test")
+    planned = run_bt("plan", str(MICRO), "--executor", "slurm", store=store, env=other)
+    there = plan_hash(planned)
+    assert there != here, "the workers' torch build is part of the train step's hash"
+    assert "planning for the slurm workers: torch 2.99.0+test" in planned.stderr, planned.stderr
+    assert not list((store / "tmp" / "slurm").iterdir())  # the probe's job files are gone
+
+    # This machine is not one of those workers: a local run of their plan is refused.
+    local = run_bt("run", there, "--progress", "off", store=store)
+    assert local.returncode == ExitCode.TOOLCHAIN_MISMATCH, local.stderr
+    assert "torch: plan has '2.99.0+test'" in local.stderr
+
+    # A node whose toolchain is not the plan's refuses the step (never used silently).
+    refused = run_bt(
+        "run",
+        here,
+        "--executor",
+        "slurm",
+        "--target",
+        "train:main",
+        "--progress",
+        "off",
+        store=store,
+        env=other,
+    )
+    assert refused.returncode == ExitCode.TOOLCHAIN_MISMATCH, refused.stderr
+    last = error_lines(refused.stderr)[-1]
+    assert "train:main: node " in last and "torch: plan has" in last and "'2.99.0+test'" in last, last
+    assert "bt plan PRESET --executor ENGINE" in last
+    assert "Traceback" not in refused.stderr

@@ -124,14 +124,19 @@ def non_negative(text: str) -> float:
     return value
 
 
-def add_executor(sub: argparse.ArgumentParser) -> None:
-    """--executor: where the steps' processes run; never part of any hash."""
-    sub.add_argument(
-        "--executor",
-        choices=("local", "ray", "slurm"),
-        help="where steps run (default: $BT_EXECUTOR or local): local processes, Ray tasks "
-        "(RAY_ADDRESS, else a local Ray instance) or Slurm jobs; never part of any hash",
+def add_executor(sub: argparse.ArgumentParser, planning: bool = False) -> None:
+    """--executor: where the steps' processes run; never part of any hash, though the toolchain
+    of the workers it names is (a preset is planned for them)."""
+    where = (
+        "plan for the machines that will run the steps (default: $BT_EXECUTOR or local): this one, "
+        "or a worker that Ray (RAY_ADDRESS, else a local Ray instance) or Slurm runs a probe on; "
+        "their torch build, device and CPU enter the step hashes, the executor itself never does"
+        if planning
+        else "where steps run (default: $BT_EXECUTOR or local): local processes, Ray tasks "
+        "(RAY_ADDRESS, else a local Ray instance) or Slurm jobs; a preset is planned for their "
+        "workers' toolchain; the executor itself is never part of any hash"
     )
+    sub.add_argument("--executor", choices=("local", "ray", "slurm"), help=where)
     slurm = sub.add_argument_group("Slurm (--executor slurm; never part of any hash)")
     for option, variable, what in SLURM_OPTIONS:
         slurm.add_argument(

@@ -5,8 +5,10 @@ code. Heavy modules (the executor, torch) are imported only by the commands that
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +18,11 @@ from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
+    from buildtrain.executor.engine import Engine
     from buildtrain.executor.launch import Launch
     from buildtrain.executor.run import RunOptions
     from buildtrain.plan.plan import Plan
+    from buildtrain.plan.toolchain import Machine, WorkerProbe
 
 
 def store_of(args: argparse.Namespace) -> Store:
@@ -78,7 +82,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from buildtrain.views.text import plan_summary
 
     store = store_of(args)
-    planned = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes)
+    with engine_of(args) as engine:
+        workers = worker_probe(engine, store)
+        planned = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes, workers)
     if isinstance(planned, SweepPlans):  # one hash per point on stdout; what they share on stderr
         from buildtrain.views.sweep import sweep_summary
 
@@ -104,19 +110,61 @@ def cmd_run(args: argparse.Namespace) -> int:
     url = remote_of(args)
     if url is not None:  # a plan hash planned elsewhere comes with its steps
         fetch_plans(args.plan, store, url)
-    targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size)
 
     def options_for(threads: int) -> RunOptions:
         return _run_options(args, args.threads or threads or None, launch)
 
-    if len(targets) == 1:
-        return run_plan(store, targets[0].plan, options_for(targets[0].threads))
-    from buildtrain.executor.batch import run_plans
-    from buildtrain.views.sweep import batch_text
+    with engine_of(args) as engine:  # one engine plans (a preset, for its workers) and runs
+        workers = worker_probe(engine, store)
+        targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size, workers=workers)
+        if len(targets) == 1:
+            return run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
+        from buildtrain.executor.batch import run_plans
+        from buildtrain.views.sweep import batch_text
 
-    summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets])
+        summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets], engine=engine)
     err(batch_text(summary))
     return summary.code
+
+
+@contextlib.contextmanager
+def engine_of(args: argparse.Namespace) -> Iterator[Engine | None]:
+    """The engine `--executor` (or BT_EXECUTOR) names, opened for this command and closed after it;
+    None for the local executor, which each run opens itself. Opening connects to nothing: an
+    engine reaches its cluster on the first step it must build, or the first probe."""
+    from buildtrain.cli.arguments import engine_settings
+    from buildtrain.executor.engine import DEFAULT_ENGINE, EngineOptions, engine_name, open_engine
+
+    name = engine_name(getattr(args, "executor", None))
+    if name == DEFAULT_ENGINE:
+        yield None
+        return
+    engine = open_engine(EngineOptions(name=name, settings=engine_settings(args)))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def worker_probe(engine: Engine | None, store: Store) -> WorkerProbe | None:
+    """What a preset is planned for: the machine of `engine`'s workers (asked once per device,
+    only when a preset is planned), else this machine (None)."""
+    if engine is None:
+        return None
+    asked: dict[str, Machine | None] = {}
+
+    def machine(device: str) -> Machine | None:
+        if device not in asked:
+            asked[device] = found = engine.worker_machine(device, store)
+            if found is not None:
+                gpu = f", {found.gpu['gpu']}" if found.gpu.get("gpu") else ""
+                err(
+                    f"planning for the {engine.name} workers: torch {found.torch}, {found.cpu['arch']} "
+                    f"{found.cpu['isa']}{gpu}, {found.cores} cores"
+                )
+        return asked[device]
+
+    return machine
 
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:

@@ -178,6 +178,7 @@ def _add_plan(command: Command) -> None:
         "train.lr=1e-3,3e-3; prints one hash per line; a preset's [sweep] table declares axes too",
     )
     sub.add_argument("-q", "--quiet", action="store_true", help="print only the hash")
+    add_executor(sub, planning=True)
     add_world_size(sub, rendezvous=False)
     sub.set_defaults(func=commands.cmd_plan)
 

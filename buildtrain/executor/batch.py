@@ -62,9 +62,11 @@ def run_plans(
     store: Store,
     plans: Sequence[tuple[Plan, RunOptions]],
     on_plan: Callable[[int, Plan], None] | None = None,
+    engine: Engine | None = None,
 ) -> BatchSummary:
     """Run each plan in order; the summary counts shared steps once. A failed plan stops the batch
-    and is reported in the summary (the records of earlier plans stand); an interruption raises."""
+    and is reported in the summary (the records of earlier plans stand); an interruption raises.
+    `engine`: one the caller opened and closes (else the plans' executor, opened here)."""
     distinct: dict[str, bool] = {}
     slots = 0
     for plan, _ in plans:
@@ -74,14 +76,17 @@ def run_plans(
     executed: set[str] = set()
     records: list[str] = []
     processes = StepProcesses()
-    engine = engine_for(plans[0][1].executor if plans else LOCAL, processes)
+    own_engine = engine is None
+    if engine is None:
+        engine = engine_for(plans[0][1].executor if plans else LOCAL, processes)
     try:
         if engine.concurrent:
             ran, code, stopped, error = _run_together(store, plans, engine, on_plan, executed, records)
         else:
             ran, code, stopped, error = _run_each(store, plans, processes, on_plan, executed, records)
     finally:
-        engine.close()
+        if own_engine:
+            engine.close()
         processes.close()
     return BatchSummary(
         plans=len(plans),

@@ -34,6 +34,7 @@ from buildtrain.executor.policy import step_launch
 from buildtrain.executor.spawn import source_paths
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
@@ -148,8 +149,10 @@ class Engine(Protocol):
         """Start the step's process(es); `on_event` receives its JSON events."""
         ...
 
-    def worker_toolchain(self, plan: Plan) -> Mapping[str, Any] | None:
-        """Facts about a worker's toolchain to plan for (None: this machine's)."""
+    def worker_machine(self, device: str, store: Store) -> Machine | None:
+        """The machine a worker that runs steps of `device` executes them on, asked of the engine
+        (a task or job that reports `Machine.here`; None: this machine). `bt plan --executor`
+        plans for it, so the steps' hashes name the workers' results."""
         ...
 
     def close(self) -> None:

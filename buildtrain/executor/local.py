@@ -7,16 +7,14 @@ time: the machine's cores go to the step that runs (its ranks or threads), not t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import attrs
 
 from buildtrain.executor.engine import EngineOptions, OnEvent, Submission
 from buildtrain.executor.outcome import Outcome
 from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.spawn import spawn
-from buildtrain.plan.plan import Plan
+from buildtrain.plan.toolchain import Machine
+from buildtrain.store.store import Store
 
 
 @attrs.define
@@ -68,8 +66,8 @@ class LocalEngine:
     def start(self, submission: Submission, on_event: OnEvent) -> LocalHandle:
         return LocalHandle(submission, on_event, self.processes)
 
-    def worker_toolchain(self, plan: Plan) -> Mapping[str, Any] | None:
-        return None  # this machine's: the planner's own
+    def worker_machine(self, device: str, store: Store) -> Machine | None:
+        return None  # this machine: the planner's own
 
     def close(self) -> None:
         if self.processes is not None and self.owns_processes:

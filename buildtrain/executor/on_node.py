@@ -69,6 +69,9 @@ class NodeResult:
     refused: str | None = None
     interrupted: bool = False
     rank: int = 0
+    # The lead rank found the step already built in the node's store and only pushed it: no worker
+    # started, so the other ranks wait for a partner that never comes (the engine stops them).
+    reused: bool = False
 
 
 def node_name() -> str:
@@ -84,7 +87,8 @@ def run_on_node(request: NodeRequest, node: str | None = None) -> NodeResult:
     node = node or node_name()
     try:
         store, plan, step = _open(request, node)
-        problem = _toolchain_problem(plan, step, request, node)
+        threads = int(json.loads(request.job)["numerics"]["threads"])
+        problem = toolchain_problem(plan, step, threads, request.world_size, node)
         if problem is not None:
             return NodeResult(node=node, status=REFUSED, refused=problem, rank=request.rank)
         return _build(request, store, plan, step, node)
@@ -114,16 +118,16 @@ def _open(request: NodeRequest, node: str) -> tuple[Store, Plan, Step]:
     return store, plan, plan.step(request.step_hash)
 
 
-def _toolchain_problem(plan: Plan, step: Step, request: NodeRequest, node: str) -> str | None:
+def toolchain_problem(plan: Plan, step: Step, threads: int, world_size: int, node: str) -> str | None:
     """Why this node's toolchain is not the one the step's hash was planned for, if it is not."""
-    threads = int(json.loads(request.job)["numerics"]["threads"])
-    here = kind_of(step.kind).toolchain(step.config, plan.numerics, request.world_size, threads)
+    here = kind_of(step.kind).toolchain(step.config, plan.numerics, world_size, threads)
     lines = differences(dict(step.toolchain), here)
     if not lines:
         return None
     return (
         f"node {node} has another toolchain than plan {plan.hash[:12]} was compiled for ({'; '.join(lines)}); "
-        "plan for the workers with bt plan --executor ray, or run on nodes with the plan's toolchain"
+        "plan for the workers with bt plan PRESET --executor ENGINE (it asks a worker), or run on nodes "
+        "with the plan's toolchain"
     )
 
 
@@ -175,7 +179,7 @@ def _push_built(
         status = int(ExitCode.FAILED)
     elif report.conflict:
         events.append({"event": "remote_conflict", "level": "warning", "conflict": report.conflict})
-    return NodeResult(node=node, status=status, events=tuple(events))
+    return NodeResult(node=node, status=status, events=tuple(events), reused=not built_here)
 
 
 def _cache(request: NodeRequest, events: list[dict[str, Any]]) -> Any:

@@ -98,10 +98,12 @@ def step_launch(settings: NumericsConfig, step: Step, threads: int, launch: Laun
     return attrs.evolve(launch, nproc=nproc)
 
 
-def prepare(plan: Plan, requested: int | None, launch: Launch, steps: list[Step]) -> int:
+def prepare(plan: Plan, requested: int | None, launch: Launch, steps: list[Step], here: bool = True) -> int:
     """Threads per process for running `steps` of `plan` on `launch`, once the plan is known to fit
-    this toolchain and world size (raises otherwise): the checks every run and verify start with."""
+    this toolchain and world size (raises otherwise): the checks every run and verify start with.
+    `here`: the steps execute on this machine; an engine's nodes check their own toolchain."""
     threads = resolve_threads(plan, requested, launch.nproc)
-    check_toolchain(plan, threads, launch.world_size)
+    if here:
+        check_toolchain(plan, threads, launch.world_size)
     check_world_size(steps, launch.world_size)
     return threads

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,8 @@ from buildtrain.executor.engine import (
 from buildtrain.executor.launch import RankFailure
 from buildtrain.executor.on_node import REFUSED, NodeRequest, NodeResult, node_name, run_on_node
 from buildtrain.executor.outcome import Outcome
-from buildtrain.plan.plan import Plan
+from buildtrain.plan.toolchain import Machine
+from buildtrain.store.store import Store
 
 # Attempts Ray makes after a task's worker died (a step on one rank; ranks fail together and
 # `bt run` again resumes them). Each attempt resumes from the newest pushed checkpoint.
@@ -64,6 +64,11 @@ def _task(request: NodeRequest) -> NodeResult:
     import ray
 
     return run_on_node(request, f"{node_name()}/{ray.get_runtime_context().get_node_id()[:8]}")
+
+
+def _machine(device: str) -> Machine:
+    """The body of the probe `bt plan --executor ray` sends: the worker's own toolchain facts."""
+    return Machine.here(cuda=device == "cuda")
 
 
 def _rendezvous() -> tuple[str, int]:
@@ -104,8 +109,9 @@ class RayHandle:
         ray.wait(self.refs, num_returns=len(self.refs), timeout=CANCEL_GRACE_S)
 
     def wait(self) -> Outcome:
-        """Each rank's result as it comes; a rank that failed (or was refused) stops the others,
-        which would otherwise wait for it at their first collective."""
+        """Each rank's result as it comes; a rank that failed (or was refused), or a lead rank that
+        found the step built in its node's store, stops the others, which would otherwise wait for
+        it at their first collective."""
         import ray
 
         results: list[NodeResult] = []
@@ -120,7 +126,7 @@ class RayHandle:
                         raise
                     continue
                 results.append(result)
-                if result.status != 0 and pending:
+                if (result.status != 0 or result.reused) and pending:
                     for ref in pending:
                         ray.cancel(ref, force=True)
                     ray.wait(pending, num_returns=len(pending), timeout=CANCEL_GRACE_S)
@@ -143,7 +149,8 @@ class RayHandle:
                     errors.append(line)
                 self.on_event(line)
         failed = [r for r in results if r.status != 0]
-        if self.cancelled or (len(results) < world and not failed):
+        reused = any(r.reused and r.status == 0 for r in results)
+        if self.cancelled or (len(results) < world and not failed and not reused):
             return Outcome(3, errors, True, None, world)
         if not failed:
             return Outcome(0, errors, False, None, world)
@@ -253,7 +260,9 @@ class RayEngine:
                 f"RAY_ADDRESS={address}: Ray could not connect ({exc}); start the cluster or fix RAY_ADDRESS"
             ) from None
         self._connected = True
-        self._remote_functions.update(task=ray.remote(_task), rendezvous=ray.remote(_rendezvous))
+        self._remote_functions.update(
+            task=ray.remote(_task), rendezvous=ray.remote(_rendezvous), machine=ray.remote(_machine)
+        )
 
     def _check_fits(self, resources: Resources, label: str) -> None:
         """Refuse a step no node can hold, rather than leave it pending for ever."""
@@ -276,8 +285,23 @@ class RayEngine:
                 f"its {resources.ranks} rank(s) (room for {room}); add nodes, or run with fewer --threads or --nproc"
             )
 
-    def worker_toolchain(self, plan: Plan) -> Mapping[str, Any] | None:
-        return None
+    def worker_machine(self, device: str, store: Store) -> Machine:
+        """Asked of one worker, in a task with what a step of `device` asks for: a cluster whose
+        nodes differ is caught later, where a node refuses a step planned for another toolchain."""
+        ray = self._ray()
+        gpus = 1 if device == "cuda" else 0
+        probe = self._remote_functions["machine"].options(num_cpus=1, num_gpus=gpus)
+        ref = probe.remote(device)
+        ready, _ = ray.wait([ref], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            ray.cancel(ref, force=True)
+            what = "a CPU and a GPU" if gpus else "a CPU"
+            raise EngineUnavailable(
+                f"--executor ray: no worker with {what} free answered within {PLACEMENT_TIMEOUT_S} s, to "
+                "say what toolchain it plans for; free the cluster's resources, or add nodes"
+            )
+        machine: Machine = ray.get(ref)
+        return machine
 
     def close(self) -> None:
         if self._connected:

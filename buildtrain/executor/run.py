@@ -120,7 +120,10 @@ def run_plan(
     steps = steps_for(plan, options.target)
     if launch.follower:  # node 0 builds the rest; this node helps with the steps on ranks
         steps = with_inputs(steps, {step.hash for step in steps if kind_of(step.kind).ranks})
-    threads = prepare(plan, options.threads, launch, steps)
+    # A plan made for an engine's workers (bt plan --executor) need not fit this machine: each node
+    # checks the steps' toolchains against its own before it builds (on_node, slurm_task).
+    here = (engine.name if engine is not None else options.executor.name) == DEFAULT_ENGINE
+    threads = prepare(plan, options.threads, launch, steps, here)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
     reporter = Reporter(options.progress, options.log_every)
     _announce(plan, steps, threads, launch, record, reporter)

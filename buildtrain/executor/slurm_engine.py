@@ -24,13 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from buildtrain.errors import EngineUnavailable, ExitCode, UsageError
+from buildtrain.errors import EngineUnavailable, ExitCode, ToolchainMismatch, UsageError
 from buildtrain.executor.engine import (
     EngineOptions,
     OnEvent,
@@ -40,9 +40,11 @@ from buildtrain.executor.engine import (
     job_of,
     resources_of,
 )
+from buildtrain.executor.on_node import REFUSED
 from buildtrain.executor.outcome import Outcome
-from buildtrain.executor.slurm_task import StepTask, TaskOutcome, events_path, outcome_path
-from buildtrain.plan.plan import Plan
+from buildtrain.executor.slurm_task import StepTask, TaskOutcome, events_path, machine_of_node, outcome_path
+from buildtrain.plan.toolchain import Machine
+from buildtrain.store.store import Store
 
 # `--slurm-*` option (as the CLI names it in EngineOptions.settings) -> its variable.
 VARIABLES: Mapping[str, str] = {
@@ -252,9 +254,17 @@ class SlurmHandle:
     def wait(self) -> Outcome:
         events = EventFiles([events_path(self.folder, self.job_id, rank) for rank in range(self.ranks)])
         errors: list[dict[str, Any]] = []
+        self.follow(lambda: events.forward(self.on_event, errors))
+        events.forward(self.on_event, errors)
+        return self._outcome(errors)
+
+    def follow(self, between: Callable[[], object]) -> None:
+        """Until Slurm says the job will not run again, calling `between` before each look (a
+        true answer ends the wait early: the job left what was wanted of it)."""
         unanswered_since: float | None = None
         while True:
-            events.forward(self.on_event, errors)
+            if between():
+                return
             info = job_info(self.job_id)
             if info is None:  # the controller did not answer: ask again, for a while
                 unanswered_since = unanswered_since or time.monotonic()
@@ -267,7 +277,7 @@ class SlurmHandle:
                 unanswered_since = None
                 self._note(info)
                 if info.final:
-                    break
+                    return
                 if info.state == "PENDING" and (
                     info.reason in NEVER_RUNS or info.reason.endswith("PerJobLimit")
                 ):
@@ -278,8 +288,6 @@ class SlurmHandle:
                         "(--slurm-partition), fewer ranks (--nproc) or fewer threads (--threads)"
                     )
             time.sleep(POLL_S)
-        events.forward(self.on_event, errors)
-        return self._outcome(errors)
 
     def _note(self, info: JobInfo) -> None:
         """Tell the terminal and the run record where the step runs, and of every requeue."""
@@ -311,6 +319,8 @@ class SlurmHandle:
             errors = [*errors, {"event": "slurm_job_failed", "level": "error", "message": message}]
             status = ExitCode.INTERRUPTED if self.cancelled else ExitCode.FAILED
             return Outcome(int(status), errors, self.cancelled, None, self.ranks)
+        if written.status == REFUSED:
+            raise ToolchainMismatch(f"{self.label}: {written.refused}")
         if written.status == ExitCode.OK:  # a failed job's files stay: its logs say why
             for path in [*self.files, *self.folder.glob(f"{self.job_id}_*")]:
                 path.unlink(missing_ok=True)
@@ -369,10 +379,7 @@ class SlurmEngine:
     checked: bool = False
 
     def start(self, submission: Submission, on_event: OnEvent) -> SlurmHandle:
-        submitit = _import_submitit()
-        if not self.checked:
-            check_controller()
-            self.checked = True
+        submitit = self._submitit()
         step = submission.step
         resources = resources_of(submission)
         folder = submission.store.tmp / "slurm"
@@ -389,9 +396,7 @@ class SlurmEngine:
                 job_file.unlink(missing_ok=True)
                 raise self._refused(step.label, resources, str(exc)) from None
         on_event({"event": "slurm_job_submitted", "label": step.label, "job": job.job_id})
-        submitted = job.paths.submission_file
-        links = [p for p in folder.glob(".submission_file_*") if p.is_symlink() and p.readlink() == submitted]
-        files = [job_file, *links]
+        files = [job_file, *_submission_links(folder, job)]
         return SlurmHandle(job.job_id, step.label, folder, resources.ranks, on_event, files)
 
     def parameters(self, label: str, resources: Resources) -> dict[str, Any]:
@@ -424,11 +429,53 @@ class SlurmEngine:
             "choose another partition (--slurm-partition), fewer ranks (--nproc) or fewer threads (--threads)"
         )
 
-    def worker_toolchain(self, plan: Plan) -> Mapping[str, Any] | None:
-        return None
+    def worker_machine(self, device: str, store: Store) -> Machine:
+        """Asked of a node in a job of its own, with what a step of `device` asks for (a GPU for
+        a CUDA plan); its files are removed once it answered, kept (and named) where it failed."""
+        submitit = self._submitit()
+        folder = store.folder(store.tmp / "slurm")  # a new store is marked as one first
+        executor = submitit.SlurmExecutor(folder=folder)
+        resources = Resources(gpus_per_rank=1 if device == "cuda" else 0)
+        executor.update_parameters(**self.parameters("probe", resources))
+        with quiet_stderr():
+            try:
+                job = executor.submit(machine_of_node, device)
+            except submitit.core.utils.FailedJobError as exc:
+                raise self._refused("the toolchain probe", resources, str(exc)) from None
+        handle = SlurmHandle(job.job_id, "the toolchain probe", folder, 1, lambda _: None, [])
+        answered = job.paths.result_pickle.exists
+        handle.follow(answered)
+        try:
+            # Only once the answer is there: submitit's own wait asks sacct, which a cluster
+            # without accounting never answers.
+            if not answered():
+                raise RuntimeError(f"it ended {handle.seen.state} without an answer")
+            machine: Machine = job.result()
+        except Exception as exc:  # submitit re-raises whatever failed in the job
+            raise EngineUnavailable(
+                f"--executor slurm: the job that asks a node for its toolchain ({job.job_id}) failed: "
+                f"{_first_line(str(exc))}; its log: {job.paths.stderr}"
+            ) from None
+        for path in [*_submission_links(folder, job), *folder.glob(f"{job.job_id}_*")]:
+            path.unlink(missing_ok=True)
+        return machine
+
+    def _submitit(self) -> Any:
+        """submitit, once the controller is known to answer."""
+        submitit = _import_submitit()
+        if not self.checked:
+            check_controller()
+            self.checked = True
+        return submitit
 
     def close(self) -> None:
         """Nothing held: each step's job is followed, and ended, by its handle."""
+
+
+def _submission_links(folder: Path, job: Any) -> list[Path]:
+    """The links submitit leaves to the job's sbatch script, outside the job id's own names."""
+    submitted = job.paths.submission_file
+    return [p for p in folder.glob(".submission_file_*") if p.is_symlink() and p.readlink() == submitted]
 
 
 def _import_submitit() -> Any:

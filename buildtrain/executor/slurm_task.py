@@ -29,6 +29,12 @@ from typing import Any
 
 import attrs
 
+from buildtrain.executor.job import Job
+from buildtrain.executor.on_node import REFUSED, toolchain_problem
+from buildtrain.plan.stored import load_plan
+from buildtrain.plan.toolchain import Machine
+from buildtrain.store.store import Store
+
 # The step's worker, while it runs in this task process (one per process).
 RUNNING: list[subprocess.Popen[bytes]] = []
 # A port for the job's rendezvous, the same on every rank without talking: from the job id.
@@ -43,6 +49,7 @@ class TaskOutcome:
     status: int
     restarts: int
     node: str
+    refused: str | None = None  # why the node did not start the step (status REFUSED)
 
     def write(self, path: Path) -> None:
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
@@ -56,7 +63,13 @@ class TaskOutcome:
         """The outcome at `path`, or None where there is none or it is not one (never trusted)."""
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-            return cls(status=int(raw["status"]), restarts=int(raw["restarts"]), node=str(raw["node"]))
+            refused = raw.get("refused")
+            return cls(
+                status=int(raw["status"]),
+                restarts=int(raw["restarts"]),
+                node=str(raw["node"]),
+                refused=None if refused is None else str(refused),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -87,6 +100,11 @@ def rendezvous(slurm: Mapping[str, str], first_node: str) -> dict[str, str]:
     return variables
 
 
+def machine_of_node(device: str) -> Machine:
+    """The toolchain probe's job (`bt plan --executor slurm`): this node's facts."""
+    return Machine.here(cuda=device == "cuda")
+
+
 def _ignore_timeout_warning() -> None:
     """In the worker, before exec: the job's USR2 (submitit's warning of the time limit) is for
     the task process, which stops the worker by SIGTERM; USR2's default would kill it outright."""
@@ -111,6 +129,13 @@ class StepTask:
             env.update(rendezvous(os.environ, job.hostnames[0]))
         folder = Path(self.folder)
         node = socket.gethostname()
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        refused = self._toolchain_problem(job.num_tasks, node)
+        if refused is not None:  # never used silently: the step does not start here
+            if rank == 0:
+                outcome = TaskOutcome(status=REFUSED, restarts=restarts, node=node, refused=refused)
+                outcome.write(outcome_path(folder, job.job_id))
+            return REFUSED
         with open(events_path(folder, job.job_id, rank), "a", encoding="utf-8") as events:
             events.write(json.dumps({"event": "slurm_task_started", "node": node, "rank": rank}) + "\n")
             events.flush()
@@ -124,9 +149,15 @@ class StepTask:
             RUNNING.append(process)
             status = process.wait()
         if rank == 0:
-            restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
             TaskOutcome(status=status, restarts=restarts, node=node).write(outcome_path(folder, job.job_id))
         return status
+
+    def _toolchain_problem(self, world_size: int, node: str) -> str | None:
+        """The node's toolchain against the step's hash, as on any engine's node (`on_node`)."""
+        job = Job.read(Path(self.job_file))
+        store = Store(Path(job.store))
+        plan = load_plan(store, job.plan)
+        return toolchain_problem(plan, plan.step(job.step), job.numerics.threads, world_size, node)
 
     def checkpoint(self) -> Any:
         """submitit's hook on the job's USR2 (the time limit is near, or the job is preempted):

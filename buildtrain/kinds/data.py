@@ -11,7 +11,7 @@ from buildtrain.config.schema import DataConfig, Stage
 from buildtrain.config.steps import BYTES, DataSettings, DataStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
-from buildtrain.plan.toolchain import tokenizers_version
+from buildtrain.plan.toolchain import Machine
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -29,9 +29,9 @@ class DataKind(StepKind):
     per_stage = True
     reads_sources = True
 
-    def library_facts(self, config: Mapping[str, Any]) -> dict[str, str]:
+    def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
         # Encoding with a tokenizer step's BPE: the token ids are that library's numbers.
-        return {} if "tokenizer" in config else {"tokenizers": tokenizers_version()}
+        return {} if "tokenizer" in config else {"tokenizers": machine.tokenizers}
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         assert stage is not None
@@ -42,7 +42,7 @@ class DataKind(StepKind):
         config = DataStep(data=DataSettings.of(stage.data), tokenizer=described).to_config()
         if tokenizer is not None:
             inputs["tokenizer"] = tokenizer.hash
-        toolchain = self.toolchain(config, planning.config.numerics)
+        toolchain = self.toolchain(config, planning.config.numerics, machine=planning.machine)
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)
 
 

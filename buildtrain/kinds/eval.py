@@ -38,7 +38,7 @@ class EvalKind(StepKind):
             "weights": planning.required("train", final).hash,
             "data": planning.required("data", final).hash,
         }
-        toolchain = self.toolchain(step_config, config.numerics)
+        toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 
     def references(self, output: Path) -> list[str]:

@@ -53,7 +53,7 @@ class ExportKind(StepKind):
         step_config = ExportStep(
             export=config.export, tokenizer=described_tokenizer, described=described
         ).to_config()
-        toolchain = self.toolchain(step_config, config.numerics)
+        toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from buildtrain.config.schema import NumericsConfig
-from buildtrain.plan.toolchain import fingerprint
+from buildtrain.plan.toolchain import Machine, fingerprint
 
 if TYPE_CHECKING:
     from buildtrain.config.schema import Stage
@@ -67,9 +67,12 @@ class StepKind:
         numerics: NumericsConfig,
         world_size: int = 1,
         threads: int | None = None,
+        machine: Machine | None = None,
     ) -> dict[str, Any]:
         """The toolchain part of a step's hash: what the planner records and what the executor
-        checks this machine against (`threads`: the count a native plan will run at)."""
+        checks this machine against (`threads`: the count a native plan will run at; `machine`:
+        the one that will execute the step, default this one)."""
+        machine = machine or Machine.here(cuda=numerics.device == "cuda")
         facts = fingerprint(
             self.name,
             numerics,
@@ -77,8 +80,9 @@ class StepKind:
             threads=threads,
             world_size=self.hashed_world_size(config, world_size),
             extra=self.numerics_facts(numerics),
+            machine=machine,
         )
-        return {**facts, **self.library_facts(config)}
+        return {**facts, **self.library_facts(config, machine)}
 
     def hashed_world_size(self, config: Mapping[str, Any], world_size: int) -> int | None:
         """The world size the hash records: only where the result depends on it."""
@@ -88,8 +92,8 @@ class StepKind:
         """Numerics settings beyond the profile that change this kind's bits (only when set)."""
         return {}
 
-    def library_facts(self, config: Mapping[str, Any]) -> dict[str, str]:
-        """Libraries besides torch whose version changes this kind's output."""
+    def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
+        """Libraries besides torch whose version changes this kind's output, on `machine`."""
         return {}
 
     # -- running --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import attrs
 
 from buildtrain.config.schema import Config
 from buildtrain.plan.plan import Step
+from buildtrain.plan.toolchain import Machine
 from buildtrain.store.sources import SourceFile
 
 
@@ -25,6 +26,7 @@ class Planning:
     sources: Mapping[str, list[SourceFile]]  # each stage's data files, by content
     tokenizer_files: Mapping[str, SourceFile]  # each stage's given tokenizer file, by content
     world_size: int  # processes that will train (hashed only where a result depends on it)
+    machine: Machine | None = None  # the workers' machine, where an engine's nodes execute the steps
     steps: dict[str, Step] = attrs.Factory(dict)  # by hash, in plan order
     _by_kind: dict[tuple[str, str | None], Step | None] = attrs.Factory(dict)
 

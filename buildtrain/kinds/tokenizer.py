@@ -17,7 +17,7 @@ from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerSt
 from buildtrain.errors import ConfigError
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
-from buildtrain.plan.toolchain import tokenizers_version
+from buildtrain.plan.toolchain import Machine
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -30,8 +30,8 @@ class TokenizerKind(StepKind):
     per_stage = True
     reads_sources = True
 
-    def library_facts(self, config: Mapping[str, Any]) -> dict[str, str]:
-        return {"tokenizers": tokenizers_version()}  # a trained vocabulary is that library's numbers
+    def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
+        return {"tokenizers": machine.tokenizers}  # a trained vocabulary is that library's numbers
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         """The stage's tokenizer step, or None for the byte tokenizer. A stage that starts from
@@ -58,7 +58,7 @@ class TokenizerKind(StepKind):
         else:
             config = TokenizerStep(tokenizer=settings, text=TextSettings.of(stage.data)).to_config()
             inputs = {"sources": planning.sources_input(stage.name)}
-        toolchain = self.toolchain(config, planning.config.numerics)
+        toolchain = self.toolchain(config, planning.config.numerics, machine=planning.machine)
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)
 
 

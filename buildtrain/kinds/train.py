@@ -39,7 +39,9 @@ class TrainKind(StepKind):
         step_config = TrainStep(model=config.model, train=stage.train, eval=during).to_config()
         parent = planning.required(self.name, stage.init_from).hash if stage.init_from else None
         inputs = {"data": planning.required("data", stage.name).hash, "init": parent}
-        toolchain = self.toolchain(step_config, config.numerics, planning.world_size)
+        toolchain = self.toolchain(
+            step_config, config.numerics, planning.world_size, machine=planning.machine
+        )
         return Step.create(f"{self.name}:{stage.name}", self.name, step_config, inputs, toolchain)
 
     def hashed_world_size(self, config: Mapping[str, Any], world_size: int) -> int | None:

@@ -18,6 +18,7 @@ from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import save_plan
+from buildtrain.plan.toolchain import WorkerProbe
 from buildtrain.store.data_url import ObjectVersion
 from buildtrain.store.sources import SourceFile, StatCache
 from buildtrain.store.store import Store
@@ -31,13 +32,26 @@ class Planned:
     hashed_bytes: int  # source bytes hashed (0 when the stat cache knew every file)
 
 
-def plan_preset(path: str | Path, overrides: Iterable[str], store: Store, world_size: int = 1) -> Planned:
+def plan_preset(
+    path: str | Path,
+    overrides: Iterable[str],
+    store: Store,
+    world_size: int = 1,
+    workers: WorkerProbe | None = None,
+) -> Planned:
     overrides = list(overrides)
-    return plan_loaded(load_preset(path, overrides), overrides, store, world_size)
+    return plan_loaded(load_preset(path, overrides), overrides, store, world_size, workers)
 
 
-def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_size: int = 1) -> Planned:
-    """`plan_preset` for a preset already loaded (with `overrides`, which the metadata records)."""
+def plan_loaded(
+    loaded: LoadedPreset,
+    overrides: list[str],
+    store: Store,
+    world_size: int = 1,
+    workers: WorkerProbe | None = None,
+) -> Planned:
+    """`plan_preset` for a preset already loaded (with `overrides`, which the metadata records);
+    `workers`: an engine's probe of the machine its nodes execute steps on (default: this one)."""
     cache = store.stat_cache()
     source_paths, problems = preflight(loaded, world_size, cache)
     if problems:
@@ -83,7 +97,8 @@ def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_
                 known.append(str(path.absolute()))
     cache.save()
 
-    plan = compile_plan(loaded.config, sources, world_size, tokenizer_files)
+    machine = workers(loaded.config.numerics.device) if workers is not None else None
+    plan = compile_plan(loaded.config, sources, world_size, tokenizer_files, machine)
     record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     save_card(store, plan, record["created"])  # what bt ls --metrics reads
     return Planned(

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import attrs
 
@@ -21,6 +21,9 @@ from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.sweep import SweepPlans, load_sweep_plans, plan_sweep
 from buildtrain.store.store import HEX, Store
+
+if TYPE_CHECKING:
+    from buildtrain.plan.toolchain import WorkerProbe
 
 
 @attrs.frozen
@@ -69,8 +72,10 @@ def resolve_targets(
     axes: Sequence[str] = (),
     world_size: int = 1,
     stdin: TextIO | None = None,
+    workers: WorkerProbe | None = None,
 ) -> list[Target]:
-    """The plans `refs` name, in order, each once; raises `UsageError` naming a ref that names none."""
+    """The plans `refs` name, in order, each once; raises `UsageError` naming a ref that names none.
+    A preset is planned for `workers` (an engine's probe), else for this machine."""
     presets = [ref for ref in refs if ref != "-" and is_preset(ref)]
     if (overrides or axes) and not presets:
         raise UsageError(
@@ -78,18 +83,24 @@ def resolve_targets(
         )
     found: dict[str, Target] = {}
     for ref in refs:
-        for target in _resolve_one(ref, store, overrides, axes, world_size, stdin or sys.stdin):
+        for target in _resolve_one(ref, store, overrides, axes, world_size, stdin or sys.stdin, workers):
             found.setdefault(target.plan.hash, target)
     return list(found.values())
 
 
 def _resolve_one(
-    ref: str, store: Store, overrides: Sequence[str], axes: Sequence[str], world_size: int, stdin: TextIO
+    ref: str,
+    store: Store,
+    overrides: Sequence[str],
+    axes: Sequence[str],
+    world_size: int,
+    stdin: TextIO,
+    workers: WorkerProbe | None,
 ) -> list[Target]:
     if ref == "-":
         return [Target(load_plan(store, r), 0) for r in _hash_lines(stdin.read(), "stdin")]
     if is_preset(ref):
-        planned = plan_sweep(ref, overrides, axes, store, world_size)
+        planned = plan_sweep(ref, overrides, axes, store, world_size, workers)
         if isinstance(planned, SweepPlans):
             return [Target(p.planned.plan, p.planned.threads) for p in planned.points]
         return [Target(planned.plan, planned.threads)]

@@ -25,6 +25,7 @@ from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.plan.planner import Planned
+    from buildtrain.plan.toolchain import WorkerProbe
 
 SWEEP_FORMAT = 1
 # More points than this is a typo in an axis, not an experiment anyone will read.
@@ -182,9 +183,11 @@ def plan_sweep(
     axis_texts: Sequence[str],
     store: Store,
     world_size: int = 1,
+    workers: WorkerProbe | None = None,
 ) -> SweepPlans | Planned:
     """Plan every point of the sweep the preset declares and `--sweep` adds; a preset without
-    axes is planned as its one point (each preset is loaded and validated once).
+    axes is planned as its one point (each preset is loaded and validated once); `workers`: the
+    engine's probe of the machine that will execute the steps (default: this one).
 
     Every point is validated before any is stored, so a bad axis value leaves nothing half-written.
     """
@@ -198,7 +201,7 @@ def plan_sweep(
     declared = table_axes(loaded.sweep, str(loaded.path)) if loaded.sweep is not None else []
     axes = merge_axes(declared, given)
     if not axes:
-        return plan_loaded(loaded, list(overrides), store, world_size)
+        return plan_loaded(loaded, list(overrides), store, world_size, workers)
     size = 1
     for axis in axes:
         size *= len(axis.values)
@@ -213,7 +216,8 @@ def plan_sweep(
         except ConfigError as exc:
             raise ConfigError([_as_sweep(line) for line in exc.problems]) from None
     planned = [
-        Point(a, plan_loaded(point, all_overrides, store, world_size)) for a, all_overrides, point in points
+        Point(a, plan_loaded(point, all_overrides, store, world_size, workers))
+        for a, all_overrides, point in points
     ]
     pairs = [(p.assignments, p.planned.plan.hash) for p in planned]
     result = SweepPlans(hash=sweep_hash(axes, pairs), axes=axes, points=tuple(planned))

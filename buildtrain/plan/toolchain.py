@@ -5,6 +5,10 @@ Computed without importing torch (its version is read from `torch/version.py` as
 What else enters depends on the numerics profile: `portable` promises the same bits at any thread
 count on any x86-64 CPU with AVX2, so it records that target, not this CPU; `native` promises
 nothing beyond this machine, so it records the thread count and the CPU itself.
+
+The facts come from the machine that will execute the step: this one, or a worker of a cluster
+(`Machine`, which `bt plan --executor ray|slurm` asks the engine for), so that a plan made on a
+laptop for GPU nodes names the GPU nodes' result.
 """
 
 from __future__ import annotations
@@ -16,12 +20,17 @@ import platform
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from buildtrain.config.schema import NumericsConfig
 from buildtrain.plan.sources_digest import source_digest
+
+# A test hook: the torch build this process reports (a worker that differs from the planner).
+TORCH_BUILD_HOOK = "BT_TEST_TORCH_BUILD"
 
 
 def torch_build() -> str:
@@ -30,6 +39,8 @@ def torch_build() -> str:
     Read from torch/version.py as text: finding the package does not import it, and this is about
     thirty times cheaper than asking the package metadata.
     """
+    if os.environ.get(TORCH_BUILD_HOOK):
+        return os.environ[TORCH_BUILD_HOOK]
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         return "not-installed"
@@ -90,8 +101,38 @@ def cuda_facts() -> dict[str, str]:
     return {"gpu": name.strip(), "driver": driver.strip()}
 
 
-def resolved_threads(numerics: NumericsConfig) -> int:
-    return numerics.threads or os.cpu_count() or 1
+@attrs.frozen(kw_only=True)
+class Machine:
+    """What a step's fingerprint records of the machine that executes it; plain data, so an engine
+    can carry it back from a worker (see `here`)."""
+
+    torch: str  # torch_build()
+    cpu: Mapping[str, str]  # cpu_facts(): arch, isa, model
+    target: str  # portable_target()
+    gpu: Mapping[str, str]  # cuda_facts(), asked only for a CUDA plan ({} otherwise)
+    cores: int
+    tokenizers: str  # tokenizers_version()
+
+    @classmethod
+    def here(cls, cuda: bool) -> Machine:
+        """This machine; `cuda`: also ask nvidia-smi (a CPU plan never needs it)."""
+        return cls(
+            torch=torch_build(),
+            cpu=cpu_facts(),
+            target=portable_target(),
+            gpu=cuda_facts() if cuda else {},
+            cores=os.cpu_count() or 1,
+            tokenizers=tokenizers_version(),
+        )
+
+
+# An engine's answer to "what machine will execute a step of this device?" (None: this one).
+WorkerProbe = Callable[[str], "Machine | None"]
+
+
+def resolved_threads(numerics: NumericsConfig, machine: Machine | None = None) -> int:
+    cores = machine.cores if machine is not None else os.cpu_count()
+    return numerics.threads or cores or 1
 
 
 def fingerprint(
@@ -102,27 +143,30 @@ def fingerprint(
     threads: int | None = None,
     world_size: int | None = None,
     extra: Mapping[str, Any] | None = None,
+    machine: Machine | None = None,
 ) -> dict[str, Any]:
     """The toolchain part of a step's hash, for a step of `kind` under `numerics`; a kind that
     computes without `torch` depends only on buildtrain's own code (its kind says which).
 
     `threads` overrides the thread count a native plan pins (the executor checks a machine with
     the count the plan will run at). `world_size` is given where a step's result depends on it;
-    `extra`: numerics settings the kind's bits depend on beyond the profile.
+    `extra`: numerics settings the kind's bits depend on beyond the profile; `machine`: the one
+    that will execute the step (default: this one).
     """
     facts: dict[str, Any] = {"buildtrain": source_digest(kind)}
     if not torch:
         return facts
+    machine = machine or Machine.here(cuda=numerics.device == "cuda")
     if world_size is not None:
         facts["world_size"] = world_size
-    facts.update(torch=torch_build(), device=numerics.device, dtype=numerics.dtype, profile=numerics.profile)
+    facts.update(torch=machine.torch, device=numerics.device, dtype=numerics.dtype, profile=numerics.profile)
     facts.update(extra or {})
     if numerics.device == "cuda":
-        facts.update(cuda_facts())
+        facts.update(machine.gpu)
     if numerics.profile == "portable":
-        facts["target"] = portable_target()
+        facts["target"] = machine.target
     else:
-        facts.update(cpu_facts(), threads=threads or resolved_threads(numerics))
+        facts.update(machine.cpu, threads=threads or resolved_threads(numerics, machine))
     return facts
 
 
