@@ -31,9 +31,15 @@ class RayCluster:
     address: str
     temp: Path
     processes: tuple[subprocess.Popen[bytes], ...]
+    root: Path  # logs, and each node's own store
 
     def env(self) -> dict[str, str]:
         return {"RAY_ADDRESS": self.address, **NO_TOKEN}
+
+    def forget_node_stores(self) -> None:
+        """Empty what the nodes built and pulled, as fresh nodes would start."""
+        for store in self.root.glob("store-*"):
+            shutil.rmtree(store)
 
 
 def _ray_start(temp: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
@@ -54,8 +60,9 @@ def _ray_start(temp: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            # The nodes' own store (with a remote) is this cluster's, not the machine's default.
-            env={**os.environ, **NO_TOKEN, "BT_NODE_STORE": str(log.parent / "node-store")},
+            # Each node keeps its own store (with a remote), as separate machines would, and not in
+            # the machine's default folder.
+            env={**os.environ, **NO_TOKEN, "BT_NODE_STORE": str(log.parent / f"store-{log.stem}")},
         )
 
 
@@ -88,7 +95,7 @@ def start(root: Path) -> RayCluster:
         str(temp),
     )
     processes = [head]
-    cluster = RayCluster(address, temp, tuple(processes))
+    cluster = RayCluster(address, temp, tuple(processes), root)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while alive_nodes(address) < 1:
@@ -96,7 +103,7 @@ def start(root: Path) -> RayCluster:
                 raise RuntimeError(f"the Ray head did not start; see {root / 'ray-head.log'}")
             time.sleep(1)
         processes.append(_ray_start(temp, root / "ray-worker.log", "--address", address))
-        cluster = RayCluster(address, temp, tuple(processes))
+        cluster = RayCluster(address, temp, tuple(processes), root)
         while alive_nodes(address) < 2:
             if time.monotonic() > deadline or processes[1].poll() is not None:
                 raise RuntimeError(f"the second Ray node did not join; see {root / 'ray-worker.log'}")

@@ -5,17 +5,20 @@ never loads Ray; two ranks placed by Ray; a killed worker retried and resumed; t
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import raycluster
 from conftest import MICRO, plan_hash, run_bt, step_digests
 from seaweed import free_ports
+
+from buildtrain.errors import ExitCode
 
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
 
@@ -161,6 +164,92 @@ def test_a_killed_ray_worker_is_retried_and_resumes(
     assert '"event": "resumed"' in log.read_text()
 
 
+def _start_slow_run(tmp_path: Path, plan: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """`bt run PLAN` in the background, 0.7 s an update (12 updates: time to act mid-step)."""
+    argv = [sys.executable, "-m", "buildtrain", "run", plan, *ONE_THREAD]
+    environment = {
+        **os.environ,
+        **env,
+        "BT_STORE": str(tmp_path / ".bt"),
+        "BT_EXPERIMENTS": str(tmp_path / "exp"),
+        "BT_TEST_STEP_DELAY": "0.7",
+    }
+    return subprocess.Popen(argv, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(run: subprocess.Popen[str]) -> str:
+    try:
+        _, stderr = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    return stderr
+
+
+def _wait_for_a_pushed_checkpoint(remote: Path) -> list[Path]:
+    """The train step's job files on the nodes, once the remote holds one of its checkpoints."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if any(remote.glob("**/work/*/*.json")):
+            jobs = _train_jobs(lambda job: not job.is_relative_to(remote))
+            if jobs:
+                return jobs
+        time.sleep(0.2)
+    return []
+
+
+def test_a_node_that_dies_mid_step_resumes_from_the_checkpoint_it_pushed(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster, micro_built: tuple
+) -> None:
+    """Freeze the node's task and worker once a checkpoint is on the remote, wipe what the node
+    kept of the step (a node lost with its disk), then kill both: Ray's retry finds nothing in its
+    node's store and resumes from the remote's checkpoint, with the uninterrupted build's bits."""
+    remote = tmp_path / "remote"
+    plan = plan_hash(run_bt("plan", str(MICRO), store=tmp_path / ".bt"))
+    ray_cluster.forget_node_stores()  # else the step is found built there by an earlier test
+    run = _start_slow_run(tmp_path, plan, on_ray(ray_cluster, remote))
+    try:
+        jobs = _wait_for_a_pushed_checkpoint(remote)
+        assert jobs, "no train step was seen running with a checkpoint on the remote"
+        processes = [pid for job in jobs for pid in _processes_of(job)]
+        for pid in processes:
+            os.kill(pid, signal.SIGSTOP)
+        for job in jobs:  # the node's store: <store>/tmp/job-*.json
+            shutil.rmtree(job.parent.parent / "work", ignore_errors=True)
+        for pid in processes:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        stderr = _finish(run)
+    assert run.returncode == 0, stderr
+    assert step_digests(tmp_path / ".bt", plan) == micro_built[2]
+    log = next((tmp_path / "exp").iterdir()) / "train.log"
+    assert '"event": "resumed"' in log.read_text()
+
+
+def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster, micro_built: tuple
+) -> None:
+    remote = tmp_path / "remote"
+    env = on_ray(ray_cluster, remote)
+    plan = plan_hash(run_bt("plan", str(MICRO), store=tmp_path / ".bt"))
+    ray_cluster.forget_node_stores()
+    run = _start_slow_run(tmp_path, plan, env)
+    try:
+        assert _wait_for_a_pushed_checkpoint(remote), "no train step was seen training"
+        run.send_signal(signal.SIGINT)
+    finally:
+        stderr = _finish(run)
+    assert run.returncode == ExitCode.INTERRUPTED, stderr
+    assert "Traceback" not in stderr
+    assert not _train_jobs(lambda job: True), "a worker outlived the cancelled run"
+    again = run_bt("run", plan, *ONE_THREAD, store=tmp_path / ".bt", env=env)
+    assert again.returncode == 0, again.stderr
+    assert step_digests(tmp_path / ".bt", plan) == micro_built[2]
+    logs = "".join(log.read_text() for log in (tmp_path / "experiments").glob("*/train.log"))
+    assert '"event": "resumed"' in logs
+
+
 def _kill_the_train_task_after_a_checkpoint(store: Path) -> bool:
     """SIGKILL the Ray worker (the parent) of the step process training in `store`, once the
     step has a checkpoint."""
@@ -178,7 +267,17 @@ def _kill_the_train_task_after_a_checkpoint(store: Path) -> bool:
 
 def _train_worker_parents(store: Path) -> list[int]:
     """The parents (Ray workers) of the step processes training a step of `store`."""
-    parents = []
+    return [_processes_of(job)[0] for job in _train_jobs(lambda job: job.is_relative_to(store))]
+
+
+def _train_jobs(where: Callable[[Path], bool]) -> list[Path]:
+    """The job files of the step processes now training, among those `where` accepts."""
+    return [job for job in _worker_jobs() if where(job) and '"kind": "train"' in job.read_text()]
+
+
+def _worker_jobs() -> dict[Path, tuple[int, int]]:
+    """Each running step process's job file: (its parent's pid, its own)."""
+    found: dict[Path, tuple[int, int]] = {}
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
@@ -188,9 +287,14 @@ def _train_worker_parents(store: Path) -> list[int]:
         if b"buildtrain.executor.worker" not in command or b"--job" not in command:
             continue
         job = Path(command[command.index(b"--job") + 1].decode())
-        if job.is_relative_to(store) and job.is_file() and '"kind": "train"' in job.read_text():
-            parents.append(int(stat.rsplit(")", 1)[1].split()[1]))
-    return parents
+        if job.is_file():
+            found[job] = (int(stat.rsplit(")", 1)[1].split()[1]), int(entry.name))
+    return found
+
+
+def _processes_of(job: Path) -> tuple[int, int]:
+    """(the Ray worker, the step process) running `job`."""
+    return _worker_jobs()[job]
 
 
 def test_engine_errors_are_one_line_with_exit_8(tmp_path: Path, ray_cluster: raycluster.RayCluster) -> None:
