@@ -1,28 +1,31 @@
-"""A 4-point sweep of the micro preset on a cluster engine vs the local executor.
+"""A 4-point sweep of the micro preset on each cluster engine (Ray, Slurm) vs the local executor.
 
-Each round builds the same 2x2 sweep (tests/presets/micro.toml, train.lr x train.steps) from an
-empty store, once per contender, alternating (local, ray, ...): wall time of `bt run` from start to
+Ray: each round builds the same 2x2 sweep (tests/presets/micro.toml, train.lr x train.steps) from
+an empty store, once per contender, alternating (local, ray): wall time of `bt run` from start to
 exit, and the ratio to local. The Ray contender runs against a two-node cluster started once by
 this script (as the tests do), so its figure is the steady cost; `engine start` reports separately
 what a run without RAY_ADDRESS pays to start a Ray instance of its own. `scheduling` compares the
 per-step overhead of the engine with a plain Ray task of `true` (subprocess), per task.
 
-A second engine (Slurm) adds itself to ENGINES below: a name, how to bring it up once, and the
-environment a `bt run` needs to use it.
+Slurm: the same sweep on a real single-node Slurm started for the run, the per-step overhead
+against a plain `sbatch --wait --wrap true`, and what starting the daemons costs
+(benchmarks/slurm_sweep.py, which also runs alone). An engine that is not installed is skipped
+with a note. Nothing here asserts on a time. Run: python benchmarks/cluster_sweep.py [--quick]
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import attrs
-
-from benchmarks.common import (
+sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
+from common import (  # noqa: E402
     REPO,
+    Workspace,
     alternate,
     fmt_ratio,
     fmt_seconds,
@@ -34,22 +37,16 @@ from benchmarks.common import (
     rounds,
     workspace,
 )
+from slurm_sweep import measure_slurm  # noqa: E402
 
 MICRO = REPO / "tests" / "presets" / "micro.toml"
 SWEEP = ("--sweep", "train.lr=1e-3,3e-3", "--sweep", "train.steps=8,12")
 DISTINCT_STEPS = 13  # one data step, and a train, eval and export step per point
 
 
-@attrs.frozen
-class Engine:
-    """A contender: how to bring its cluster up once (a context yielding the env for bt run)."""
-
-    name: str
-    up: Callable[[Path], contextlib.AbstractContextManager[dict[str, str]]]
-
-
 @contextlib.contextmanager
 def ray_cluster(root: Path) -> Iterator[dict[str, str]]:
+    """The tests' two-node Ray cluster, up for the Ray half; the env a `bt run` needs to use it."""
     sys.path.insert(0, str(REPO / "tests"))
     import raycluster
 
@@ -61,17 +58,22 @@ def ray_cluster(root: Path) -> Iterator[dict[str, str]]:
         raycluster.stop(cluster)
 
 
-ENGINES = [Engine("ray", ray_cluster)]  # the slurm helper adds Engine("slurm", slurm_cluster)
-
-
 def main() -> int:
     args = make_parser(__doc__).parse_args()
-    count = rounds(args, quick=1, full=3)
-    with workspace("cluster-sweep", args) as space, contextlib.ExitStack() as stack:
+    with workspace("cluster-sweep", args) as space:
         print_header("4-point sweep: cluster engines vs the local executor", args, space)
-        envs = {"local": {}}
-        for engine in ENGINES:
-            envs[engine.name] = stack.enter_context(engine.up(space.path(engine.name)))
+        if importlib.util.find_spec("ray") is None:
+            note("Ray half skipped: not installed (pip install -e '.[ray]')")
+        else:
+            measure_ray(space, rounds(args, quick=1, full=3))
+        measure_slurm(space, rounds(args, quick=2, full=5))
+    return 0
+
+
+def measure_ray(space: Workspace, count: int) -> None:
+    """The sweep locally and on a two-node Ray cluster, the engine's start and its per-step cost."""
+    with ray_cluster(space.path("ray")) as on_ray:
+        envs: dict[str, dict[str, str]] = {"local": {}, "ray": on_ray}
         serial = iter(range(10_000))
 
         def sweep(env: dict[str, str]) -> Callable[[], float]:
@@ -93,11 +95,10 @@ def main() -> int:
         )
         start_cost(space)
         extra = (median(results["ray"]) - base) / DISTINCT_STEPS
-        scheduling(envs["ray"]["RAY_ADDRESS"], count, extra)
-    return 0
+        scheduling(on_ray["RAY_ADDRESS"], count, extra)
 
 
-def start_cost(space) -> None:
+def start_cost(space: Workspace) -> None:
     """What `bt run --executor ray` without RAY_ADDRESS pays to start (and stop) its own instance:
     a null build of one step forced to build (`--target data:main` in a fresh store) on ray vs local."""
     times: dict[str, list[float]] = {"local": [], "ray (own instance)": []}

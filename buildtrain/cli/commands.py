@@ -132,10 +132,14 @@ def engine_of(args: argparse.Namespace) -> Iterator[Engine | None]:
     """The engine `--executor` (or BT_EXECUTOR) names, opened for this command and closed after it;
     None for the local executor, which each run opens itself. Opening connects to nothing: an
     engine reaches its cluster on the first step it must build, or the first probe."""
+    given = getattr(args, "executor", None)
+    if not (given or os.environ.get("BT_EXECUTOR")):  # `bt plan` loads nothing of the executor
+        yield None
+        return
     from buildtrain.cli.arguments import engine_settings
     from buildtrain.executor.engine import DEFAULT_ENGINE, EngineOptions, engine_name, open_engine
 
-    name = engine_name(getattr(args, "executor", None))
+    name = engine_name(given)
     if name == DEFAULT_ENGINE:
         yield None
         return
