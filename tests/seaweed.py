@@ -14,6 +14,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +33,10 @@ BUCKET = "bt-test"
 
 
 def weed_binary() -> str | None:
-    """The `weed` executable, or None when SeaweedFS is not installed."""
-    return shutil.which("weed")
+    """The `weed` executable, or None when SeaweedFS is not installed: on PATH, or beside this
+    Python (a virtual environment's bin/, where pip puts it, even when it is not activated)."""
+    beside = Path(sys.executable).with_name("weed")
+    return shutil.which("weed") or (str(beside) if beside.is_file() else None)
 
 
 def _free(port: int) -> bool:
