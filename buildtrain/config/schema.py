@@ -14,7 +14,18 @@ from typing import Any
 
 import attrs
 
-from buildtrain.config.checks import OneOf, at_least, at_most, below, greater_than, one_of, reads, setting
+from buildtrain.config.checks import (
+    OneOf,
+    at_least,
+    at_most,
+    below,
+    greater_than,
+    never_hashed,
+    one_of,
+    reads,
+    setting,
+    since,
+)
 
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
@@ -166,8 +177,30 @@ def derived_ffn_hidden(dim: int, mlp: str) -> int:
 
 
 @attrs.frozen(kw_only=True)
+class InitConfig:
+    """Where a model's first weights come from: a local Hugging Face checkpoint folder (its
+    config.json, safetensors shards and tokenizer files), read by content, never by path."""
+
+    hf: str = setting(
+        "",
+        "a Hugging Face checkpoint folder (llama, mistral or qwen2; safetensors), relative to the preset",
+    )
+
+    @hf.validator
+    def _names_a_folder(self, _: attrs.Attribute[Any], value: str) -> None:
+        if not value:
+            raise ValueError('is empty; give the checkpoint folder: model.init = { hf = "path/to/folder" }')
+
+
+@attrs.frozen(kw_only=True)
 class ModelConfig:
-    """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+    """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+    Fields marked `since` entered the language after plans were first hashed: they enter a step's
+    config only when set to something else than their default (`convert.py`), so older plans keep
+    their hashes. `init` never enters any hash (it is a path): the checkpoint's content does, as
+    the import step's input.
+    """
 
     dim: int = setting(64, "width of the residual stream", at_least(1))
     n_layers: int = setting(2, "number of transformer blocks", at_least(1))
@@ -190,6 +223,22 @@ class ModelConfig:
         0.0, "dropout probability (seeded per step and micro-batch)", at_least(0.0), below(1.0)
     )
     init_std: float = setting(0.02, "standard deviation of the initial weights", greater_than(0.0))
+    qkv_bias: bool = since(setting(False, "biases on the query, key and value projections (qwen2)"))
+    vocab_size: int = since(
+        setting(
+            0,
+            "rows of the embedding (0 = the tokenizer's vocabulary); a checkpoint sets it to its own",
+            at_least(0),
+        )
+    )
+    init: InitConfig | None = never_hashed(
+        setting(
+            None,
+            'start from a pretrained checkpoint: { hf = "folder" }; the shape keys above then come '
+            "from its config.json (a preset that contradicts them is refused) and its tokenizer.json "
+            "becomes the tokenizer",
+        )
+    )
 
     @n_heads.validator
     @reads("dim")

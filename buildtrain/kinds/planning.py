@@ -18,6 +18,15 @@ from buildtrain.plan.plan import Step
 from buildtrain.store.sources import SourceFile
 
 
+@attrs.frozen(kw_only=True)
+class CheckpointFiles:
+    """A checkpoint folder (`model.init.hf`) as a plan sees it: its files' content, by role."""
+
+    architecture: str  # config.json's model_type
+    base: Mapping[str, SourceFile]  # config.json, tokenizer_config.json, ... by file name
+    shards: tuple[SourceFile, ...]  # the safetensors weights
+
+
 @attrs.define(kw_only=True)
 class Planning:
     config: Config
@@ -25,6 +34,7 @@ class Planning:
     sources: Mapping[str, list[SourceFile]]  # each stage's data files, by content
     tokenizer_files: Mapping[str, SourceFile]  # each stage's given tokenizer file, by content
     world_size: int  # processes that will train (hashed only where a result depends on it)
+    checkpoint: CheckpointFiles | None = None  # the pretrained checkpoint the model starts from
     steps: dict[str, Step] = attrs.Factory(dict)  # by hash, in plan order
     _by_kind: dict[tuple[str, str | None], Step | None] = attrs.Factory(dict)
 

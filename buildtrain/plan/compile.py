@@ -17,7 +17,7 @@ from buildtrain.config.convert import converter
 from buildtrain.config.schema import Config
 from buildtrain.kinds import KINDS
 from buildtrain.kinds.data import data_view
-from buildtrain.kinds.planning import Planning
+from buildtrain.kinds.planning import CheckpointFiles, Planning
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.sources import SourceFile
 
@@ -37,10 +37,11 @@ def compile_plan(
     sources: Mapping[str, list[SourceFile]],
     world_size: int = 1,
     tokenizer_files: Mapping[str, SourceFile] | None = None,
+    checkpoint: CheckpointFiles | None = None,
 ) -> Plan:
     """The plan for `config`; `sources` gives the content of each stage's data files, `world_size`
     the processes that will train (hashed only where a result depends on it), `tokenizer_files`
-    the content of each stage's given tokenizer file."""
+    the content of each stage's given tokenizer file, `checkpoint` that of `model.init`'s files."""
     view = config_view(config)
     planning = Planning(
         config=config,
@@ -48,6 +49,7 @@ def compile_plan(
         sources=sources,
         tokenizer_files=tokenizer_files or {},
         world_size=world_size,
+        checkpoint=checkpoint,
     )
     per_stage = [kind for kind in KINDS.values() if kind.per_stage]
     for stage in config.stages:

@@ -132,7 +132,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim(config)
         # q, k and v in one GEMM: rows are nh query heads, then nkv key heads, then nkv value heads.
         self.wqkv = nn.Linear(
-            config.dim, (config.n_heads + 2 * config.n_kv_heads) * self.head_dim, bias=False
+            config.dim, (config.n_heads + 2 * config.n_kv_heads) * self.head_dim, bias=config.qkv_bias
         )
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 

@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from buildtrain.errors import Interrupted, StepFailed
-from buildtrain.steps.data_index import vocab_size
+from buildtrain.steps.data_index import embedding_rows
 from buildtrain.steps.failures import out_of_memory
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.seeds import derive_seed
@@ -97,7 +97,9 @@ class Training:
         every rank leaves with rank 0's state."""
         cfg, ranks = setup.train, controls.ranks
         device = torch.device(setup.device)
-        model = Transformer.build(setup.model, vocab_size(setup.index), seeded(cfg.seed, "init"))
+        model = Transformer.build(
+            setup.model, embedding_rows(setup.model, setup.index), seeded(cfg.seed, "init")
+        )
         if setup.init_weights is not None:
             load_model(model, setup.init_weights)  # a later stage starts from its parent's final weights
         model.to(device)
