@@ -19,7 +19,7 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import ExportStep
 from buildtrain.steps.context import StepContext, final_weights
 from buildtrain.store import objects
-from buildtrain.store.layout import CHECKSUMS, EVAL_RESULT, EXPORT_WEIGHTS
+from buildtrain.store.layout import CHECKSUMS, EVAL_RESULT, EXPORT_WEIGHTS, IMPORT_BASE
 from buildtrain.store.tensors import combine, safetensors_digests
 
 WEIGHTS = EXPORT_WEIGHTS
@@ -54,6 +54,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         description["end_of_document"],
         config.described["train"]["seq_len"],
         config.export.dtype,
+        base=ctx.inputs["base"] / IMPORT_BASE if "base" in ctx.inputs else None,
     )
     lines = [
         f"{objects.hash_file(path)[0]}  {path.relative_to(out).as_posix()}\n"

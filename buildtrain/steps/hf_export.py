@@ -163,8 +163,11 @@ def write_hf(
     eod: int,
     max_positions: int,
     dtype: str,
+    base: Path | None = None,
 ) -> None:
-    """Write config.json, model.safetensors and the tokenizer files into `folder`."""
+    """Write config.json, model.safetensors and the tokenizer files into `folder`; a model that
+    started from a checkpoint (`base`: the import step's copy of its files) keeps its config and
+    tokenizer settings, so transformers loads it as the base architecture."""
     _, _, mlp_names = ARCHITECTURES[(model["norm"], model["mlp"])]
     tensors = read_tensors(weights)
     converted = {}
@@ -174,10 +177,13 @@ def write_hf(
     vocab_size = tensors["embedding.weight"][1][0]
     folder.mkdir()
     write_tensors(folder / "model.safetensors", converted)
+    write_bytes_durably(folder / "tokenizer.json", tokenizer_json)
+    if base is not None:
+        write_base_files(folder, base, dtype)
+        return
     write_bytes_durably(
         folder / "config.json", canonical_bytes(hf_config(model, vocab_size, max_positions, eod, dtype))
     )
-    write_bytes_durably(folder / "tokenizer.json", tokenizer_json)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": eod_token,
@@ -186,3 +192,16 @@ def write_hf(
         "clean_up_tokenization_spaces": False,
     }
     write_bytes_durably(folder / "tokenizer_config.json", canonical_bytes(tokenizer_config))
+
+
+def write_base_files(folder: Path, base: Path, dtype: str) -> None:
+    """The checkpoint's own config.json (its dtype now the export's) and tokenizer settings (the
+    chat template among them), copied as they were."""
+    config = json.loads((base / "config.json").read_bytes())
+    config["dtype"] = dtype  # transformers 5's key; 4.x read torch_dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    write_bytes_durably(folder / "config.json", canonical_bytes(config))
+    for path in sorted(base.iterdir()):
+        if path.name != "config.json":
+            write_bytes_durably(folder / path.name, path.read_bytes())

@@ -27,6 +27,7 @@ from buildtrain.config.pretrained import CONFIG, CheckpointProblem, model_settin
 from buildtrain.errors import StepFailed
 from buildtrain.steps.hf_export import write_tensors
 from buildtrain.steps.sources import Source, read_source
+from buildtrain.store.layout import IMPORT_BASE
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import combine, safetensors_digests
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 RESULT_FORMAT = 1
 WEIGHTS = "model.safetensors"
-BASE = "base"
+BASE = IMPORT_BASE
 # Buffers some checkpoints carry that are recomputed, never trained: dropped.
 RECOMPUTED = ("rotary_emb.inv_freq",)
 MLP = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
