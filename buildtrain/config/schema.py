@@ -257,6 +257,31 @@ class ModelConfig:
             )
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@attrs.frozen(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters: only they train (the model's weights stay as they were) and only they
+    have optimizer state; the export merges them into the weights and also writes them for peft."""
+
+    rank: int = setting(8, "rank of each adapter", at_least(1))
+    alpha: float = setting(16.0, "scale numerator: an adapter adds alpha / rank x B A", greater_than(0.0))
+    dropout: float = setting(
+        0.0, "dropout on an adapter's input (seeded per step and micro-batch)", at_least(0.0), below(1.0)
+    )
+    targets: tuple[str, ...] = setting(
+        ("q", "k", "v", "o"),
+        f"projections that get an adapter: any of {', '.join(LORA_TARGETS)}",
+    )
+
+    @targets.validator
+    def _known_targets(self, _: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+        unknown = [t for t in value if t not in LORA_TARGETS]
+        if unknown or not value or len(set(value)) != len(value):
+            raise ValueError(f"must be distinct names among {', '.join(LORA_TARGETS)} (got {list(value)})")
+
+
 @attrs.frozen(kw_only=True)
 class TrainConfig:
     """One training stage: optimizer, schedule, batch, length, seed and checkpoint cadence."""
@@ -289,6 +314,9 @@ class TrainConfig:
         1,
         "steps between weight digests in the trace (the full state is digested at each checkpoint)",
         at_least(1),
+    )
+    lora: LoraConfig | None = since(
+        setting(None, "train low-rank adapters only: { rank, alpha, dropout, targets = [...] }")
     )
 
     @betas.validator

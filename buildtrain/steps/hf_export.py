@@ -205,3 +205,50 @@ def write_base_files(folder: Path, base: Path, dtype: str) -> None:
     for path in sorted(base.iterdir()):
         if path.name != "config.json":
             write_bytes_durably(folder / path.name, path.read_bytes())
+
+
+PEFT_FOLDER = "peft"
+# LoRA target -> (buildtrain's projection under a block, the transformers module peft adapts)
+LORA_MODULES = {
+    "q": ("attention.wqkv", "self_attn.q_proj"),
+    "k": ("attention.wqkv", "self_attn.k_proj"),
+    "v": ("attention.wqkv", "self_attn.v_proj"),
+    "o": ("attention.wo", "self_attn.o_proj"),
+    "gate": ("ffn.w1", "mlp.gate_proj"),
+    "up": ("ffn.w3", "mlp.up_proj"),
+    "down": ("ffn.w2", "mlp.down_proj"),
+}
+
+
+def write_peft(folder: Path, adapters: Path, lora: dict[str, Any], n_layers: int) -> None:
+    """A peft adapter folder (adapter_config.json, adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained` places on the base checkpoint: peft's LoRA computes
+    alpha / r x lora_B(lora_A(x)), buildtrain's adapters alpha / rank x B A x, so A and B are
+    copied bit for bit, only renamed."""
+    tensors = read_tensors(adapters)
+    found = {}
+    for index in range(n_layers):
+        for target in lora["targets"]:
+            ours, theirs = LORA_MODULES[target]
+            prefix = f"base_model.model.model.layers.{index}.{theirs}"
+            for part in ("A", "B"):
+                found[f"{prefix}.lora_{part}.weight"] = tensors[f"blocks.{index}.{ours}.lora_{target}.{part}"]
+    folder.mkdir()
+    write_tensors(folder / "adapter_model.safetensors", found)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "target_modules": sorted(LORA_MODULES[t][1].split(".")[1] for t in lora["targets"]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": None,
+    }
+    write_bytes_durably(folder / "adapter_config.json", canonical_bytes(config))

@@ -36,7 +36,7 @@ def batch_gradient(
     names; leaves the batch gradient in `.grad` on every rank and returns the batch loss."""
     cfg = setup.train
     micro_batches = cfg.batch_size // cfg.micro_batch_size
-    parameters = list(model.parameters())
+    parameters = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
 
     def backward(micro: int) -> torch.Tensor:
         x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
@@ -44,7 +44,8 @@ def batch_gradient(
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         else:
             x, y = x.to(device), y.to(device)
-        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if setup.model.dropout else None
+        dropping = setup.model.dropout or (cfg.lora is not None and cfg.lora.dropout)
+        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if dropping else None
         with autocast:
             logits = model(x, generator)  # (B, T, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches

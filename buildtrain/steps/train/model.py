@@ -197,6 +197,7 @@ class Transformer(nn.Module):
         # cos and sin by (length, device): computed once, not per forward (nor copied to a GPU
         # per forward); not parameters, so never in a checkpoint.
         self.rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.adapters: list[nn.Module] = []  # LoRA adapters (`lora.py`): they draw dropout too
 
     def rope_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if (length, device) not in self.rope:
@@ -207,6 +208,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T)."""
         cos, sin = self.rope_for(tokens.shape[1], tokens.device)
+        for adapter in self.adapters:
+            adapter.generator = generator
         x = dropout(self.embedding(tokens), self.config.dropout, generator)  # (B, T, C)
         for block in self.blocks:
             x = block(x, cos, sin, generator)

@@ -29,6 +29,7 @@ from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.gradient import batch_gradient, seeded
+from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.record import trace_entry
@@ -44,9 +45,11 @@ class TrainResult:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices, not gains and biases."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
+    """Decay matrices, not gains and biases; only what trains (with LoRA: only the adapters, so
+    the optimizer holds no state for the frozen weights)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in trained if p.dim() >= 2]
+    vectors = [p for p in trained if p.dim() < 2]
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 
 
@@ -102,6 +105,8 @@ class Training:
         )
         if setup.init_weights is not None:
             load_model(model, setup.init_weights)  # a later stage starts from its parent's final weights
+        if cfg.lora is not None:  # after the weights: the adapters are drawn from their own generator
+            add_adapters(model, cfg.lora, setup.model, seeded(cfg.seed, "lora"))
         model.to(device)
         optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         splits = setup.index["splits"]
