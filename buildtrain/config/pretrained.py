@@ -57,6 +57,7 @@ class Checkpoint:
     shards: tuple[Path, ...]  # safetensors files, in name order
     tokenizer: Path | None
     end_of_document: str | None  # tokenizer_config.json's eos_token
+    chat_template: str | None  # its Jinja chat template (tokenizer_config.json or chat_template.jinja)
 
     def files(self) -> list[Path]:
         """Every file the import step reads (its inputs, by content)."""
@@ -86,9 +87,17 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     for shard in shards:
         _check_dtypes(shard)
     base = {name: folder / name for name in BASE_FILES if (folder / name).is_file()}
-    eos = None
+    eos, template = None, None
     if "tokenizer_config.json" in base:
-        eos = _token_text(_json(base["tokenizer_config.json"]).get("eos_token"))
+        settings = _json(base["tokenizer_config.json"])
+        eos, template = _token_text(settings.get("eos_token")), _template(settings.get("chat_template"))
+    if template is None and "chat_template.jinja" in base:
+        try:
+            template = base["chat_template.jinja"].read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointProblem(
+                f"{base['chat_template.jinja']}: cannot be read as text ({exc})"
+            ) from None
     window = hf.get("sliding_window") if architecture == "mistral" else None
     return Checkpoint(
         folder=folder,
@@ -101,7 +110,16 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         shards=shards,
         tokenizer=folder / TOKENIZER if (folder / TOKENIZER).is_file() else None,
         end_of_document=eos,
+        chat_template=template,
     )
+
+
+def _template(value: Any) -> str | None:
+    """A chat template as tokenizer_config.json holds it: a string, or named templates."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
 
 
 def _token_text(token: Any) -> str | None:

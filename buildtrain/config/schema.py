@@ -108,7 +108,7 @@ class TokenizerChoice(OneOf):
             super().__call__(instance, attribute, value)
 
 
-DATA_FORMATS = ("text", "jsonl", "parquet")
+DATA_FORMATS = ("text", "jsonl", "parquet", "chat")
 
 
 @attrs.frozen(kw_only=True)
@@ -125,11 +125,19 @@ class DataConfig:
     synthetic: SyntheticConfig = setting(attrs.Factory(SyntheticConfig), "the built-in corpus")
     format: str = setting(
         "text",
-        "format of the data files: text (one document per file), jsonl or parquet (one per row)",
+        "format of the data files: text (one document per file), jsonl or parquet (one per row), or chat "
+        '(JSONL records {"prompt", "completion"} or {"messages": [...]}, loss on the completions only)',
         one_of(*DATA_FORMATS),
     )
     text_field: str = setting("text", "the key of a JSONL record that holds its text (format = jsonl)")
     text_column: str = setting("text", "the string column of a Parquet file (format = parquet)")
+    chat_template: str = since(
+        setting(
+            "",
+            "the Jinja chat template that renders chat records (format = chat); with model.init, the "
+            "checkpoint's own",
+        )
+    )
     tokenizer: str | TokenizerConfig = setting(
         "bytes",
         'bytes (256 values + end-of-document), or a table: { kind = "bpe", vocab_size = N } or '

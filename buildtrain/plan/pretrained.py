@@ -24,6 +24,7 @@ def apply_checkpoint(loaded: LoadedPreset) -> tuple[LoadedPreset, Checkpoint | N
     loaded when it names none); a key the preset sets to another value is refused by name."""
     init = loaded.config.model.init
     if init is None:
+        _refuse_chat_without_template(loaded)
         return loaded, None
     where = loaded.source_of(("model", "init", "hf"))
     try:
@@ -41,7 +42,10 @@ def apply_checkpoint(loaded: LoadedPreset) -> tuple[LoadedPreset, Checkpoint | N
     stages = []
     for index, stage in enumerate(loaded.config.stages):
         problems += _stage_problems(loaded, checkpoint, index)
-        stages.append(attrs.evolve(stage, data=attrs.evolve(stage.data, tokenizer=_tokenizer(checkpoint))))
+        data = attrs.evolve(stage.data, tokenizer=_tokenizer(checkpoint))
+        if data.format == "chat" and not data.chat_template and checkpoint.chat_template:
+            data = attrs.evolve(data, chat_template=checkpoint.chat_template)  # the checkpoint's own
+        stages.append(attrs.evolve(stage, data=data))
     if problems:
         raise ConfigError(problems)
     try:
@@ -49,7 +53,32 @@ def apply_checkpoint(loaded: LoadedPreset) -> tuple[LoadedPreset, Checkpoint | N
     except ValueError as exc:  # a shape buildtrain's model cannot take (an odd head size)
         raise ConfigError([f"{where}: model.init.hf: {checkpoint.folder / CONFIG}: {exc}"]) from None
     config = attrs.evolve(loaded.config, model=model, stages=tuple(stages))
-    return attrs.evolve(loaded, config=config), checkpoint
+    loaded = attrs.evolve(loaded, config=config)
+    _refuse_chat_without_template(loaded)
+    return loaded, checkpoint
+
+
+def _refuse_chat_without_template(loaded: LoadedPreset) -> None:
+    """Chat records need a template to render them and a given tokenizer to encode them."""
+    for index, stage in enumerate(loaded.config.stages):
+        data = stage.data
+        if data.format != "chat" or data.source != "files":
+            continue  # the synthetic corpus has no format
+        where = loaded.source_of(("stages", index, "data", "format"))
+        if not data.chat_template:
+            raise ConfigError(
+                [
+                    f"{where}: stages.{stage.name}.data.chat_template: format is 'chat' but there is no "
+                    "chat template; start from a checkpoint that has one (model.init) or set data.chat_template"
+                ]
+            )
+        if not isinstance(data.tokenizer, TokenizerConfig) or data.tokenizer.file is None:
+            raise ConfigError(
+                [
+                    f"{where}: stages.{stage.name}.data.tokenizer: format 'chat' needs the tokenizer the "
+                    'template was written for; start from a checkpoint (model.init) or set data.tokenizer = { file = "tokenizer.json" }'
+                ]
+            )
 
 
 def _tokenizer(checkpoint: Checkpoint) -> TokenizerConfig:

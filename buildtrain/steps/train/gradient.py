@@ -22,6 +22,16 @@ def seeded(seed: int, purpose: str, *counters: int, device: torch.device | str =
     return generator
 
 
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean cross-entropy of the targets (B, T), or of those the mask (B, T) marks: for chat
+    records the completions' tokens only (a micro-batch with none counts zero)."""
+    if mask is None:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    weights = mask.flatten().float()
+    return (losses * weights).sum() / weights.sum().clamp(min=1.0)
+
+
 def batch_gradient(
     model: torch.nn.Module,
     batches: Batches,
@@ -40,6 +50,7 @@ def batch_gradient(
 
     def backward(micro: int) -> torch.Tensor:
         x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
+        mask = batches.target_masks(cursor, micro, cfg.micro_batch_size)  # chat records only
         if device.type == "cuda":  # copied from page-locked memory, without waiting for the GPU
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         else:
@@ -48,7 +59,7 @@ def batch_gradient(
         generator = seeded(cfg.seed, "dropout", update, micro, device=device) if dropping else None
         with autocast:
             logits = model(x, generator)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
+            loss = token_loss(logits, y, None if mask is None else mask.to(device)) / micro_batches
         loss.backward()
         return loss.detach()
 

@@ -120,7 +120,12 @@ class Training:
             model=model,
             optimizer=optimizer,
             batches=Batches(
-                TokenStream(setup.data, splits["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
+                TokenStream(setup.data, splits["train"]),
+                cfg.seq_len,
+                derive_seed(cfg.seed, "data"),
+                masks=TokenStream(setup.data, splits["train"], "masks")
+                if "masks" in splits["train"]
+                else None,
             ),
             heldout=TokenStream(setup.data, splits["heldout"]) if evaluating else None,
         )
