@@ -145,13 +145,14 @@ def write_tensors(path: Path, tensors: dict[str, tuple[str, list[int], np.ndarra
     blobs, offset = [], 0
     for name in sorted(tensors):
         dtype, shape, values = tensors[name]
-        blob = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+        array = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False)
+        blob = memoryview(array.reshape(-1)).cast("B")  # written as it is: no copy of the bytes
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    write_bytes_durably(path, struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+    write_bytes_durably(path, [struct.pack("<Q", len(encoded)) + encoded, *blobs])
 
 
 def write_hf(

@@ -2,14 +2,15 @@
 
 Output (sealed by MANIFEST.json):
 
-    model.safetensors   the weights as `steps/train/model.py` names them, float32
+    model.safetensors   the weights as `steps/train/model.py` names them, in the checkpoint's dtypes
     base/               the checkpoint's config.json, tokenizer_config.json, ... as they were
     result.json         where the weights are (as a train step's result says), their digest
 
 Its inputs are the checkpoint's files by content, each checked against the plan as it is read;
 which file is which comes from the step's config (by digest), never from a path. Tensors are read
-with the `safetensors` library as raw bytes and widened to float32 exactly (bf16 by a shift,
-f16 by numpy's exact conversion): no torch, no pickle, no code from the checkpoint. The renaming
+with the `safetensors` library as raw bytes and written back renamed in their own dtype (F32,
+BF16 or F16; training widens them to float32 exactly as it loads them): no torch, no pickle, no
+code from the checkpoint, and half the bytes to write of a bf16 checkpoint. The renaming
 is the inverse of `hf_export.py`: q, k and v projections stacked by rows into `wqkv` (nh query
 heads, then nkv key heads, then nkv value heads), gate/up/down into w1/w3/w2.
 """
@@ -42,7 +43,16 @@ RECOMPUTED = ("rotary_emb.inv_freq",)
 MLP = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 NORMS = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
 
-Tensors = dict[str, np.ndarray]
+Tensors = dict[str, tuple[str, np.ndarray]]  # name -> (safetensors dtype, raw elements)
+# The library's dtype names -> (safetensors code, numpy dtype of the raw elements)
+DTYPES = {
+    "F32": ("F32", "<f4"),
+    "float32": ("F32", "<f4"),
+    "BF16": ("BF16", "<u2"),
+    "bfloat16": ("BF16", "<u2"),
+    "F16": ("F16", "<f2"),
+    "float16": ("F16", "<f2"),
+}
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
@@ -55,9 +65,9 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         raise StepFailed(str(exc)) from None
     found: Tensors = {}
     for digest in files["shards"]:
-        found.update(read_float32(by_digest[digest]))
+        found.update(read_raw(by_digest[digest]))
     weights = buildtrain_tensors(found, model)
-    write_tensors(out / WEIGHTS, {name: ("F32", list(v.shape), v) for name, v in weights.items()})
+    write_tensors(out / WEIGHTS, {name: (dtype, list(v.shape), v) for name, (dtype, v) in weights.items()})
     (out / BASE).mkdir()
     for name, raw in base.items():
         write_bytes_durably(out / BASE / name, raw)
@@ -68,8 +78,10 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     return digests
 
 
-def read_float32(source: Source) -> Tensors:
-    """Every tensor of a safetensors shard, widened exactly to float32."""
+def read_raw(source: Source) -> Tensors:
+    """Every tensor of a safetensors shard as (dtype, array of its raw elements): kept in its
+    dtype (bf16 as its bit patterns), so the import writes what it read, renamed; training
+    widens to float32 exactly when it loads them."""
     import safetensors
 
     try:
@@ -78,16 +90,13 @@ def read_float32(source: Source) -> Tensors:
         raise StepFailed(f"{source}: not a safetensors file ({exc})") from None
     found = {}
     for name, tensor in tensors:
-        raw, shape, dtype = bytes(tensor["data"]), tensor["shape"], tensor["dtype"]
-        if dtype in ("F32", "float32"):
-            values = np.frombuffer(raw, dtype="<f4")
-        elif dtype in ("BF16", "bfloat16"):  # the upper half of a float32: exact
-            values = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        elif dtype in ("F16", "float16"):
-            values = np.frombuffer(raw, dtype="<f2").astype(np.float32)
-        else:
-            raise StepFailed(f"{source}: tensor {name} is {dtype}; buildtrain imports F32, BF16 and F16")
-        found[name] = values.reshape(shape)
+        dtype = DTYPES.get(tensor["dtype"])
+        if dtype is None:
+            raise StepFailed(
+                f"{source}: tensor {name} is {tensor['dtype']}; buildtrain imports F32, BF16 and F16"
+            )
+        values = np.frombuffer(tensor["data"], dtype=dtype[1]).reshape(tensor["shape"])
+        found[name] = (dtype[0], values)
     return found
 
 
@@ -119,7 +128,9 @@ def expected_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def buildtrain_tensors(found: Tensors, model: dict[str, Any]) -> Tensors:
     """The checkpoint's tensors under buildtrain's names, checked against the model's shapes."""
     renamed: Tensors = {}
-    projections: dict[str, dict[str, np.ndarray]] = {}  # "blocks.i.attention.wqkv.weight" -> q, k, v
+    projections: dict[
+        str, dict[str, tuple[str, np.ndarray]]
+    ] = {}  # "blocks.i.attention.wqkv.weight" -> q, k, v
     for name, values in found.items():
         if name.endswith(RECOMPUTED) or (name == "lm_head.weight" and model["tie_embeddings"]):
             continue  # a tied head is the embedding itself
@@ -135,7 +146,11 @@ def buildtrain_tensors(found: Tensors, model: dict[str, Any]) -> Tensors:
     for fused, parts in projections.items():
         if set(parts) != {"wq", "wk", "wv"}:
             raise StepFailed(f"the checkpoint lacks part of {fused} (has {sorted(parts)}); it is incomplete")
-        renamed[fused] = np.concatenate([parts["wq"], parts["wk"], parts["wv"]], axis=0)
+        dtypes = {parts[p][0] for p in ("wq", "wk", "wv")}
+        if len(dtypes) != 1:
+            raise StepFailed(f"the q, k and v projections of {fused} differ in dtype ({sorted(dtypes)})")
+        stacked = np.concatenate([parts[p][1] for p in ("wq", "wk", "wv")], axis=0)
+        renamed[fused] = (dtypes.pop(), stacked)
     expected = expected_shapes(model)
     missing = sorted(set(expected) - set(renamed))
     if missing:
@@ -143,9 +158,9 @@ def buildtrain_tensors(found: Tensors, model: dict[str, Any]) -> Tensors:
             f"the checkpoint lacks {len(missing)} tensors config.json implies, e.g. {missing[0]}"
         )
     for name, shape in expected.items():
-        if tuple(renamed[name].shape) != shape:
+        if tuple(renamed[name][1].shape) != shape:
             raise StepFailed(
-                f"tensor {name} has shape {list(renamed[name].shape)}, config.json implies {list(shape)}"
+                f"tensor {name} has shape {list(renamed[name][1].shape)}, config.json implies {list(shape)}"
             )
     extra = sorted(set(renamed) - set(expected))
     if extra:
