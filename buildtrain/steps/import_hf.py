@@ -28,7 +28,7 @@ from buildtrain.config.pretrained import CONFIG, CheckpointProblem, model_settin
 from buildtrain.errors import StepFailed
 from buildtrain.steps.hf_export import write_tensors
 from buildtrain.steps.sources import Source, read_source
-from buildtrain.store.layout import IMPORT_BASE
+from buildtrain.store.layout import IMPORT_BASE, RESULT
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import combine, safetensors_digests
 
@@ -73,7 +73,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         write_bytes_durably(out / BASE / name, raw)
     digests = {"weights": combine(safetensors_digests(out / WEIGHTS))}
     body = {"format": RESULT_FORMAT, "weights": WEIGHTS, "digests": digests}
-    write_bytes_durably(out / "result.json", canonical_bytes(body))
+    write_bytes_durably(out / RESULT, canonical_bytes(body))
     ctx.log.info("checkpoint_imported", tensors=len(weights), weights=digests["weights"][:12])
     return digests
 
