@@ -118,7 +118,10 @@ def test_the_import_is_keyed_by_content_not_by_path(tmp_path: Path) -> None:
     assert first == second
     config = tmp_path / "moved" / "generation_config.json"
     config.write_text(config.read_text().replace("{", '{"x": 1, ', 1))
-    assert plan_hash(run_bt("plan", str(write_preset(tmp_path, "moved")), store=store)) != first
+    changed = plan_hash(run_bt("plan", str(write_preset(tmp_path, "moved")), store=store))
+    assert changed != first
+    diff = run_bt("diff", first, changed, store=store)
+    assert "base checkpoint changed" in diff.stdout + diff.stderr, diff.stdout
 
 
 def _refused(tmp_path: Path, extra: str = "") -> str:

@@ -28,6 +28,7 @@ class ImportKind(StepKind):
     headline = "weights"
     per_stage = True  # planned with the first stage that needs it; every such stage shares it
     reads_sources = True
+    sources = "base checkpoint"  # bt diff: "base checkpoint changed"
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         """The import step for a stage that starts from the checkpoint (no `init_from`)."""
