@@ -97,10 +97,11 @@ def test_peft_and_the_merged_export_compute_buildtrains_logits(lora_built: tuple
 
 
 def test_two_stores_build_identical_adapters(lora_built: tuple[Path, Path, str], tmp_path: Path) -> None:
+    """The second store trains on two ranks (the invariant reduction: the same bits as one)."""
     root, store, plan = lora_built
     other = tmp_path / ".bt"
     assert plan_hash(run_bt("plan", str(root / "imported.toml"), store=other)) == plan
-    run = run_bt("run", plan, "--threads", "2", store=other)
+    run = run_bt("run", plan, "--nproc", "2", "--threads", "2", store=other)
     assert run.returncode == 0, run.stderr
     assert step_digests(other, plan) == step_digests(store, plan)
 
