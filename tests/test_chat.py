@@ -142,3 +142,17 @@ def test_chat_without_a_template_is_refused(tmp_path: Path) -> None:
     preset.write_text('[data]\nsource = "files"\nformat = "chat"\nfiles = ["chat.jsonl"]\n')
     result = run_bt("plan", str(preset), store=tmp_path / ".bt")
     assert result.returncode == 2 and "data.chat_template" in result.stderr, result.stderr
+
+
+def test_heldout_evaluation_scores_completion_tokens_only(chat_built: tuple[Path, Path, str]) -> None:
+    _, store, plan = chat_built
+    steps = {s.label: s for s in load_plan(Store(store), plan).steps}
+    result = json.loads((Store(store).output(steps["eval"].hash) / "eval.json").read_text())
+    folder = data_output(store, plan)
+    split = json.loads((folder / "data.json").read_text())["splits"]["heldout"]
+    evaluation = steps["eval"].config["eval"]
+    windows = min(
+        (split["tokens"] - 1) // evaluation["seq_len"], evaluation["max_batches"] * evaluation["batch_size"]
+    )
+    masks = TokenStream(folder, split, "masks").read(1, windows * evaluation["seq_len"])
+    assert 0 < result["result"]["tokens"] == int(masks.sum()) < windows * evaluation["seq_len"]

@@ -39,9 +39,11 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     model = Transformer.build(config.model, embedding_rows(config.model, index), torch.Generator())
     load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
-    heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
+    split = index["splits"]["heldout"]
+    heldout = TokenStream(ctx.inputs["data"], split)
+    masks = TokenStream(ctx.inputs["data"], split, "masks") if "masks" in split else None  # chat records
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
-    result = evaluate(model, heldout, config.eval, device, autocast)
+    result = evaluate(model, heldout, config.eval, device, autocast, masks)
     ctx.log.info("eval", **result)
     return _recorded(ctx, key, {"identity": identity, "result": result}, out)
 

@@ -90,6 +90,7 @@ class Training:
     optimizer: AdamW
     batches: Batches
     heldout: TokenStream | None  # rank 0 evaluates during training (eval.every > 0)
+    heldout_masks: TokenStream | None  # chat records: only completion tokens are scored
     update: int = 0
     cursor: int = 0
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
@@ -128,6 +129,11 @@ class Training:
                 else None,
             ),
             heldout=TokenStream(setup.data, splits["heldout"]) if evaluating else None,
+            heldout_masks=(
+                TokenStream(setup.data, splits["heldout"], "masks")
+                if evaluating and "masks" in splits["heldout"]
+                else None
+            ),
         )
         if ranks.lead:
             training.resume()
@@ -167,7 +173,9 @@ class Training:
         )
         self.trace.append(entry)
         if self.heldout is not None and setup.eval is not None and at % setup.eval.every == 0:
-            result = evaluate(self.model, self.heldout, setup.eval, self.device, self.autocast)
+            result = evaluate(
+                self.model, self.heldout, setup.eval, self.device, self.autocast, self.heldout_masks
+            )
             self.trace.append({"step": at, "eval": result})
             self.log.info("eval", step=at, **result)
             self.model.train()
