@@ -156,3 +156,23 @@ def test_heldout_evaluation_scores_completion_tokens_only(chat_built: tuple[Path
     )
     masks = TokenStream(folder, split, "masks").read(1, windows * evaluation["seq_len"])
     assert 0 < result["result"]["tokens"] == int(masks.sum()) < windows * evaluation["seq_len"]
+
+
+def test_a_packed_record_computes_as_it_would_alone() -> None:
+    """With `record_mask`, the second record of a packed window gets the logits it gets alone
+    (RoPE is relative, attention stays in the record); without it, it would not."""
+    from buildtrain.config.schema import ModelConfig
+    from buildtrain.steps.train.model import Transformer, record_mask
+
+    config = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48)
+    model = Transformer.build(config, 50, torch.Generator().manual_seed(0)).eval()
+    end = 49
+    first = torch.tensor([3, 7, 9, 11, end])
+    second = torch.tensor([5, 8, 13, 2, 21, 4])
+    packed = torch.cat([first, second]).unsqueeze(0)
+    with torch.no_grad():
+        together = model(packed, None, record_mask(packed, end))[0, len(first) :]
+        alone = model(second.unsqueeze(0))[0]
+        unmasked = model(packed)[0, len(first) :]
+    assert (together - alone).abs().max().item() <= 1e-5
+    assert (unmasked - alone).abs().max().item() > 1e-3

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (`train.lora`) from an imported checkpoint: only the adapters train and only
+"""LoRA fine-tuning (`train.lora`) from an imported checkpoint, on chat records: only the adapters train and only
 they have optimizer state; the result reproduces across stores, across a hard kill and resume and
 at another thread count; peft places the exported adapters on the base checkpoint and computes
 buildtrain's logits (within 1e-4), and the merged hf/ export computes them too.
@@ -19,7 +19,7 @@ import torch
 import transformers
 from checkpoints import make_checkpoint
 from conftest import plan_hash, run_bt, step_digests
-from test_import import write_preset
+from test_chat import chat_preset
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig, TrainConfig
@@ -40,10 +40,11 @@ LORA = (
 
 @pytest.fixture(scope="module")
 def lora_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """(folder, store, plan): a LoRA fine-tune of a tiny qwen2 (q/k/v biases, GQA), built once."""
+    """(folder, store, plan): a LoRA fine-tune of a tiny qwen2 (q/k/v biases, GQA) on chat
+    records (instruction JSONL: loss masks, records packed), built once."""
     root = tmp_path_factory.mktemp("lora")
     make_checkpoint(root / "checkpoint", "qwen2", heads=4, kv_heads=2, tie=False)
-    preset = write_preset(root)
+    preset = chat_preset(root)
     preset.write_text(preset.read_text().replace("[train]\n", LORA.replace("[train]\n", "[train]\n", 1), 1))
     store = root / ".bt"
     plan = plan_hash(run_bt("plan", str(preset), store=store))

@@ -37,3 +37,11 @@ def embedding_rows(model: ModelConfig, index: dict[str, Any]) -> int:
             "use the checkpoint's own tokenizer (leave data.tokenizer out)"
         )
     return model.vocab_size
+
+
+def records_end(index: dict[str, Any]) -> int | None:
+    """The token that ends each record of chat data (whose splits carry loss masks), else None:
+    training and evaluation keep attention within a record there."""
+    if "masks" not in index["splits"]["train"]:
+        return None
+    return int(index["tokenizer"]["end_of_document"])

@@ -20,7 +20,7 @@ complete_from_store = complete_from_cache
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     import torch
 
-    from buildtrain.steps.data_index import DATA_INDEX, embedding_rows
+    from buildtrain.steps.data_index import DATA_INDEX, embedding_rows, records_end
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
     from buildtrain.steps.train.model import Transformer
@@ -43,7 +43,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     heldout = TokenStream(ctx.inputs["data"], split)
     masks = TokenStream(ctx.inputs["data"], split, "masks") if "masks" in split else None  # chat records
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
-    result = evaluate(model, heldout, config.eval, device, autocast, masks)
+    result = evaluate(model, heldout, config.eval, device, autocast, masks, records_end(index))
     ctx.log.info("eval", **result)
     return _recorded(ctx, key, {"identity": identity, "result": result}, out)
 

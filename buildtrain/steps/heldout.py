@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from buildtrain.config.schema import EvalConfig
 from buildtrain.errors import StepFailed
 from buildtrain.steps.train.batches import TokenStream
+from buildtrain.steps.train.model import record_mask
 
 
 @torch.no_grad()
@@ -27,8 +28,10 @@ def evaluate(
     device: torch.device,
     autocast: contextlib.AbstractContextManager[Any] | None = None,
     masks: TokenStream | None = None,
+    records_end: int | None = None,
 ) -> dict[str, Any]:
-    """`masks`: chat records' loss masks, so only completion tokens are scored (and counted)."""
+    """`masks`: chat records' loss masks, so only completion tokens are scored (and counted);
+    `records_end`: their end token, so attention stays within each record as in training."""
     model.eval()
     length = config.seq_len
     windows = (len(stream) - 1) // length
@@ -48,7 +51,7 @@ def evaluate(
         )
         x, y = rows[:, :-1].to(device), rows[:, 1:].to(device)
         with autocast or contextlib.nullcontext():
-            logits = model(x)
+            logits = model(x, None, None if records_end is None else record_mask(x, records_end))
         if masks is None:
             losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             total, tokens = total + losses.double().item(), tokens + y.numel()

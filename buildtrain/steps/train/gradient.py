@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train.batches import Batches
+from buildtrain.steps.train.model import record_mask
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.reduce import cover, gradients_to_vector, tree_sum, vector_to_gradients
 from buildtrain.steps.train.setup import TrainSetup
@@ -58,7 +59,8 @@ def batch_gradient(
         dropping = setup.model.dropout or (cfg.lora is not None and cfg.lora.dropout)
         generator = seeded(cfg.seed, "dropout", update, micro, device=device) if dropping else None
         with autocast:
-            logits = model(x, generator)  # (B, T, vocab)
+            records = None if setup.separate_records is None else record_mask(x, setup.separate_records)
+            logits = model(x, generator, records)  # (B, T, vocab)
             loss = token_loss(logits, y, None if mask is None else mask.to(device)) / micro_batches
         loss.backward()
         return loss.detach()

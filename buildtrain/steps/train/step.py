@@ -18,7 +18,7 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import TrainStep
 from buildtrain.errors import StepFailed
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
-from buildtrain.steps.data_index import DATA_INDEX
+from buildtrain.steps.data_index import DATA_INDEX, records_end
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.schedule import checkpoint_due
@@ -41,6 +41,7 @@ def make_setup(ctx: StepContext) -> TrainSetup:
     numerics = ctx.numerics
     data_dir = ctx.inputs["data"]
     init = ctx.inputs.get("init")
+    index = read_json(data_dir / DATA_INDEX)
     return TrainSetup(
         model=config.model,
         train=config.train,
@@ -49,7 +50,8 @@ def make_setup(ctx: StepContext) -> TrainSetup:
         dtype=numerics.dtype,
         compile=numerics.compile,
         data=data_dir,
-        index=read_json(data_dir / DATA_INDEX),
+        index=index,
+        separate_records=records_end(index),
         init_weights=final_weights(init) if init is not None else None,
         work=ctx.work / CHECKPOINTS,
         identity={"step_hash": ctx.step.hash},

@@ -174,7 +174,13 @@ class Training:
         self.trace.append(entry)
         if self.heldout is not None and setup.eval is not None and at % setup.eval.every == 0:
             result = evaluate(
-                self.model, self.heldout, setup.eval, self.device, self.autocast, self.heldout_masks
+                self.model,
+                self.heldout,
+                setup.eval,
+                self.device,
+                self.autocast,
+                self.heldout_masks,
+                setup.separate_records,
             )
             self.trace.append({"step": at, "eval": result})
             self.log.info("eval", step=at, **result)
