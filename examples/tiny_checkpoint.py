@@ -41,6 +41,7 @@ def main(folder: Path) -> None:
         num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=True,
+        eos_token_id=tokenizer.token_to_id("<|endoftext|>"),
     )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(folder)

@@ -180,7 +180,7 @@ def write_hf(
     write_tensors(folder / "model.safetensors", converted)
     write_bytes_durably(folder / "tokenizer.json", tokenizer_json)
     if base is not None:
-        write_base_files(folder, base, dtype)
+        write_base_files(folder, base, dtype, eod)
         return
     write_bytes_durably(
         folder / "config.json", canonical_bytes(hf_config(model, vocab_size, max_positions, eod, dtype))
@@ -195,11 +195,14 @@ def write_hf(
     write_bytes_durably(folder / "tokenizer_config.json", canonical_bytes(tokenizer_config))
 
 
-def write_base_files(folder: Path, base: Path, dtype: str) -> None:
-    """The checkpoint's own config.json (its dtype now the export's) and tokenizer settings (the
-    chat template among them), copied as they were."""
+def write_base_files(folder: Path, base: Path, dtype: str, eod: int) -> None:
+    """The checkpoint's own config.json (its dtype now the export's; the end-of-document token
+    where it names none, so generation stops) and tokenizer settings (the chat template among
+    them), copied as they were."""
     config = json.loads((base / "config.json").read_bytes())
     config["dtype"] = dtype  # transformers 5's key; 4.x read torch_dtype
+    if config.get("eos_token_id") is None:
+        config["eos_token_id"] = eod
     if "torch_dtype" in config:
         config["torch_dtype"] = dtype
     write_bytes_durably(folder / "config.json", canonical_bytes(config))
