@@ -26,6 +26,7 @@ from buildtrain.steps.import_hf import buildtrain_tensors, expected_shapes
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.state import load_model
 from buildtrain.store.store import Store
+from buildtrain.store.tensors import combine, safetensors_digests
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 TOLERANCE = 1e-5
@@ -111,6 +112,11 @@ def test_bf16_checkpoints_are_widened_exactly(tmp_path: Path) -> None:
     model, _ = imported(store, plan)
     given = safetensors.torch.load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
     assert torch.equal(model.embedding.weight, given["model.embed_tokens.weight"].float())
+    # the digest the step recorded (from its arrays) is the digest of the file it wrote
+    (step,) = [s for s in load_plan(Store(store), plan).steps if s.label == "import_hf"]
+    output = Store(store).output(step.hash)
+    recorded = json.loads((output / "result.json").read_text())["digests"]["weights"]
+    assert recorded == combine(safetensors_digests(output / "model.safetensors"))
 
 
 def test_the_import_is_keyed_by_content_not_by_path(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from buildtrain.steps.hf_export import write_tensors
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.store.layout import IMPORT_BASE, RESULT
 from buildtrain.store.objects import write_bytes_durably
-from buildtrain.store.tensors import combine, safetensors_digests
+from buildtrain.store.tensors import combine, tensor_digest
 
 if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext
@@ -71,11 +71,21 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     (out / BASE).mkdir()
     for name, raw in base.items():
         write_bytes_durably(out / BASE / name, raw)
-    digests = {"weights": combine(safetensors_digests(out / WEIGHTS))}
+    # From the arrays just written (the file's bytes exactly): re-reading 2x a bf16 checkpoint's
+    # size cost 0.2 s of 1.8 s on 320 MB here. tests/test_import.py checks it against the file.
+    digests = {"weights": combine(array_digests(weights))}
     body = {"format": RESULT_FORMAT, "weights": WEIGHTS, "digests": digests}
     write_bytes_durably(out / RESULT, canonical_bytes(body))
     ctx.log.info("checkpoint_imported", tensors=len(weights), weights=digests["weights"][:12])
     return digests
+
+
+def array_digests(weights: Tensors) -> dict[str, str]:
+    """What `store.tensors.safetensors_digests` computes from the file `write_tensors` writes."""
+    return {
+        name: tensor_digest(name, dtype.lower(), list(v.shape), memoryview(np.ascontiguousarray(v)).cast("B"))
+        for name, (dtype, v) in weights.items()
+    }
 
 
 def read_raw(source: Source) -> Tensors:
