@@ -222,3 +222,9 @@ def test_the_import_inverts_the_exports_names(
     assert set(back) == set(ours)
     for name, (dtype, values) in ours.items():
         assert back[name][0] == dtype and np.array_equal(back[name][1], values), name
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    (tmp_path / "checkpoint" / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in _refused(tmp_path)

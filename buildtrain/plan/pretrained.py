@@ -31,6 +31,13 @@ def apply_checkpoint(loaded: LoadedPreset) -> tuple[LoadedPreset, Checkpoint | N
         checkpoint = read_checkpoint(Path(init.hf))
     except CheckpointProblem as exc:
         raise ConfigError([f"{where}: model.init.hf: {exc}"]) from None
+    if checkpoint.tokenizer is None:
+        raise ConfigError(
+            [
+                f"{where}: model.init.hf: {checkpoint.folder} has no {TOKENIZER}; save the checkpoint's "
+                "tokenizer into it (tokenizer.save_pretrained)"
+            ]
+        )
     problems = []
     for name, value in checkpoint.model.items():
         mine = getattr(loaded.config.model, name)
@@ -98,11 +105,6 @@ def _stage_problems(loaded: LoadedPreset, checkpoint: Checkpoint, index: int) ->
                 f"({checkpoint.folder / TOKENIZER}); leave data.tokenizer out"
             )
             break
-    if checkpoint.tokenizer is None:
-        problems.append(
-            f"{loaded.source_of(('model', 'init', 'hf'))}: model.init.hf: {checkpoint.folder} has no "
-            f"{TOKENIZER}; save the checkpoint's tokenizer into it (tokenizer.save_pretrained)"
-        )
     window = checkpoint.sliding_window
     if window is not None and stage.train.seq_len > window:
         problems.append(
