@@ -228,3 +228,20 @@ def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
     make_checkpoint(tmp_path / "checkpoint", "llama")
     (tmp_path / "checkpoint" / "tokenizer.json").unlink()
     assert "has no tokenizer.json" in _refused(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        ({"sliding_window": 16}, "longer than the checkpoint's sliding_window 16"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling 'linear' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ],
+)
+def test_computations_buildtrain_does_not_implement_are_refused(
+    tmp_path: Path, edit: dict, expected: str
+) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "mistral")
+    config = tmp_path / "checkpoint" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **edit}))
+    assert expected in _refused(tmp_path)
