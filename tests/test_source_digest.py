@@ -45,15 +45,45 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy
 
 
-def compiled(root: Path, store: Store) -> Plan:
+def compiled(root: Path, store: Store, overrides: list[str] = WITH_BPE) -> Plan:
     """The micro preset's plan, with buildtrain's code read from `root`."""
     previous = sources_digest.PACKAGE_ROOT
     sources_digest.PACKAGE_ROOT = root
     sources_digest.clear_cache()  # the copy's files change between calls; a process's do not
     try:
-        return plan_preset(MICRO_STAGES, WITH_BPE, store).plan
+        return plan_preset(MICRO_STAGES, overrides, store).plan
     finally:
         sources_digest.PACKAGE_ROOT = previous
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Overrides that start the micro preset from a checkpoint of its own shape (the plan then
+    holds an import_hf step; planning reads config.json, the tokenizer and the shard's header)."""
+    import json
+
+    import numpy as np
+    import safetensors.numpy
+
+    from buildtrain.steps.tokenizer_files import byte_level_json
+
+    folder = tmp_path_factory.mktemp("checkpoint")
+    config = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 257,
+        "tie_word_embeddings": True,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_bytes(byte_level_json(256))
+    safetensors.numpy.save_file(
+        {"model.norm.weight": np.ones(32, np.float32)}, str(folder / "model.safetensors")
+    )
+    return [f'model.init.hf="{folder}"']
 
 
 def step_hashes(root: Path, store: Store) -> dict[str, str]:
@@ -86,11 +116,13 @@ def all_modules(root: Path) -> list[str]:
     return modules
 
 
-def changed_labels(root: Path, store: Store, module: str, before: dict[str, str]) -> set[str]:
+def changed_labels(
+    root: Path, store: Store, module: str, before: dict[str, str], overrides: list[str] = WITH_BPE
+) -> set[str]:
     path = edited(root, module)
     original = path.read_bytes()[: -len(b"\n# an edit\n")]
     try:
-        after = step_hashes(root, store)
+        after = {step.label: step.hash for step in compiled(root, store, overrides).steps}
     finally:
         path.write_bytes(original)
     return {label for label in before if before[label] != after[label]}
@@ -118,17 +150,25 @@ def test_a_presentation_edit_changes_no_hash(package: Path, tmp_path: Path) -> N
             path.write_bytes(original)
 
 
-def test_a_computing_edit_changes_the_steps_it_computes(package: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pretrained", [False, True])
+def test_a_computing_edit_changes_the_steps_it_computes(
+    package: Path, tmp_path: Path, checkpoint: list[str], pretrained: bool
+) -> None:
+    """With a trained BPE (every kind but import_hf), then from a checkpoint (import_hf, with a
+    given tokenizer file)."""
     store = Store(tmp_path / "store")
-    plan = compiled(package, store)
+    overrides = checkpoint if pretrained else WITH_BPE
+    plan = compiled(package, store, overrides)
     before = {step.label: step.hash for step in plan.steps}
-    assert {step.kind for step in plan.steps} == set(KINDS)  # every kind is exercised
-    computing = {kind: computing_modules(kind, package) for kind in KINDS}
+    kinds = {step.kind for step in plan.steps}
+    assert kinds == (set(KINDS) if pretrained else set(KINDS) - {"import_hf"})  # every kind is exercised
+    computing = {kind: computing_modules(kind, package) for kind in kinds}
     for module in sorted(set().union(*computing.values())):
         users = {kind for kind, modules in computing.items() if module in modules}
         computed = {step.label for step in plan.steps if step.kind in users}
         # Exactly the steps it computes, and those downstream of them (through their inputs).
-        assert changed_labels(package, store, module, before) == downstream(plan, computed), module
+        after = changed_labels(package, store, module, before, overrides)
+        assert after == downstream(plan, computed), module
 
 
 # -- each kind's closure, module by module -------------------------------------------------------

@@ -10,6 +10,7 @@ own key, and never again through a rule that reads it (see `validate`).
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,9 +35,26 @@ def name_problem(value: str) -> str | None:
     return f"{value!r} is not a safe name: {SAFE_NAME_RULE}"
 
 
-def setting(default: Any, doc: str, *validators: Validator) -> Any:
+def setting(default: Any, doc: str, *validators: Validator, **marks: Any) -> Any:
     """An attrs field that carries its one-line documentation for the preset reference (README)."""
-    return attrs.field(default=default, validator=list(validators) or None, metadata={DOC: doc})
+    return attrs.field(default=default, validator=list(validators) or None, metadata={DOC: doc, **marks})
+
+
+# Field marks the converter reads when it writes a config out (`convert.py`).
+SINCE = "buildtrain.since"  # added after plans were hashed: written only when not the default
+NEVER_HASHED = "buildtrain.never_hashed"  # a path: never written into a plan or a step's config
+
+
+def since(field: Any) -> Any:
+    """Mark a `setting` as added later: it enters an encoding only when set to another value."""
+    field.metadata = types.MappingProxyType({**field.metadata, SINCE: True})
+    return field
+
+
+def never_hashed(field: Any) -> Any:
+    """Mark a `setting` that names a place (a path): its content enters hashes elsewhere."""
+    field.metadata = types.MappingProxyType({**field.metadata, NEVER_HASHED: True})
+    return field
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import cattrs
 from cattrs.errors import IterableValidationError, IterableValidationNote
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 
 def describe(value: Any) -> str:
@@ -132,6 +132,21 @@ def _str_or_table_hook(converter: cattrs.Converter, cls: Any) -> Any:
     return structure
 
 
+def _marked(cls: type, mark: str) -> list[str]:
+    return [field.name for field in attrs.fields(cls) if field.metadata.get(mark)]
+
+
+def _unstructure_hook(converter: cattrs.Converter, cls: type) -> Any:
+    """A class written out as a dict, less its marked fields (`checks.since`, `never_hashed`): a
+    key added to the language enters the dict only when set, so every plan made before it keeps
+    its hash, and a path never enters at all (its content does, elsewhere)."""
+    from buildtrain.config.checks import NEVER_HASHED, SINCE  # convert.py must not import schema
+
+    overrides = {name: override(omit_if_default=True) for name in _marked(cls, SINCE)}
+    overrides.update({name: override(omit=True) for name in _marked(cls, NEVER_HASHED)})
+    return make_dict_unstructure_fn(cls, converter, **overrides)
+
+
 def make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
     # Primitive hooks first: the generated class hooks look them up when they are built.
@@ -141,6 +156,7 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook(bool, _strict_bool)
     converter.register_structure_hook_factory(_is_tuple, lambda cls: _tuple_hook(converter, cls))
     converter.register_structure_hook_factory(attrs.has, lambda cls: _table_hook(converter, cls))
+    converter.register_unstructure_hook_factory(attrs.has, lambda cls: _unstructure_hook(converter, cls))
     converter.register_structure_hook_factory(
         _is_str_or_table, lambda cls: _str_or_table_hook(converter, cls)
     )

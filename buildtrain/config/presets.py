@@ -113,6 +113,13 @@ def _absolute_globs(section: Any, base: Path) -> None:
         tokenizer["file"] = os.path.normpath(base / os.path.expanduser(tokenizer["file"]))
 
 
+def _absolute_checkpoint(section: Any, base: Path) -> None:
+    """A checkpoint folder (`model.init.hf`) is relative to the file that names it, like data."""
+    init = section.get("init") if isinstance(section, dict) else None
+    if isinstance(init, dict) and isinstance(init.get("hf"), str) and init["hf"]:
+        init["hf"] = os.path.normpath(base / os.path.expanduser(init["hf"]))
+
+
 def _extends_of(raw: dict[str, Any], label: str) -> list[str]:
     extends = raw.pop("extends", [])
     if isinstance(extends, str):
@@ -182,6 +189,7 @@ class _Extends:
         label = display(path)
         raw = _read_toml(path)
         _absolute_globs(raw.get("data"), path.parent)
+        _absolute_checkpoint(raw.get("model"), path.parent)
         for stage in raw.get("stages", []) if isinstance(raw.get("stages"), list) else []:
             if isinstance(stage, dict):
                 _absolute_globs(stage.get("data"), path.parent)

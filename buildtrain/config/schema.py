@@ -14,7 +14,18 @@ from typing import Any
 
 import attrs
 
-from buildtrain.config.checks import OneOf, at_least, at_most, below, greater_than, one_of, reads, setting
+from buildtrain.config.checks import (
+    OneOf,
+    at_least,
+    at_most,
+    below,
+    greater_than,
+    never_hashed,
+    one_of,
+    reads,
+    setting,
+    since,
+)
 
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
@@ -97,7 +108,7 @@ class TokenizerChoice(OneOf):
             super().__call__(instance, attribute, value)
 
 
-DATA_FORMATS = ("text", "jsonl", "parquet")
+DATA_FORMATS = ("text", "jsonl", "parquet", "chat")
 
 
 @attrs.frozen(kw_only=True)
@@ -114,11 +125,19 @@ class DataConfig:
     synthetic: SyntheticConfig = setting(attrs.Factory(SyntheticConfig), "the built-in corpus")
     format: str = setting(
         "text",
-        "format of the data files: text (one document per file), jsonl or parquet (one per row)",
+        "format of the data files: text (one document per file), jsonl or parquet (one per row), or chat "
+        '(JSONL records {"prompt", "completion"} or {"messages": [...]}, loss on the completions only)',
         one_of(*DATA_FORMATS),
     )
     text_field: str = setting("text", "the key of a JSONL record that holds its text (format = jsonl)")
     text_column: str = setting("text", "the string column of a Parquet file (format = parquet)")
+    chat_template: str = since(
+        setting(
+            "",
+            "the Jinja chat template that renders chat records (format = chat); with model.init, the "
+            "checkpoint's own",
+        )
+    )
     tokenizer: str | TokenizerConfig = setting(
         "bytes",
         'bytes (256 values + end-of-document), or a table: { kind = "bpe", vocab_size = N } or '
@@ -166,8 +185,30 @@ def derived_ffn_hidden(dim: int, mlp: str) -> int:
 
 
 @attrs.frozen(kw_only=True)
+class InitConfig:
+    """Where a model's first weights come from: a local Hugging Face checkpoint folder (its
+    config.json, safetensors shards and tokenizer files), read by content, never by path."""
+
+    hf: str = setting(
+        "",
+        "a Hugging Face checkpoint folder (llama, mistral or qwen2; safetensors), relative to the preset",
+    )
+
+    @hf.validator
+    def _names_a_folder(self, _: attrs.Attribute[Any], value: str) -> None:
+        if not value:
+            raise ValueError('is empty; give the checkpoint folder: model.init = { hf = "path/to/folder" }')
+
+
+@attrs.frozen(kw_only=True)
 class ModelConfig:
-    """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+    """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+    Fields marked `since` entered the language after plans were first hashed: they enter a step's
+    config only when set to something else than their default (`convert.py`), so older plans keep
+    their hashes. `init` never enters any hash (it is a path): the checkpoint's content does, as
+    the import step's input.
+    """
 
     dim: int = setting(64, "width of the residual stream", at_least(1))
     n_layers: int = setting(2, "number of transformer blocks", at_least(1))
@@ -190,6 +231,22 @@ class ModelConfig:
         0.0, "dropout probability (seeded per step and micro-batch)", at_least(0.0), below(1.0)
     )
     init_std: float = setting(0.02, "standard deviation of the initial weights", greater_than(0.0))
+    qkv_bias: bool = since(setting(False, "biases on the query, key and value projections (qwen2)"))
+    vocab_size: int = since(
+        setting(
+            0,
+            "rows of the embedding (0 = the tokenizer's vocabulary); a checkpoint sets it to its own",
+            at_least(0),
+        )
+    )
+    init: InitConfig | None = never_hashed(
+        setting(
+            None,
+            'start from a pretrained checkpoint: { hf = "folder" }; the shape keys above then come '
+            "from its config.json (a preset that contradicts them is refused) and its tokenizer.json "
+            "becomes the tokenizer",
+        )
+    )
 
     @n_heads.validator
     @reads("dim")
@@ -206,6 +263,31 @@ class ModelConfig:
             raise ValueError(
                 f"{value} does not divide model.n_heads {self.n_heads}; choose a divisor of {self.n_heads}"
             )
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@attrs.frozen(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters: only they train (the model's weights stay as they were) and only they
+    have optimizer state; the export merges them into the weights and also writes them for peft."""
+
+    rank: int = setting(8, "rank of each adapter", at_least(1))
+    alpha: float = setting(16.0, "scale numerator: an adapter adds alpha / rank x B A", greater_than(0.0))
+    dropout: float = setting(
+        0.0, "dropout on an adapter's input (seeded per step and micro-batch)", at_least(0.0), below(1.0)
+    )
+    targets: tuple[str, ...] = setting(
+        ("q", "k", "v", "o"),
+        f"projections that get an adapter: any of {', '.join(LORA_TARGETS)}",
+    )
+
+    @targets.validator
+    def _known_targets(self, _: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+        unknown = [t for t in value if t not in LORA_TARGETS]
+        if unknown or not value or len(set(value)) != len(value):
+            raise ValueError(f"must be distinct names among {', '.join(LORA_TARGETS)} (got {list(value)})")
 
 
 @attrs.frozen(kw_only=True)
@@ -240,6 +322,9 @@ class TrainConfig:
         1,
         "steps between weight digests in the trace (the full state is digested at each checkpoint)",
         at_least(1),
+    )
+    lora: LoraConfig | None = since(
+        setting(None, "train low-rank adapters only: { rank, alpha, dropout, targets = [...] }")
     )
 
     @betas.validator

@@ -21,8 +21,10 @@ def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> in
     kv_dim = model.n_kv_heads * head_dim(model)
     norm = model.dim * (2 if model.norm == "layernorm" else 1)  # LayerNorm has a bias, RMSNorm not
     attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2  # wqkv (q part), wo; wqkv (k and v parts)
+    attention += (model.dim + 2 * kv_dim) if model.qkv_bias else 0
     mlp = model.dim * model.ffn_hidden * (3 if model.mlp == "swiglu" else 2)
     block = attention + mlp + 2 * norm
+    vocab_size = model.vocab_size or vocab_size  # a checkpoint's embedding has its own rows
     embeddings = vocab_size * model.dim * (1 if model.tie_embeddings else 2)
     return embeddings + model.n_layers * block + norm
 
@@ -45,7 +47,7 @@ def memory_estimate(model: ModelConfig, train: TrainConfig, vocab_size: int = BY
         tokens * (12 * model.dim + 3 * model.ffn_hidden)
         + train.micro_batch_size * model.n_heads * train.seq_len**2 * 2
     )
-    activations = (model.n_layers * per_layer + tokens * vocab_size * 3) * FLOAT32_BYTES
+    activations = (model.n_layers * per_layer + tokens * (model.vocab_size or vocab_size) * 3) * FLOAT32_BYTES
     return state + activations
 
 

@@ -69,6 +69,7 @@ class TextSettings:
     format: str = PLAIN_TEXT
     text_field: str = TEXT_KEY  # of a JSONL record (format = jsonl)
     text_column: str = TEXT_KEY  # of a Parquet file (format = parquet)
+    chat_template: str = ""  # renders chat records (format = chat)
     split_block: int
     heldout_fraction: float
     split_seed: int
@@ -97,6 +98,7 @@ class DataSettings:
     format: str = PLAIN_TEXT
     text_field: str = TEXT_KEY
     text_column: str = TEXT_KEY
+    chat_template: str = ""
     split_block: int
     heldout_fraction: float
     split_seed: int
@@ -135,6 +137,7 @@ def _text_fields(data: DataConfig) -> dict[str, Any]:
         "format": data.format,
         "text_field": data.text_field,
         "text_column": data.text_column,
+        "chat_template": data.chat_template,
         "split_block": data.split_block,
         "heldout_fraction": data.heldout_fraction,
         "split_seed": data.split_seed,
@@ -154,6 +157,8 @@ def _text_config(settings: TextSettings | DataSettings) -> dict[str, Any]:
         config.update(format="jsonl", text_field=settings.text_field)
     elif settings.format == "parquet":
         config.update(format="parquet", text_column=settings.text_column)
+    elif settings.format == "chat":  # the template's text enters the hash
+        config.update(format="chat", chat_template=settings.chat_template)
     if settings.synthetic is not None:
         config["synthetic"] = converter.unstructure(settings.synthetic)
     return config

@@ -31,7 +31,12 @@ class DataKind(StepKind):
 
     def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
         # Encoding with a tokenizer step's BPE: the token ids are that library's numbers.
-        return {} if "tokenizer" in config else {"tokenizers": machine.tokenizers}
+        facts = {} if "tokenizer" in config else {"tokenizers": machine.tokenizers}
+        if config["data"].get("format") == "chat":  # records rendered by jinja2's template engine
+            from importlib.metadata import version
+
+            facts["jinja2"] = version("jinja2")
+        return facts
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         assert stage is not None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import Stage
+from buildtrain.config.schema import Config, Stage
 from buildtrain.config.steps import BYTES, DataSettings, ExportStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
@@ -41,6 +41,9 @@ class ExportKind(StepKind):
         }
         if tokenizer is not None:
             inputs["tokenizer"] = tokenizer.hash
+        base = planning.planned("import_hf", root_stage(config, final).name)
+        if base is not None:  # hf/ keeps the checkpoint's architecture, config and tokenizer settings
+            inputs["base"] = base.hash
         data = DataSettings.of(final.data)
         described = {
             "model": converter.unstructure(config.model),
@@ -55,6 +58,13 @@ class ExportKind(StepKind):
         ).to_config()
         toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
+
+
+def root_stage(config: Config, stage: Stage) -> Stage:
+    """The stage a stage's lineage starts from (the one that starts from no other stage)."""
+    while stage.init_from is not None:
+        stage = config.stage(stage.init_from)
+    return stage
 
 
 KIND = ExportKind()

@@ -54,6 +54,7 @@ class StepKind:
     # Where set, its computing module's `complete_from_store(store, step)` may complete a step from
     # what the store holds, without a process; the run says why in these words.
     completes_from_store: ClassVar[str | None] = None
+    sources: ClassVar[str] = "source files"  # what its files are, as `bt diff` names a change of them
 
     # -- planning -------------------------------------------------------------------------------
 

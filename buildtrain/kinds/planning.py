@@ -19,6 +19,15 @@ from buildtrain.plan.toolchain import Machine
 from buildtrain.store.sources import SourceFile
 
 
+@attrs.frozen(kw_only=True)
+class CheckpointFiles:
+    """A checkpoint folder (`model.init.hf`) as a plan sees it: its files' content, by role."""
+
+    architecture: str  # config.json's model_type
+    base: Mapping[str, SourceFile]  # config.json, tokenizer_config.json, ... by file name
+    shards: tuple[SourceFile, ...]  # the safetensors weights
+
+
 @attrs.define(kw_only=True)
 class Planning:
     config: Config
@@ -27,6 +36,7 @@ class Planning:
     tokenizer_files: Mapping[str, SourceFile]  # each stage's given tokenizer file, by content
     world_size: int  # processes that will train (hashed only where a result depends on it)
     machine: Machine | None = None  # the workers' machine, where an engine's nodes execute the steps
+    checkpoint: CheckpointFiles | None = None  # the pretrained checkpoint the model starts from
     steps: dict[str, Step] = attrs.Factory(dict)  # by hash, in plan order
     _by_kind: dict[tuple[str, str | None], Step | None] = attrs.Factory(dict)
 

@@ -37,7 +37,11 @@ class TrainKind(StepKind):
         config = planning.config
         during = config.eval if config.eval.every else None  # evaluation during training
         step_config = TrainStep(model=config.model, train=stage.train, eval=during).to_config()
-        parent = planning.required(self.name, stage.init_from).hash if stage.init_from else None
+        if stage.init_from:
+            parent: str | None = planning.required(self.name, stage.init_from).hash
+        else:  # the pretrained checkpoint's weights, or none (a seeded initialization)
+            imported = planning.planned("import_hf", stage.name)
+            parent = None if imported is None else imported.hash
         inputs = {"data": planning.required("data", stage.name).hash, "init": parent}
         toolchain = self.toolchain(
             step_config, config.numerics, planning.world_size, machine=planning.machine

@@ -17,7 +17,7 @@ from buildtrain.config.convert import converter
 from buildtrain.config.schema import Config
 from buildtrain.kinds import KINDS
 from buildtrain.kinds.data import data_view
-from buildtrain.kinds.planning import Planning
+from buildtrain.kinds.planning import CheckpointFiles, Planning
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.sources import SourceFile
@@ -38,12 +38,13 @@ def compile_plan(
     sources: Mapping[str, list[SourceFile]],
     world_size: int = 1,
     tokenizer_files: Mapping[str, SourceFile] | None = None,
+    checkpoint: CheckpointFiles | None = None,
     machine: Machine | None = None,
 ) -> Plan:
     """The plan for `config`; `sources` gives the content of each stage's data files, `world_size`
     the processes that will train (hashed only where a result depends on it), `tokenizer_files`
-    the content of each stage's given tokenizer file, `machine` the machine that will execute the
-    steps (default: this one)."""
+    the content of each stage's given tokenizer file, `checkpoint` that of `model.init`'s files,
+    `machine` the machine that will execute the steps (default: this one)."""
     view = config_view(config)
     planning = Planning(
         config=config,
@@ -52,6 +53,7 @@ def compile_plan(
         tokenizer_files=tokenizer_files or {},
         world_size=world_size,
         machine=machine,
+        checkpoint=checkpoint,
     )
     per_stage = [kind for kind in KINDS.values() if kind.per_stage]
     for stage in config.stages:

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 
 
@@ -63,7 +64,7 @@ def _reasons(old: Step, new: Step, relabel: Mapping[str, str]) -> tuple[str, ...
         if before == after:
             continue
         if name == "sources":
-            reasons.append("source files changed")
+            reasons.append(f"{kind_of(new.kind).sources} changed")
         else:
             reasons.append(f"input {name} ({relabel.get(str(after), str(after)[:12])}) changed")
     reasons += [f"toolchain {c.key}" for c in changed_keys(old.toolchain, new.toolchain)]

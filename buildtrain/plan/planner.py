@@ -12,11 +12,14 @@ import attrs
 
 from buildtrain.config.loader import LoadedPreset, load_preset
 from buildtrain.config.preflight import preflight
+from buildtrain.config.pretrained import Checkpoint
 from buildtrain.config.schema import TokenizerConfig
 from buildtrain.errors import ConfigError
+from buildtrain.kinds.planning import CheckpointFiles
 from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
 from buildtrain.plan.plan import Plan
+from buildtrain.plan.pretrained import apply_checkpoint
 from buildtrain.plan.stored import save_plan
 from buildtrain.plan.toolchain import WorkerProbe
 from buildtrain.store.data_url import ObjectVersion
@@ -52,6 +55,7 @@ def plan_loaded(
 ) -> Planned:
     """`plan_preset` for a preset already loaded (with `overrides`, which the metadata records);
     `workers`: an engine's probe of the machine its nodes execute steps on (default: this one)."""
+    loaded, checkpoint = apply_checkpoint(loaded)  # the model's shape and tokenizer from a checkpoint
     cache = store.stat_cache()
     source_paths, problems = preflight(loaded, world_size, cache)
     if problems:
@@ -95,14 +99,37 @@ def plan_loaded(
             known = locations.setdefault(source.blake3, [])
             if str(path.absolute()) not in known:
                 known.append(str(path.absolute()))
+    imported = None if checkpoint is None else _checkpoint_files(cache, checkpoint, locations)
     cache.save()
 
     machine = workers(loaded.config.numerics.device) if workers is not None else None
-    plan = compile_plan(loaded.config, sources, world_size, tokenizer_files, machine)
+    plan = compile_plan(
+        loaded.config, sources, world_size, tokenizer_files, checkpoint=imported, machine=machine
+    )
     record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     save_card(store, plan, record["created"])  # what bt ls --metrics reads
     return Planned(
         plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
+    )
+
+
+def _checkpoint_files(
+    cache: StatCache, checkpoint: Checkpoint, locations: dict[str, list[str]]
+) -> CheckpointFiles:
+    """The checkpoint's files by content (the stat cache makes a second plan only stat them)."""
+    digests = {}
+    for path in checkpoint.files():
+        try:
+            digests[path] = cache.digest_of(path)
+        except OSError as exc:
+            raise ConfigError([f"{path}: cannot read checkpoint file: {exc.strerror}"]) from None
+        known = locations.setdefault(digests[path].blake3, [])
+        if str(path.absolute()) not in known:
+            known.append(str(path.absolute()))
+    return CheckpointFiles(
+        architecture=checkpoint.architecture,
+        base={name: digests[path] for name, path in checkpoint.base_files.items()},
+        shards=tuple(digests[path] for path in checkpoint.shards),
     )
 
 

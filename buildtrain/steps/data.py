@@ -97,6 +97,10 @@ def build_from_plan(
         from buildtrain.steps.tokenized import build_tokenized  # numpy and tokenizers
 
         settings = DataStep.from_config(config).data
+        if settings.format == "chat":
+            from buildtrain.steps.chat import build_chat  # jinja2
+
+            return build_chat(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
         return build_tokenized(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
     return build(DataStep.from_config(config), sources, out, log)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from buildtrain.config.schema import BYTE_VOCAB_SIZE
+from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
+from buildtrain.errors import StepFailed
 
 DATA_FORMAT = 1
 DATA_INDEX = "data.json"
@@ -22,3 +23,25 @@ def token_width(vocab_size: int) -> int:
 def vocab_size(index: dict[str, Any]) -> int:
     """The size of the vocabulary a data step's tokens come from, as its `data.json` records it."""
     return int(index["tokenizer"].get("vocab_size", BYTE_VOCAB_SIZE))
+
+
+def embedding_rows(model: ModelConfig, index: dict[str, Any]) -> int:
+    """Rows of the model's embedding: the tokenizer's vocabulary, or a checkpoint's own embedding
+    (which may have more rows than its tokenizer has ids, never fewer)."""
+    ids = vocab_size(index)
+    if not model.vocab_size:
+        return ids
+    if ids > model.vocab_size:
+        raise StepFailed(
+            f"the tokenizer has {ids} ids but the model's embedding only {model.vocab_size} rows; "
+            "use the checkpoint's own tokenizer (leave data.tokenizer out)"
+        )
+    return model.vocab_size
+
+
+def records_end(index: dict[str, Any]) -> int | None:
+    """The token that ends each record of chat data (whose splits carry loss masks), else None:
+    training and evaluation keep attention within a record there."""
+    if "masks" not in index["splits"]["train"]:
+        return None
+    return int(index["tokenizer"]["end_of_document"])

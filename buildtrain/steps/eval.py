@@ -20,7 +20,7 @@ complete_from_store = complete_from_cache
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     import torch
 
-    from buildtrain.steps.data_index import DATA_INDEX, vocab_size
+    from buildtrain.steps.data_index import DATA_INDEX, embedding_rows, records_end
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
     from buildtrain.steps.train.model import Transformer
@@ -36,12 +36,14 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     numerics = ctx.numerics
     device = torch.device(numerics.device)
     index = read_json(ctx.inputs["data"] / DATA_INDEX)
-    model = Transformer.build(config.model, vocab_size(index), torch.Generator())
+    model = Transformer.build(config.model, embedding_rows(config.model, index), torch.Generator())
     load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
-    heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
+    split = index["splits"]["heldout"]
+    heldout = TokenStream(ctx.inputs["data"], split)
+    masks = TokenStream(ctx.inputs["data"], split, "masks") if "masks" in split else None  # chat records
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
-    result = evaluate(model, heldout, config.eval, device, autocast)
+    result = evaluate(model, heldout, config.eval, device, autocast, masks, records_end(index))
     ctx.log.info("eval", **result)
     return _recorded(ctx, key, {"identity": identity, "result": result}, out)
 

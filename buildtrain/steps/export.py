@@ -5,6 +5,7 @@
     tokenizer.json      how text becomes tokens
     eval.json           the held-out evaluation of these weights
     hf/                 the same weights and tokenizer for Hugging Face transformers (steps/hf_export.py)
+    peft/               a LoRA stage's adapters, for peft on the base checkpoint
     BLAKE3SUMS          `<blake3>  <file>` per file (hf/ included), checkable with b3sum -c
 
 `bt export PLAN DEST` copies the package out of the store, read-only (`executor/deliver.py`).
@@ -17,16 +18,16 @@ from pathlib import Path
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import ExportStep
-from buildtrain.steps.context import StepContext, final_weights
+from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
 from buildtrain.store import objects
-from buildtrain.store.layout import CHECKSUMS, EVAL_RESULT, EXPORT_WEIGHTS
+from buildtrain.store.layout import CHECKSUMS, EVAL_RESULT, EXPORT_WEIGHTS, IMPORT_BASE
 from buildtrain.store.tensors import combine, safetensors_digests
 
 WEIGHTS = EXPORT_WEIGHTS
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
-    from buildtrain.steps.hf_export import HF_FOLDER, write_hf
+    from buildtrain.steps.hf_export import HF_FOLDER, PEFT_FOLDER, write_hf, write_peft
     from buildtrain.steps.tokenizer_files import export_files
 
     config = ExportStep.from_config(ctx.step.config)
@@ -54,7 +55,16 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         description["end_of_document"],
         config.described["train"]["seq_len"],
         config.export.dtype,
+        base=ctx.inputs["base"] / IMPORT_BASE if "base" in ctx.inputs else None,
     )
+    adapters = read_json(ctx.inputs["weights"] / RESULT).get("adapters")
+    if adapters is not None:  # a LoRA stage: its adapters for peft, beside the merged weights
+        write_peft(
+            out / PEFT_FOLDER,
+            ctx.inputs["weights"] / adapters,
+            config.described["train"]["lora"],
+            config.described["model"]["n_layers"],
+        )
     lines = [
         f"{objects.hash_file(path)[0]}  {path.relative_to(out).as_posix()}\n"
         for path in sorted(out.rglob("*"))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from buildtrain.config.schema import EvalConfig
 from buildtrain.errors import StepFailed
 from buildtrain.steps.train.batches import TokenStream
+from buildtrain.steps.train.model import record_mask
 
 
 @torch.no_grad()
@@ -26,7 +27,11 @@ def evaluate(
     config: EvalConfig,
     device: torch.device,
     autocast: contextlib.AbstractContextManager[Any] | None = None,
+    masks: TokenStream | None = None,
+    records_end: int | None = None,
 ) -> dict[str, Any]:
+    """`masks`: chat records' loss masks, so only completion tokens are scored (and counted);
+    `records_end`: their end token, so attention stays within each record as in training."""
     model.eval()
     length = config.seq_len
     windows = (len(stream) - 1) // length
@@ -46,9 +51,19 @@ def evaluate(
         )
         x, y = rows[:, :-1].to(device), rows[:, 1:].to(device)
         with autocast or contextlib.nullcontext():
-            logits = model(x)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double().item()
-        tokens += y.numel()
+            logits = model(x, None, None if records_end is None else record_mask(x, records_end))
+        if masks is None:
+            losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            total, tokens = total + losses.double().item(), tokens + y.numel()
+            continue
+        learned = torch.stack(
+            [masks.read(i * length + 1, length) for i in range(first, first + len(rows))]
+        ).to(device)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        total += (losses * learned.flatten().float()).sum().double().item()
+        tokens += int(learned.sum().item())
+    if tokens == 0:
+        raise StepFailed("the held-out split holds no completion tokens to score; use more chat records")
     loss = total / tokens
     if not math.isfinite(loss):
         raise StepFailed(f"held-out loss is {loss}: the weights have diverged")

@@ -145,13 +145,14 @@ def write_tensors(path: Path, tensors: dict[str, tuple[str, list[int], np.ndarra
     blobs, offset = [], 0
     for name in sorted(tensors):
         dtype, shape, values = tensors[name]
-        blob = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+        array = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False)
+        blob = memoryview(array.reshape(-1)).cast("B")  # written as it is: no copy of the bytes
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)
         offset += len(blob)
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    write_bytes_durably(path, struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))
+    write_bytes_durably(path, [struct.pack("<Q", len(encoded)) + encoded, *blobs])
 
 
 def write_hf(
@@ -163,8 +164,11 @@ def write_hf(
     eod: int,
     max_positions: int,
     dtype: str,
+    base: Path | None = None,
 ) -> None:
-    """Write config.json, model.safetensors and the tokenizer files into `folder`."""
+    """Write config.json, model.safetensors and the tokenizer files into `folder`; a model that
+    started from a checkpoint (`base`: the import step's copy of its files) keeps its config and
+    tokenizer settings, so transformers loads it as the base architecture."""
     _, _, mlp_names = ARCHITECTURES[(model["norm"], model["mlp"])]
     tensors = read_tensors(weights)
     converted = {}
@@ -174,10 +178,13 @@ def write_hf(
     vocab_size = tensors["embedding.weight"][1][0]
     folder.mkdir()
     write_tensors(folder / "model.safetensors", converted)
+    write_bytes_durably(folder / "tokenizer.json", tokenizer_json)
+    if base is not None:
+        write_base_files(folder, base, dtype, eod)
+        return
     write_bytes_durably(
         folder / "config.json", canonical_bytes(hf_config(model, vocab_size, max_positions, eod, dtype))
     )
-    write_bytes_durably(folder / "tokenizer.json", tokenizer_json)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": eod_token,
@@ -186,3 +193,66 @@ def write_hf(
         "clean_up_tokenization_spaces": False,
     }
     write_bytes_durably(folder / "tokenizer_config.json", canonical_bytes(tokenizer_config))
+
+
+def write_base_files(folder: Path, base: Path, dtype: str, eod: int) -> None:
+    """The checkpoint's own config.json (its dtype now the export's; the end-of-document token
+    where it names none, so generation stops) and tokenizer settings (the chat template among
+    them), copied as they were."""
+    config = json.loads((base / "config.json").read_bytes())
+    config["dtype"] = dtype  # transformers 5's key; 4.x read torch_dtype
+    if config.get("eos_token_id") is None:
+        config["eos_token_id"] = eod
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    write_bytes_durably(folder / "config.json", canonical_bytes(config))
+    for path in sorted(base.iterdir()):
+        if path.name != "config.json":
+            write_bytes_durably(folder / path.name, path.read_bytes())
+
+
+PEFT_FOLDER = "peft"
+# LoRA target -> (buildtrain's projection under a block, the transformers module peft adapts)
+LORA_MODULES = {
+    "q": ("attention.wqkv", "self_attn.q_proj"),
+    "k": ("attention.wqkv", "self_attn.k_proj"),
+    "v": ("attention.wqkv", "self_attn.v_proj"),
+    "o": ("attention.wo", "self_attn.o_proj"),
+    "gate": ("ffn.w1", "mlp.gate_proj"),
+    "up": ("ffn.w3", "mlp.up_proj"),
+    "down": ("ffn.w2", "mlp.down_proj"),
+}
+
+
+def write_peft(folder: Path, adapters: Path, lora: dict[str, Any], n_layers: int) -> None:
+    """A peft adapter folder (adapter_config.json, adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained` places on the base checkpoint: peft's LoRA computes
+    alpha / r x lora_B(lora_A(x)), buildtrain's adapters alpha / rank x B A x, so A and B are
+    copied bit for bit, only renamed."""
+    tensors = read_tensors(adapters)
+    found = {}
+    for index in range(n_layers):
+        for target in lora["targets"]:
+            ours, theirs = LORA_MODULES[target]
+            prefix = f"base_model.model.model.layers.{index}.{theirs}"
+            for part in ("A", "B"):
+                found[f"{prefix}.lora_{part}.weight"] = tensors[f"blocks.{index}.{ours}.lora_{target}.{part}"]
+    folder.mkdir()
+    write_tensors(folder / "adapter_model.safetensors", found)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "target_modules": sorted(LORA_MODULES[t][1].split(".")[1] for t in lora["targets"]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": None,
+    }
+    write_bytes_durably(folder / "adapter_config.json", canonical_bytes(config))

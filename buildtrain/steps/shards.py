@@ -17,6 +17,8 @@ from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
+WIDTHS = {1: ("<u1", "u8"), 2: ("<u2", "u16"), 4: ("<u4", "u32")}  # bytes -> numpy dtype, digest code
+
 
 class ShardWriter:
     """Writes one split as uint16 (or uint32) little-endian shard files of a fixed number of tokens.
@@ -25,9 +27,10 @@ class ShardWriter:
     is written and hashed, and its buffer filled again."""
 
     def __init__(self, folder: Path, split: str, shard_tokens: int, width: int = 2) -> None:
-        # width 4 (uint32) for vocabularies past 65,536 ids; see data_index.token_width
+        # width 4 (uint32) for vocabularies past 65,536 ids; see data_index.token_width; width 1
+        # (uint8) for the loss masks of chat records
         self.folder, self.split, self.width = folder, split, width
-        self.buffer = np.empty(shard_tokens, dtype="<u2" if width == 2 else "<u4")
+        self.buffer = np.empty(shard_tokens, dtype=WIDTHS[width][0])
         self.filled = 0
         self.shards: list[dict[str, Any]] = []
 
@@ -50,7 +53,7 @@ class ShardWriter:
         raw = self.buffer[: self.filled].data.cast("B")
         name = f"{self.split}-{len(self.shards):05d}.bin"
         (self.folder / name).write_bytes(raw)
-        dtype = "u16" if self.width == 2 else "u32"
+        dtype = WIDTHS[self.width][1]
         digest = tensor_digest(name, dtype, [self.filled], raw)
         self.shards.append({"file": name, "tokens": self.filled, "digest": digest})
         self.filled = 0
@@ -69,10 +72,12 @@ def finish(
     blocks: int,
     units: str,
     log: Any,
+    masks: dict[str, ShardWriter] | None = None,
 ) -> dict[str, str]:
     """Close the shards, refuse an empty split (`units` says what the corpus was cut into), write
-    `data.json` and return the output's logical digests: the end of every data step."""
-    for writer in writers.values():
+    `data.json` and return the output's logical digests: the end of every data step. `masks`:
+    each split's loss masks, one byte per token (chat records)."""
+    for writer in [*writers.values(), *(masks or {}).values()]:
         writer.close()
     for split, writer in writers.items():
         if writer.tokens < 2:
@@ -84,10 +89,16 @@ def finish(
     for writer, split in zip(writers.values(), splits.values(), strict=True):
         if writer.width != 2:
             split["dtype"] = "u32"  # only when wide: uint16 indexes keep their meaning
+    for name, writer in (masks or {}).items():
+        splits[name]["masks"] = writer.shards  # only with masks: other indexes keep their bytes
     index = {"format": DATA_FORMAT, "tokenizer": tokenizer, "documents": documents, "splits": splits}
     write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
-    digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
-    digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
+    every = [*writers.items(), *(masks or {}).items()]
+    digests = {shard["file"]: shard["digest"] for _, w in every for shard in w.shards}
+    shards = {s: [x["digest"] for x in w.shards] for s, w in writers.items()}
+    if masks:
+        shards.update({f"{s}-mask": [x["digest"] for x in w.shards] for s, w in masks.items()})
+    digests["data"] = digest("data", shards)
     log.info(
         "data_built",
         documents=documents,

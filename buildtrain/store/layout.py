@@ -91,6 +91,8 @@ EVAL_RESULT = "eval.json"
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"
+# An import step's copy of its checkpoint's config and tokenizer files (an export ships them again).
+IMPORT_BASE = "base"
 
 
 def checkpoint_name(update: int) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,13 +57,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_durably(path: Path, data: bytes, *, durable: bool = True) -> None:
+def write_bytes_durably(path: Path, data: bytes | Iterable[bytes], *, durable: bool = True) -> None:
     """Write a file next to its final name, fsync it, rename it into place, fsync the folder.
-    `durable=False` (caches, recomputed when lost) keeps the atomic rename and skips the fsyncs."""
+    `durable=False` (caches, recomputed when lost) keeps the atomic rename and skips the fsyncs.
+    `data` may be a sequence of buffers, written in order without joining them (large files)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(data)
+            for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                handle.write(chunk)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())

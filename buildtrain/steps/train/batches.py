@@ -25,19 +25,21 @@ M64 = (1 << 64) - 1
 class TokenStream:
     """One split (train or held-out) of a data step's output, as a flat token sequence."""
 
-    def __init__(self, folder: Path, split: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, split: dict[str, Any], key: str = "shards") -> None:
+        """`key`: "shards" for the tokens, "masks" for their loss masks (one byte each)."""
         self.maps: list[mmap.mmap] = []
         self.shards: list[torch.Tensor] = []
         self.starts: list[int] = []
         total = 0
-        for shard in split["shards"]:
+        for shard in split[key]:
             with open(folder / shard["file"], "rb") as handle:
                 # A private copy-on-write map: pages load lazily, and torch gets a writable buffer.
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
             self.maps.append(mapped)
             # uint32 when the vocabulary passes 65,536 ids (see steps/data_index.py)
             wide = split.get("dtype") == "u32"
-            self.shards.append(torch.frombuffer(mapped, dtype=torch.uint32 if wide else torch.uint16))
+            dtype = torch.uint8 if key == "masks" else torch.uint32 if wide else torch.uint16
+            self.shards.append(torch.frombuffer(mapped, dtype=dtype))
             self.starts.append(total)
             total += shard["tokens"]
         self.length = total
@@ -111,8 +113,11 @@ class WindowOrder:
 class Batches:
     """Micro-batches of packed sequences for one training stage."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, seed: int) -> None:
+    def __init__(
+        self, stream: TokenStream, seq_len: int, seed: int, masks: TokenStream | None = None
+    ) -> None:
         self.stream = stream
+        self.masks = masks  # chat records: 1 where a target counts in the loss
         self.seq_len = seq_len
         self.windows = (len(stream) - 1) // seq_len
         if self.windows < 1:
@@ -127,10 +132,17 @@ class Batches:
         epoch, position = divmod(index, self.windows)
         return self.order(epoch, position) * self.seq_len
 
+    def starts(self, cursor: int, micro: int, size: int) -> list[int]:
+        first = cursor + micro * size
+        return [self.start(first + j) for j in range(size)]
+
     def micro_batch(self, cursor: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets (B, T) of micro-batch `micro` of the step starting at `cursor`."""
-        first = cursor + micro * size
-        rows = self.stream.windows(
-            [self.start(first + j) for j in range(size)], self.seq_len + 1
-        )  # (B, T + 1)
+        rows = self.stream.windows(self.starts(cursor, micro, size), self.seq_len + 1)  # (B, T + 1)
         return rows[:, :-1], rows[:, 1:]
+
+    def target_masks(self, cursor: int, micro: int, size: int) -> torch.Tensor | None:
+        """The loss masks (B, T) of that micro-batch's targets; None where every target counts."""
+        if self.masks is None:
+            return None
+        return self.masks.windows(self.starts(cursor, micro, size), self.seq_len + 1)[:, 1:]

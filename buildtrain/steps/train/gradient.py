@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train.batches import Batches
+from buildtrain.steps.train.model import record_mask
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.reduce import cover, gradients_to_vector, tree_sum, vector_to_gradients
 from buildtrain.steps.train.setup import TrainSetup
@@ -20,6 +21,16 @@ def seeded(seed: int, purpose: str, *counters: int, device: torch.device | str =
     generator = torch.Generator(device=device)
     generator.manual_seed(derive_seed(seed, purpose, *counters))
     return generator
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean cross-entropy of the targets (B, T), or of those the mask (B, T) marks: for chat
+    records the completions' tokens only (a micro-batch with none counts zero)."""
+    if mask is None:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    weights = mask.flatten().float()
+    return (losses * weights).sum() / weights.sum().clamp(min=1.0)
 
 
 def batch_gradient(
@@ -36,18 +47,21 @@ def batch_gradient(
     names; leaves the batch gradient in `.grad` on every rank and returns the batch loss."""
     cfg = setup.train
     micro_batches = cfg.batch_size // cfg.micro_batch_size
-    parameters = list(model.parameters())
+    parameters = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
 
     def backward(micro: int) -> torch.Tensor:
         x, y = batches.micro_batch(cursor, micro, cfg.micro_batch_size)
+        mask = batches.target_masks(cursor, micro, cfg.micro_batch_size)  # chat records only
         if device.type == "cuda":  # copied from page-locked memory, without waiting for the GPU
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         else:
             x, y = x.to(device), y.to(device)
-        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if setup.model.dropout else None
+        dropping = setup.model.dropout or (cfg.lora is not None and cfg.lora.dropout)
+        generator = seeded(cfg.seed, "dropout", update, micro, device=device) if dropping else None
         with autocast:
-            logits = model(x, generator)  # (B, T, vocab)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / micro_batches
+            records = None if setup.separate_records is None else record_mask(x, setup.separate_records)
+            logits = model(x, generator, records)  # (B, T, vocab)
+            loss = token_loss(logits, y, None if mask is None else mask.to(device)) / micro_batches
         loss.backward()
         return loss.detach()
 

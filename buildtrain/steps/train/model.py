@@ -132,7 +132,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim(config)
         # q, k and v in one GEMM: rows are nh query heads, then nkv key heads, then nkv value heads.
         self.wqkv = nn.Linear(
-            config.dim, (config.n_heads + 2 * config.n_kv_heads) * self.head_dim, bias=False
+            config.dim, (config.n_heads + 2 * config.n_kv_heads) * self.head_dim, bias=config.qkv_bias
         )
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
@@ -145,12 +145,17 @@ class Attention(nn.Module):
         q, k, v = RotaryQKV.apply(qkv, cos, sin, self.n_heads, self.n_kv_heads)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         # Each key/value head serves a group of query heads; SDPA reads them in place, no copies.
         gqa = self.n_heads != self.n_kv_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hs)
+        else:  # packed records: causal within each record only (`record_mask`)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -178,10 +183,26 @@ class Block(nn.Module):
         self.p = config.dropout
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, generator: torch.Generator | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        generator: torch.Generator | None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + dropout(self.attention(self.attention_norm(x), cos, sin), self.p, generator)
+        x = x + dropout(self.attention(self.attention_norm(x), cos, sin, mask), self.p, generator)
         return x + dropout(self.ffn(self.ffn_norm(x)), self.p, generator)
+
+
+def record_mask(tokens: torch.Tensor, end_of_document: int) -> torch.Tensor:
+    """(B, 1, T, T): position i attends to position j <= i of its own record only, a record
+    ending at each end-of-document token. RoPE scores depend on relative positions alone, so a
+    record computes in a packed window exactly as it would alone (to float rounding)."""
+    ended = tokens == end_of_document  # (B, T)
+    record = torch.cumsum(ended, dim=1) - ended.long()  # the end token belongs to its record
+    same = record.unsqueeze(2) == record.unsqueeze(1)  # (B, T, T)
+    causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
+    return (same & causal).unsqueeze(1)
 
 
 class Transformer(nn.Module):
@@ -197,6 +218,7 @@ class Transformer(nn.Module):
         # cos and sin by (length, device): computed once, not per forward (nor copied to a GPU
         # per forward); not parameters, so never in a checkpoint.
         self.rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.adapters: list[nn.Module] = []  # LoRA adapters (`lora.py`): they draw dropout too
 
     def rope_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if (length, device) not in self.rope:
@@ -204,12 +226,17 @@ class Transformer(nn.Module):
             self.rope[(length, device)] = (cos.to(device), sin.to(device))
         return self.rope[(length, device)]
 
-    def forward(self, tokens: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) for tokens (B, T)."""
+    def forward(
+        self, tokens: torch.Tensor, generator: torch.Generator | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab) for tokens (B, T); `mask` (B, 1, T, T): which positions each may
+        attend to (packed records, `record_mask`), else every earlier one."""
         cos, sin = self.rope_for(tokens.shape[1], tokens.device)
+        for adapter in self.adapters:
+            adapter.generator = generator
         x = dropout(self.embedding(tokens), self.config.dropout, generator)  # (B, T, C)
         for block in self.blocks:
-            x = block(x, cos, sin, generator)
+            x = block(x, cos, sin, generator, mask)
         return self.output(self.norm(x))  # (B, T, vocab)
 
     @classmethod

@@ -143,7 +143,7 @@ class Ranks:
         with torch.no_grad():
             for parameter in model.parameters():
                 self._broadcast(parameter.data)
-                if resumed:
+                if resumed and parameter.requires_grad:  # frozen weights (LoRA) have no moments
                     for value in optimizer.slots(parameter).values():
                         self._broadcast(value)
         return counters

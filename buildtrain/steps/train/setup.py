@@ -24,5 +24,6 @@ class TrainSetup:
     data: Path  # the data step's output folder
     index: dict[str, Any]  # its data.json: the shards of each split
     init_weights: Path | None  # a later stage starts from its parent's final weights
+    separate_records: int | None = None  # chat records: their end token; attention stays within each
     work: Path  # checkpoints of this step in progress
     identity: dict[str, Any]  # what a checkpoint must match to be resumed (the step hash)

@@ -5,6 +5,8 @@ Output layout (sealed by MANIFEST.json):
     result.json              final step, weights path, digests
     trace.jsonl              one line per update: loss and grad-norm bits, lr, state digests
     checkpoints/step-N/      the retained checkpoints, the last one being the final state
+    merged.safetensors       LoRA only: the final weights with the adapters added in (result.json's weights)
+    adapters.safetensors     LoRA only: the adapters alone (the export writes them for peft)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import TrainStep
 from buildtrain.errors import StepFailed
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
-from buildtrain.steps.data_index import DATA_INDEX
+from buildtrain.steps.data_index import DATA_INDEX, records_end
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.schedule import checkpoint_due
@@ -29,6 +31,8 @@ from buildtrain.store.layout import CHECKPOINTS
 from buildtrain.store.tensors import combine, safetensors_digests
 
 RESULT_FORMAT = 1
+MERGED = "merged.safetensors"  # LoRA: the weights with the adapters added in
+ADAPTERS = "adapters.safetensors"  # LoRA: the adapters alone
 
 
 def make_setup(ctx: StepContext) -> TrainSetup:
@@ -37,6 +41,7 @@ def make_setup(ctx: StepContext) -> TrainSetup:
     numerics = ctx.numerics
     data_dir = ctx.inputs["data"]
     init = ctx.inputs.get("init")
+    index = read_json(data_dir / DATA_INDEX)
     return TrainSetup(
         model=config.model,
         train=config.train,
@@ -45,7 +50,8 @@ def make_setup(ctx: StepContext) -> TrainSetup:
         dtype=numerics.dtype,
         compile=numerics.compile,
         data=data_dir,
-        index=read_json(data_dir / DATA_INDEX),
+        index=index,
+        separate_records=records_end(index),
         init_weights=final_weights(init) if init is not None else None,
         work=ctx.work / CHECKPOINTS,
         identity={"step_hash": ctx.step.hash},
@@ -86,6 +92,9 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
     entries = result.trace.whole()  # read once, here: checkpoints hold only their segments
     (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in entries))
     weights = f"checkpoints/{final_path.name}/{MODEL}"
+    adapters = None
+    if setup.train.lora is not None:
+        weights, adapters = write_merged(setup, out / weights, out)
     weights_digest = combine(safetensors_digests(out / weights))
     final_entry = next(e for e in reversed(entries) if "state" in e)
     digests = {
@@ -101,8 +110,25 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
         "checkpoints": [path.name for _, path in retained],
         "digests": digests,
     }
+    if adapters is not None:
+        body["adapters"] = adapters
     (out / RESULT).write_bytes(canonical_bytes(body))
     return digests
+
+
+def write_merged(setup: TrainSetup, final: Path, out: Path) -> tuple[str, str]:
+    """A LoRA stage's output weights: the final checkpoint's adapters merged into its frozen
+    weights (what evaluation, a later stage and the export load), and the adapters alone."""
+    import safetensors.torch
+
+    from buildtrain.steps.train.lora import is_adapter_tensor, merged
+    from buildtrain.steps.train.state import save_tensors
+
+    assert setup.train.lora is not None
+    tensors = safetensors.torch.load_file(str(final))
+    save_tensors(out / MERGED, merged(tensors, setup.train.lora, setup.model))
+    save_tensors(out / ADAPTERS, {k: v for k, v in tensors.items() if is_adapter_tensor(k)})
+    return MERGED, ADAPTERS
 
 
 def execute(ctx: StepContext, out: Path | None) -> dict[str, str] | None:

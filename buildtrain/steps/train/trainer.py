@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from buildtrain.errors import Interrupted, StepFailed
-from buildtrain.steps.data_index import vocab_size
+from buildtrain.steps.data_index import embedding_rows
 from buildtrain.steps.failures import out_of_memory
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.seeds import derive_seed
@@ -29,6 +29,7 @@ from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.gradient import batch_gradient, seeded
+from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.record import trace_entry
@@ -44,9 +45,11 @@ class TrainResult:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices, not gains and biases."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
+    """Decay matrices, not gains and biases; only what trains (with LoRA: only the adapters, so
+    the optimizer holds no state for the frozen weights)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in trained if p.dim() >= 2]
+    vectors = [p for p in trained if p.dim() < 2]
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 
 
@@ -87,6 +90,7 @@ class Training:
     optimizer: AdamW
     batches: Batches
     heldout: TokenStream | None  # rank 0 evaluates during training (eval.every > 0)
+    heldout_masks: TokenStream | None  # chat records: only completion tokens are scored
     update: int = 0
     cursor: int = 0
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
@@ -97,9 +101,13 @@ class Training:
         every rank leaves with rank 0's state."""
         cfg, ranks = setup.train, controls.ranks
         device = torch.device(setup.device)
-        model = Transformer.build(setup.model, vocab_size(setup.index), seeded(cfg.seed, "init"))
+        model = Transformer.build(
+            setup.model, embedding_rows(setup.model, setup.index), seeded(cfg.seed, "init")
+        )
         if setup.init_weights is not None:
             load_model(model, setup.init_weights)  # a later stage starts from its parent's final weights
+        if cfg.lora is not None:  # after the weights: the adapters are drawn from their own generator
+            add_adapters(model, cfg.lora, setup.model, seeded(cfg.seed, "lora"))
         model.to(device)
         optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         splits = setup.index["splits"]
@@ -113,9 +121,19 @@ class Training:
             model=model,
             optimizer=optimizer,
             batches=Batches(
-                TokenStream(setup.data, splits["train"]), cfg.seq_len, derive_seed(cfg.seed, "data")
+                TokenStream(setup.data, splits["train"]),
+                cfg.seq_len,
+                derive_seed(cfg.seed, "data"),
+                masks=TokenStream(setup.data, splits["train"], "masks")
+                if "masks" in splits["train"]
+                else None,
             ),
             heldout=TokenStream(setup.data, splits["heldout"]) if evaluating else None,
+            heldout_masks=(
+                TokenStream(setup.data, splits["heldout"], "masks")
+                if evaluating and "masks" in splits["heldout"]
+                else None
+            ),
         )
         if ranks.lead:
             training.resume()
@@ -155,7 +173,15 @@ class Training:
         )
         self.trace.append(entry)
         if self.heldout is not None and setup.eval is not None and at % setup.eval.every == 0:
-            result = evaluate(self.model, self.heldout, setup.eval, self.device, self.autocast)
+            result = evaluate(
+                self.model,
+                self.heldout,
+                setup.eval,
+                self.device,
+                self.autocast,
+                self.heldout_masks,
+                setup.separate_records,
+            )
             self.trace.append({"step": at, "eval": result})
             self.log.info("eval", step=at, **result)
             self.model.train()

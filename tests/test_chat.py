@@ -1,0 +1,178 @@
+"""Chat records (`data.format = "chat"`): rendered with the checkpoint's chat template, whose text
+enters the data step's hash; only the completions' tokens count in the loss; packed windows
+read each token's own mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from conftest import plan_hash, run_bt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_import import write_preset
+from tokenizers import Tokenizer
+
+from buildtrain.plan.stored import load_plan
+from buildtrain.steps.train.batches import Batches, TokenStream
+from buildtrain.steps.train.gradient import token_loss
+from buildtrain.store.store import Store
+
+RECORDS = [{"prompt": f"What is {i} + {i}?", "completion": f"{i} + {i} = {2 * i}"} for i in range(40)] + [
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": f"echo {i}"},
+            {"role": "assistant", "content": f"echo {i} back"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": f"once more {i}"},
+        ]
+    }
+    for i in range(20)
+]
+
+
+def chat_preset(root: Path) -> Path:
+    preset = write_preset(root)
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    text = preset.read_text()
+    assert 'files = ["text/*.txt"]' in text
+    preset.write_text(text.replace('files = ["text/*.txt"]', 'format = "chat"\nfiles = ["chat.jsonl"]'))
+    return preset
+
+
+@pytest.fixture(scope="module")
+def chat_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    root = tmp_path_factory.mktemp("chat")
+    make_checkpoint(root / "checkpoint", "qwen2")
+    store = root / ".bt"
+    plan = plan_hash(run_bt("plan", str(chat_preset(root)), store=store))
+    built = run_bt("run", plan, store=store)
+    assert built.returncode == 0, built.stderr
+    return root, store, plan
+
+
+def data_output(store: Path, plan: str) -> Path:
+    (data,) = [s for s in load_plan(Store(store), plan).steps if s.label == "data:main"]
+    return Store(store).output(data.hash)
+
+
+def test_only_completion_tokens_are_learned(chat_built: tuple[Path, Path, str]) -> None:
+    root, store, plan = chat_built
+    folder = data_output(store, plan)
+    index = json.loads((folder / "data.json").read_text())
+    tokenizer = Tokenizer.from_file(str(root / "checkpoint" / "tokenizer.json"))
+    eod = tokenizer.token_to_id("<|endoftext|>")
+    seen = 0
+    for split in index["splits"].values():
+        tokens = TokenStream(folder, split).read(0, split["tokens"]).tolist()
+        masks = TokenStream(folder, split, "masks").read(0, split["tokens"]).tolist()
+        record: list[tuple[int, int]] = []
+        for token, mask in zip(tokens, masks, strict=True):
+            record.append((token, mask))
+            if token != eod:
+                continue
+            learned = tokenizer.decode([t for t, m in record[:-1] if m], skip_special_tokens=False)
+            context = tokenizer.decode([t for t, m in record if not m], skip_special_tokens=False)
+            assert record[-1][1] == 1  # the end of the record is learned too
+            assert "<|im_start|>assistant" in context and "<|im_start|>assistant" not in learned
+            assert "What is" not in learned and "be brief" not in learned and "again" not in learned
+            assert learned.endswith("<|im_end|>\n")
+            seen += 1
+            record = []
+    assert seen == len(RECORDS)
+
+
+def test_the_loss_ignores_prompt_tokens() -> None:
+    """Would fail if prompt tokens counted: changing their logits leaves the loss unchanged."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 11, generator=generator)
+    targets = torch.randint(0, 11, (2, 6), generator=generator)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 0, 0, 0, 1, 1]], dtype=torch.uint8)
+    changed = logits.clone()
+    changed[mask == 0] += torch.randn(int((mask == 0).sum()), 11, generator=generator) * 5
+    assert torch.equal(token_loss(changed, targets, mask), token_loss(logits, targets, mask))
+    learned = logits.clone()
+    learned[0, 2, targets[0, 2]] += 3.0  # a completion target made likelier
+    assert not torch.equal(token_loss(learned, targets, mask), token_loss(logits, targets, mask))
+    expected = torch.nn.functional.cross_entropy(logits[mask == 1], targets[mask == 1])
+    assert torch.allclose(token_loss(logits, targets, mask), expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=1), min_size=40, max_size=120), st.integers(2, 8))
+def test_packed_windows_read_each_targets_own_mask(
+    tmp_path_factory, mask_bits: list[int], seq_len: int
+) -> None:
+    folder = tmp_path_factory.mktemp("masks")
+    tokens = list(range(len(mask_bits)))
+    (folder / "t.bin").write_bytes(bytes(b for t in tokens for b in t.to_bytes(2, "little")))
+    (folder / "m.bin").write_bytes(bytes(mask_bits))
+    split = {
+        "shards": [{"file": "t.bin", "tokens": len(tokens)}],
+        "masks": [{"file": "m.bin", "tokens": len(tokens)}],
+    }
+    batches = Batches(TokenStream(folder, split), seq_len, 7, masks=TokenStream(folder, split, "masks"))
+    _, targets = batches.micro_batch(0, 0, 3)
+    masks = batches.target_masks(0, 0, 3)
+    assert masks is not None
+    for row, mask_row in zip(targets.tolist(), masks.tolist(), strict=True):
+        assert mask_row == [mask_bits[token] for token in row]  # token i carries mask i
+
+
+def test_the_template_text_is_in_the_data_steps_hash(
+    chat_built: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    root, store, plan = chat_built
+    other = run_bt(
+        "plan", str(root / "imported.toml"), "--set", 'data.chat_template="{{ messages }}"', store=store
+    )
+    changed = load_plan(Store(store), plan_hash(other))
+    steps = {s.label: s.hash for s in load_plan(Store(store), plan).steps}
+    assert {s.label: s.hash for s in changed.steps}["data:main"] != steps["data:main"]
+    assert {s.label: s.hash for s in changed.steps}["tokenizer:main"] == steps["tokenizer:main"]
+
+
+def test_chat_without_a_template_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "chat.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
+    preset = tmp_path / "p.toml"
+    preset.write_text('[data]\nsource = "files"\nformat = "chat"\nfiles = ["chat.jsonl"]\n')
+    result = run_bt("plan", str(preset), store=tmp_path / ".bt")
+    assert result.returncode == 2 and "data.chat_template" in result.stderr, result.stderr
+
+
+def test_heldout_evaluation_scores_completion_tokens_only(chat_built: tuple[Path, Path, str]) -> None:
+    _, store, plan = chat_built
+    steps = {s.label: s for s in load_plan(Store(store), plan).steps}
+    result = json.loads((Store(store).output(steps["eval"].hash) / "eval.json").read_text())
+    folder = data_output(store, plan)
+    split = json.loads((folder / "data.json").read_text())["splits"]["heldout"]
+    evaluation = steps["eval"].config["eval"]
+    windows = min(
+        (split["tokens"] - 1) // evaluation["seq_len"], evaluation["max_batches"] * evaluation["batch_size"]
+    )
+    masks = TokenStream(folder, split, "masks").read(1, windows * evaluation["seq_len"])
+    assert 0 < result["result"]["tokens"] == int(masks.sum()) < windows * evaluation["seq_len"]
+
+
+def test_a_packed_record_computes_as_it_would_alone() -> None:
+    """With `record_mask`, the second record of a packed window gets the logits it gets alone
+    (RoPE is relative, attention stays in the record); without it, it would not."""
+    from buildtrain.config.schema import ModelConfig
+    from buildtrain.steps.train.model import Transformer, record_mask
+
+    config = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48)
+    model = Transformer.build(config, 50, torch.Generator().manual_seed(0)).eval()
+    end = 49
+    first = torch.tensor([3, 7, 9, 11, end])
+    second = torch.tensor([5, 8, 13, 2, 21, 4])
+    packed = torch.cat([first, second]).unsqueeze(0)
+    with torch.no_grad():
+        together = model(packed, None, record_mask(packed, end))[0, len(first) :]
+        alone = model(second.unsqueeze(0))[0]
+        unmasked = model(packed)[0, len(first) :]
+    assert (together - alone).abs().max().item() <= 1e-5
+    assert (unmasked - alone).abs().max().item() > 1e-3

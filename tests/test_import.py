@@ -1,0 +1,247 @@
+"""model.init = { hf = "folder" }: a Hugging Face checkpoint imported by content (the import_hf
+step), computing transformers' logits (float32, CPU, within 1e-5) for llama, mistral and qwen2,
+GQA or not, tied or not; and every checkpoint it cannot hold refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from checkpoints import make_checkpoint
+from conftest import plan_hash, run_bt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buildtrain.config.convert import converter
+from buildtrain.config.schema import ModelConfig
+from buildtrain.plan.stored import load_plan
+from buildtrain.steps.hf_export import ARCHITECTURES, hf_name, split_qkv
+from buildtrain.steps.import_hf import buildtrain_tensors, expected_shapes
+from buildtrain.steps.train.model import Transformer
+from buildtrain.steps.train.state import load_model
+from buildtrain.store.store import Store
+from buildtrain.store.tensors import combine, safetensors_digests
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+TOLERANCE = 1e-5
+
+CASES = [
+    # architecture, heads, kv_heads, tie
+    ("llama", 4, 2, False),
+    ("llama", 4, 4, True),
+    ("mistral", 4, 1, False),
+    ("mistral", 2, 2, True),
+    ("qwen2", 4, 2, False),
+    ("qwen2", 4, 4, True),
+]
+PRESET = """\
+name = "imported"
+[model]
+init = {{ hf = "{folder}" }}
+{extra}
+[data]
+source = "files"
+files = ["text/*.txt"]
+split_block = 64
+heldout_fraction = 0.2
+[train]
+steps = 4
+seq_len = 32
+batch_size = 4
+micro_batch_size = 2
+warmup_steps = 1
+checkpoint_every = 2
+[eval]
+seq_len = 32
+batch_size = 2
+max_batches = 2
+"""
+
+
+def write_preset(root: Path, folder: str = "checkpoint", extra: str = "") -> Path:
+    (root / "text").mkdir(exist_ok=True)
+    (root / "text" / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    (root / "text" / "b.txt").write_text("12 + 34 = 46\n" * 60)
+    preset = root / "imported.toml"
+    preset.write_text(PRESET.format(folder=folder, extra=extra))
+    return preset
+
+
+def imported(store: Path, plan: str) -> tuple[Transformer, dict]:
+    """The import step's weights in buildtrain's model, and the plan's resolved model config."""
+    loaded = load_plan(Store(store), plan)
+    (step,) = [s for s in loaded.steps if s.label == "import_hf"]
+    settings = converter.structure(loaded.config["model"], ModelConfig)
+    model = Transformer.build(settings, settings.vocab_size, torch.Generator())
+    load_model(model, Store(store).output(step.hash) / "model.safetensors")
+    return model.eval(), loaded.config["model"]
+
+
+@pytest.mark.parametrize(("architecture", "heads", "kv_heads", "tie"), CASES)
+def test_imported_weights_compute_transformers_logits(
+    tmp_path: Path, architecture: str, heads: int, kv_heads: int, tie: bool
+) -> None:
+    reference = make_checkpoint(tmp_path / "checkpoint", architecture, heads, kv_heads, tie)
+    preset = write_preset(tmp_path)
+    store = tmp_path / ".bt"
+    plan = plan_hash(run_bt("plan", str(preset), store=store))
+    built = run_bt("run", plan, "--target", "import_hf", store=store)
+    assert built.returncode == 0, built.stderr
+    model, settings = imported(store, plan)
+    assert (settings["n_heads"], settings["n_kv_heads"], settings["tie_embeddings"]) == (heads, kv_heads, tie)
+    assert settings.get("qkv_bias", False) == (architecture == "qwen2")
+    tokens = torch.randint(0, settings["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = reference(tokens).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+
+
+def test_bf16_checkpoints_are_widened_exactly(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama", dtype=torch.bfloat16)
+    store = tmp_path / ".bt"
+    plan = plan_hash(run_bt("plan", str(write_preset(tmp_path)), store=store))
+    assert run_bt("run", plan, "--target", "import_hf", store=store).returncode == 0
+    model, _ = imported(store, plan)
+    given = safetensors.torch.load_file(str(tmp_path / "checkpoint" / "model.safetensors"))
+    assert torch.equal(model.embedding.weight, given["model.embed_tokens.weight"].float())
+    # the digest the step recorded (from its arrays) is the digest of the file it wrote
+    (step,) = [s for s in load_plan(Store(store), plan).steps if s.label == "import_hf"]
+    output = Store(store).output(step.hash)
+    recorded = json.loads((output / "result.json").read_text())["digests"]["weights"]
+    assert recorded == combine(safetensors_digests(output / "model.safetensors"))
+
+
+def test_the_import_is_keyed_by_content_not_by_path(tmp_path: Path) -> None:
+    """A copy of the checkpoint elsewhere plans the same steps; one changed byte does not."""
+    make_checkpoint(tmp_path / "checkpoint", "qwen2")
+    shutil.copytree(tmp_path / "checkpoint", tmp_path / "moved")
+    store = tmp_path / ".bt"
+    first = plan_hash(run_bt("plan", str(write_preset(tmp_path)), store=store))
+    second = plan_hash(run_bt("plan", str(write_preset(tmp_path, "moved")), store=store))
+    assert first == second
+    config = tmp_path / "moved" / "generation_config.json"
+    config.write_text(config.read_text().replace("{", '{"x": 1, ', 1))
+    changed = plan_hash(run_bt("plan", str(write_preset(tmp_path, "moved")), store=store))
+    assert changed != first
+    diff = run_bt("diff", first, changed, store=store)
+    assert "base checkpoint changed" in diff.stdout + diff.stderr, diff.stdout
+
+
+def _refused(tmp_path: Path, extra: str = "") -> str:
+    result = run_bt("plan", str(write_preset(tmp_path, extra=extra)), store=tmp_path / ".bt")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    problems = [line for line in result.stderr.strip().splitlines() if not line.startswith("bt plan:")]
+    assert len(problems) == 1, result.stderr  # one line, then bt's count of problems
+    return problems[0]
+
+
+def test_a_preset_that_contradicts_the_checkpoint_is_refused_by_key(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    line = _refused(tmp_path, "dim = 64")
+    assert "model.dim" in line and "hidden_size" in line and "imported.toml" in line
+
+
+def test_another_architecture_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    config = tmp_path / "checkpoint" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gpt2"}))
+    assert "model_type 'gpt2' is not supported" in _refused(tmp_path)
+
+
+def test_pickle_only_weights_are_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    folder = tmp_path / "checkpoint"
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    assert "pickle" in _refused(tmp_path) and "pytorch_model.bin" in _refused(tmp_path)
+
+
+def test_a_missing_shard_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    folder = tmp_path / "checkpoint"
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model.safetensors"},
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = _refused(tmp_path)
+    assert "model-00001-of-00002.safetensors" in line and "missing" in line
+
+
+def test_an_unsupported_dtype_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    weights = tmp_path / "checkpoint" / "model.safetensors"
+    tensors = safetensors.torch.load_file(str(weights))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float64)
+    safetensors.torch.save_file(tensors, str(weights))
+    line = _refused(tmp_path)
+    assert "model.norm.weight is F64" in line
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    heads=st.sampled_from([(2, 1), (2, 2), (4, 2), (4, 1)]),
+    tie=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_import_inverts_the_exports_names(
+    layers: int, heads: tuple[int, int], tie: bool, bias: bool, seed: int
+) -> None:
+    """Law: buildtrain's weights exported under transformers' names (hf_export) and imported
+    back (import_hf) are the same tensors, bit for bit, fused q/k/v rows included."""
+    model = {
+        "dim": 8 * heads[0],
+        "n_layers": layers,
+        "n_heads": heads[0],
+        "n_kv_heads": heads[1],
+        "ffn_hidden": 24,
+        "vocab_size": 11,
+        "tie_embeddings": tie,
+        "qkv_bias": bias,
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+    }
+    rng = np.random.default_rng(seed)
+    ours = {n: ("F32", rng.standard_normal(s).astype("<f4")) for n, s in expected_shapes(model).items()}
+    _, _, mlp_names = ARCHITECTURES[("rmsnorm", "swiglu")]
+    exported = {}
+    for name, (dtype, values) in ours.items():
+        parts = split_qkv(name, dtype, values, model) if ".wqkv." in name else {name: (dtype, [], values)}
+        exported.update({hf_name(part, mlp_names): (d, v) for part, (d, _, v) in parts.items()})
+    back = buildtrain_tensors(exported, model)
+    assert set(back) == set(ours)
+    for name, (dtype, values) in ours.items():
+        assert back[name][0] == dtype and np.array_equal(back[name][1], values), name
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    (tmp_path / "checkpoint" / "tokenizer.json").unlink()
+    assert "has no tokenizer.json" in _refused(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        ({"sliding_window": 16}, "longer than the checkpoint's sliding_window 16"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling 'linear' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ],
+)
+def test_computations_buildtrain_does_not_implement_are_refused(
+    tmp_path: Path, edit: dict, expected: str
+) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "mistral")
+    config = tmp_path / "checkpoint" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **edit}))
+    assert expected in _refused(tmp_path)
