@@ -113,6 +113,14 @@ def _absolute_globs(section: Any, base: Path) -> None:
         tokenizer["file"] = os.path.normpath(base / os.path.expanduser(tokenizer["file"]))
 
 
+def _absolute_suite_files(section: Any, base: Path) -> None:
+    """Suite files are relative to the preset that names them, like data files."""
+    suites = section.get("suites") if isinstance(section, dict) else None
+    for suite in suites if isinstance(suites, list) else []:
+        if isinstance(suite, dict) and isinstance(suite.get("file"), str):
+            suite["file"] = os.path.normpath(base / os.path.expanduser(suite["file"]))
+
+
 def _extends_of(raw: dict[str, Any], label: str) -> list[str]:
     extends = raw.pop("extends", [])
     if isinstance(extends, str):
@@ -182,6 +190,7 @@ class _Extends:
         label = display(path)
         raw = _read_toml(path)
         _absolute_globs(raw.get("data"), path.parent)
+        _absolute_suite_files(raw.get("eval"), path.parent)
         for stage in raw.get("stages", []) if isinstance(raw.get("stages"), list) else []:
             if isinstance(stage, dict):
                 _absolute_globs(stage.get("data"), path.parent)

@@ -14,7 +14,17 @@ from typing import Any
 
 import attrs
 
-from buildtrain.config.checks import OneOf, at_least, at_most, below, greater_than, one_of, reads, setting
+from buildtrain.config.checks import (
+    OneOf,
+    at_least,
+    at_most,
+    below,
+    greater_than,
+    name_problem,
+    one_of,
+    reads,
+    setting,
+)
 
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
@@ -285,6 +295,39 @@ def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
     )
 
 
+SUITE_KINDS = ("multiple_choice",)
+
+
+@attrs.frozen(kw_only=True)
+class SuiteConfig:
+    """A benchmark suite: a named, versioned set of questions, given by content (never by path)."""
+
+    name: str = setting(
+        "", "required: the suite's name, unique in the preset; letters, digits, '.', '_', '-'"
+    )
+    version: int = setting(1, "the suite's version: results are cached under (name, version)", at_least(1))
+    kind: str = setting(
+        "multiple_choice",
+        "multiple_choice: a JSONL file of {context, choices, answer}, scored by log-likelihood",
+        one_of(*SUITE_KINDS),
+    )
+    file: str | None = setting(None, "the suite's JSONL file, relative to the preset")
+
+    @name.validator
+    def _safe_name(self, _: attrs.Attribute[Any], value: str) -> None:
+        if not value:
+            raise ValueError('is required: give each suite a name (name = "arithmetic")')
+        problem = name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @file.validator
+    @reads("kind")
+    def _file_given(self, _: attrs.Attribute[Any], value: str | None) -> None:
+        if value is None:
+            raise ValueError(f'a {self.kind} suite reads a file; add file = "questions.jsonl"')
+
+
 @attrs.frozen(kw_only=True)
 class EvalConfig:
     """Held-out evaluation, after training and optionally during it."""
@@ -296,6 +339,25 @@ class EvalConfig:
     max_batches: int = setting(
         0, "evaluate at most this many batches (0 = the whole held-out split)", at_least(0)
     )
+    suites: tuple[SuiteConfig, ...] = setting(
+        (),
+        "benchmark suites evaluated on the final weights, beside the held-out loss: an array of "
+        '{ name, version, kind, file } tables, e.g. [{ name = "arith", file = "arith.jsonl" }]',
+    )
+    subset: float = setting(
+        1.0,
+        "fraction of each suite's questions evaluated (drawn from eval.seed)",
+        greater_than(0.0),
+        at_most(1.0),
+    )
+    seed: int = setting(0, "seed of the subset drawn from each suite", at_least(0))
+
+    @suites.validator
+    def _unique_names(self, _: attrs.Attribute[Any], value: tuple[SuiteConfig, ...]) -> None:
+        names = [suite.name for suite in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"suite names must be unique (repeated: {', '.join(repeated)})")
 
 
 @attrs.frozen(kw_only=True)

@@ -5,13 +5,13 @@ evaluated once (by any plan) are completed from the cache without a process."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from buildtrain.config.schema import Stage
-from buildtrain.config.steps import EvalStep
+from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
-from buildtrain.store.evals import key_of_output
+from buildtrain.store.evals import keys_of_output
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -28,22 +28,36 @@ class EvalKind(StepKind):
     spot_checked = False  # a spot check (--steps) covers training only
     summary = "evaluation"
     completes_from_store = "same weights evaluated before"  # found in the evaluation cache
+    reads_sources = True  # the suites' files, located by content before it runs
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         config = planning.config
         final = config.final_stage.name
         version = EVAL_SUITE_VERSIONS[config.eval.suite]
-        step_config = EvalStep(eval=config.eval, model=config.model, version=version).to_config()
-        inputs = {
+        suites = tuple(SuiteStep(name=s.name, version=s.version, kind=s.kind) for s in config.eval.suites)
+        step_config = EvalStep(
+            eval=config.eval,
+            model=config.model,
+            version=version,
+            suites=suites,
+            subset=config.eval.subset,
+            seed=config.eval.seed,
+            context=config.final_stage.train.seq_len,
+        ).to_config()
+        inputs: dict[str, Any] = {
             "weights": planning.required("train", final).hash,
             "data": planning.required("data", final).hash,
         }
+        if suites:  # questions are text: the step encodes them with the plan's tokenizer
+            inputs["sources"] = [{"blake3": f.blake3, "size": f.size} for f in planning.suite_files]
+            tokenizer = planning.planned("tokenizer", final)
+            if tokenizer is not None:
+                inputs["tokenizer"] = tokenizer.hash
         toolchain = self.toolchain(step_config, config.numerics)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 
     def references(self, output: Path) -> list[str]:
-        key = key_of_output(output)
-        return [] if key is None else [key]
+        return keys_of_output(output)
 
 
 KIND = EvalKind()

@@ -81,9 +81,10 @@ def plan_loaded(loaded: LoadedPreset, overrides: list[str], store: Store, world_
             known = locations.setdefault(source.blake3, [])
             if str(path.absolute()) not in known:
                 known.append(str(path.absolute()))
+    suite_files = _suite_digests(loaded, cache, locations)
     cache.save()
 
-    plan = compile_plan(loaded.config, sources, world_size, tokenizer_files)
+    plan = compile_plan(loaded.config, sources, world_size, tokenizer_files, suite_files)
     record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     save_card(store, plan, record["created"])  # what bt ls --metrics reads
     return Planned(
@@ -103,3 +104,25 @@ def _source_digest(cache: StatCache, found: Path | ObjectVersion) -> tuple[Sourc
         return cache.digest_of(found), str(found.absolute())
     except OSError as exc:
         raise ConfigError([f"{found}: cannot read data file: {exc.strerror}"]) from None
+
+
+def _suite_digests(
+    loaded: LoadedPreset, cache: StatCache, locations: dict[str, list[str]]
+) -> list[SourceFile]:
+    """Each eval suite's file by content (in suite order); where it was seen is a hint for the run."""
+    found = []
+    for index, suite in enumerate(loaded.config.eval.suites):
+        assert suite.file is not None  # the schema requires it
+        path = Path(suite.file)
+        try:
+            source = cache.digest_of(path)
+        except OSError as exc:
+            where = loaded.source_of(("eval", "suites", index, "file"))
+            raise ConfigError(
+                [f"{where}: eval.suites[{index}].file: cannot read {path}: {exc.strerror}; give a JSONL file"]
+            ) from None
+        found.append(source)
+        known = locations.setdefault(source.blake3, [])
+        if str(path.absolute()) not in known:
+            known.append(str(path.absolute()))
+    return found

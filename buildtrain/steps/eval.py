@@ -11,13 +11,39 @@ from typing import Any
 
 from buildtrain.config.steps import EvalStep
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.steps.eval_cache import cache_key, complete_from_cache, write_result
+from buildtrain.steps.eval_cache import cache_key, complete_from_cache, suite_keys, write_result
+from buildtrain.steps.sources import Source, read_source
+from buildtrain.steps.suites import read_multiple_choice, subset_indices, text_encoder
 
 # The executor completes an evaluation found in the cache without starting a process (kinds/eval.py).
 complete_from_store = complete_from_cache
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
+    key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
+    wanted = [(key, identity), *suite_keys(ctx.step, ctx.inputs)]
+    cached = [ctx.results.lookup(k) if ctx.results is not None else None for k, _ in wanted]
+    for (each, _), hit in zip(wanted, cached, strict=True):
+        if hit is not None:
+            ctx.log.info("eval_cache_hit", key=each)
+    results = cached
+    if any(hit is None for hit in cached):  # the model is loaded only for what is not cached
+        results = _evaluate(ctx, wanted, cached)
+    body = results[0]
+    if len(results) > 1:
+        body = {**body, "suites": {r["identity"]["name"]: r for r in results[1:]}}
+    digests = write_result(body, out)
+    if ctx.results is not None:  # the step holds its lock
+        for (each, _), result in zip(wanted, results, strict=True):
+            ctx.results.record(each, result)
+    return digests
+
+
+def _evaluate(
+    ctx: StepContext, wanted: list[tuple[str, dict[str, Any]]], cached: list[dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """Each result of `wanted` (held-out first, then the suites): cached ones as they are, the
+    rest computed with the weights loaded once."""
     import torch
 
     from buildtrain.steps.data_index import DATA_INDEX, vocab_size
@@ -26,29 +52,36 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import load_model
 
-    key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
-    cached = ctx.results.lookup(key) if ctx.results is not None else None
-    if cached is not None:
-        ctx.log.info("eval_cache_hit", key=key)
-        return _recorded(ctx, key, cached, out)
-
     config = EvalStep.from_config(ctx.step.config)
-    numerics = ctx.numerics
-    device = torch.device(numerics.device)
+    device = torch.device(ctx.numerics.device)
     index = read_json(ctx.inputs["data"] / DATA_INDEX)
     model = Transformer.build(config.model, vocab_size(index), torch.Generator())
     load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
     model.to(device)
-    heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
-    result = evaluate(model, heldout, config.eval, device, autocast)
-    ctx.log.info("eval", **result)
-    return _recorded(ctx, key, {"identity": identity, "result": result}, out)
+    bf16 = ctx.numerics.dtype == "bfloat16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    results = list(cached)
+    if results[0] is None:
+        heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
+        result = evaluate(model, heldout, config.eval, device, autocast)
+        ctx.log.info("eval", **result)
+        results[0] = {"identity": wanted[0][1], "result": result}
+    for at, (suite, source) in enumerate(zip(config.suites, ctx.sources, strict=True), start=1):
+        if results[at] is None:
+            result = _suite(ctx, config, suite.name, source, model, device, autocast)
+            ctx.log.info("eval_suite", suite=suite.name, **result)
+            results[at] = {"identity": wanted[at][1], "result": result}
+    return results  # type: ignore[return-value]
 
 
-def _recorded(ctx: StepContext, key: str, body: dict[str, Any], out: Path) -> dict[str, str]:
-    """Write the result into the output and into the evaluation cache (the step holds its lock)."""
-    digests = write_result(body, out)
-    if ctx.results is not None:
-        ctx.results.record(key, body)
-    return digests
+def _suite(
+    ctx: StepContext, config: EvalStep, name: str, source: Source, model: Any, device: Any, autocast: Any
+) -> dict[str, Any]:
+    """One multiple-choice suite scored on the subset the step's settings draw."""
+    from buildtrain.steps.choice import score
+
+    questions = read_multiple_choice(read_source(source), source.path)
+    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
+    encode, end = text_encoder(ctx.inputs.get("tokenizer"))
+    result = score(model, chosen, encode, end, config.context, config.eval.batch_size, device, autocast)
+    return {"kind": "multiple_choice", **result}

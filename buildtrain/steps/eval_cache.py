@@ -9,6 +9,7 @@ without importing a step. Torch-free.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,18 +50,46 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
     return key_of(identity), identity
 
 
+# Bump when a suite kind's scoring changes what it computes; results are cached by this version
+# as well as by the suite's own (which says when its questions changed).
+SCORING_VERSIONS = {"multiple_choice": 1}
+BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
+
+
+def suite_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[str, dict[str, Any]]]:
+    """(key, identity) of each benchmark suite of the eval step, in suite order: what the result
+    depends on is the suite (name, version, scoring), the weights, the file's content, the subset
+    and its seed, and how text becomes tokens (tokenizer, model context); never the plan or the
+    path. Raises ValueError (or OSError) like `cache_key`."""
+    config = step.config
+    suites = config.get("suites", [])
+    if not suites:
+        return []
+    weights = _declared(inputs["weights"], step.inputs["weights"], "weights")
+    tokenizer = BYTE_TOKENIZER
+    if "tokenizer" in step.inputs:
+        tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
+    found = []
+    for suite, source in zip(suites, step.inputs["sources"], strict=True):
+        identity = {
+            **suite,
+            "scoring": SCORING_VERSIONS[suite["kind"]],
+            "weights": weights,
+            "data": source["blake3"],
+            "subset": config["subset"],
+            "seed": config["seed"],
+            "tokenizer": tokenizer,
+            "context": config["context"],
+            "model": config["model"],
+        }
+        found.append((key_of(identity), identity))
+    return found
+
+
 def lookup(store: Store, key: str) -> dict[str, Any] | None:
     """The cached result of `key`, only if its entry verifies (a damaged one is never used)."""
     body, _ = entry_problem(store.eval_path(key), key)
     return body
-
-
-def record_result(store: Store, key: str, body: dict[str, Any], out: Path) -> dict[str, str]:
-    """Write the result into the step output and into the content-addressed cache (replacing a
-    damaged entry there: the caller holds the step's lock)."""
-    digests = write_result(body, out)
-    record_entry(store, key, body)
-    return digests
 
 
 def write_result(body: dict[str, Any], out: Path) -> dict[str, str]:
@@ -92,20 +121,31 @@ class StoreResults:
 
 
 def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
-    """An evaluation of the same weights and data may already be in the store: no process needed.
-    Called holding the step's lock; a damaged or foreign cache entry is set aside, never used."""
+    """An evaluation of the same weights, data and suites may already be in the store: no process
+    needed when every result is. Called holding the step's lock; a damaged or foreign cache entry
+    is set aside, never used."""
+    inputs = {name: store.output(upstream) for name, upstream in step.upstream.items()}
     try:
-        key, _ = cache_key(step, store.output(step.inputs["weights"]), store.output(step.inputs["data"]))
+        key, _ = cache_key(step, inputs["weights"], inputs["data"])
+        keys = [key, *(k for k, _ in suite_keys(step, inputs))]
     except (OSError, ValueError, KeyError):
         return None  # an input's manifest does not verify: the step process says which
-    cached, problem = entry_problem(store.eval_path(key), key)
-    if problem is not None:
-        store.set_aside(store.eval_path(key))
-    if cached is None:
-        return None
+    found = []
+    for each in keys:
+        cached, problem = entry_problem(store.eval_path(each), each)
+        if problem is not None:
+            store.set_aside(store.eval_path(each))
+        if cached is None:
+            return None
+        found.append(cached)
+    body = found[0]
+    if len(found) > 1:
+        body = {**body, "suites": {s["identity"]["name"]: s for s in found[1:]}}
     out = store.new_temp("eval")
     try:
-        digests = record_result(store, key, cached, out)
+        digests = write_result(body, out)
+        for each, cached in zip(keys, found, strict=True):
+            record_entry(store, each, cached)
         objects.publish(out, store.output(step.hash), digests)
     finally:
         objects.remove_tree(out)

@@ -54,16 +54,18 @@ def entry_problem(path: Path, key: str) -> tuple[dict[str, Any] | None, str | No
     return {"identity": entry["identity"], "result": entry["result"]}, None
 
 
-def key_of_output(output: Path) -> str | None:
-    """The cache key an eval step's output names, if it holds a readable result (`bt gc` keeps
-    that entry)."""
+def keys_of_output(output: Path) -> list[str]:
+    """The cache keys an eval step's output names, if it holds a readable result: the held-out
+    result's, then each suite's (`bt gc` keeps those entries)."""
     path = output / EVAL_RESULT
     if path.is_symlink() or not path.is_file():
-        return None
+        return []
     try:
-        return key_of(json.loads(path.read_bytes())["identity"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        body = json.loads(path.read_bytes())
+        suites = body.get("suites", {})
+        return [key_of(body["identity"]), *(key_of(suite["identity"]) for suite in suites.values())]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def output_result(output: Path) -> dict[str, Any] | None:
@@ -74,3 +76,12 @@ def output_result(output: Path) -> dict[str, Any] | None:
         return result if isinstance(result, dict) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def output_suites(output: Path) -> dict[str, dict[str, Any]]:
+    """Each benchmark suite's result an eval step's output records, by suite name."""
+    try:
+        suites = json.loads((output / EVAL_RESULT).read_bytes()).get("suites", {})
+        return {name: dict(suite["result"]) for name, suite in suites.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}

@@ -1,0 +1,195 @@
+"""Benchmark suites (`[eval] suites`): read by content, scored, cached by what determines them,
+listed by `bt ls --metrics`; the laws of the subset and of the token pairs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import MICRO, REPO, actions, plan_hash, summaries
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buildtrain.errors import ExitCode, StepFailed
+from buildtrain.steps.suites import (
+    MultipleChoice,
+    accuracy,
+    pair_ids,
+    read_multiple_choice,
+    subset_indices,
+    text_encoder,
+)
+
+ARITHMETIC = REPO / "tests" / "suites" / "arithmetic.jsonl"
+ARITH = '{ name = "arith", file = "arithmetic.jsonl" }'
+
+
+def suite_preset(folder: Path, suites: str, name: str = "bench.toml", extra: str = "") -> Path:
+    """The micro preset with these `[eval] suites`; the arithmetic suite beside it."""
+    if not (folder / "arithmetic.jsonl").exists():
+        shutil.copyfile(ARITHMETIC, folder / "arithmetic.jsonl")
+    path = folder / name
+    path.write_text(f'extends = "{MICRO}"\n\n[eval]\nsuites = [{suites}]\n{extra}')
+    return path
+
+
+def metrics(bt) -> list[dict]:
+    listed = bt("ls", "--metrics", "--json")
+    assert listed.returncode == 0, listed.stderr
+    return json.loads(listed.stdout)
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+
+def test_a_suite_is_scored_listed_and_never_evaluated_twice(bt, tmp_path):
+    shutil.copyfile(ARITHMETIC, tmp_path / "copy.jsonl")
+    both = suite_preset(tmp_path, f'{ARITH}, {{ name = "again", file = "copy.jsonl" }}', "both.toml")
+    built = bt("run", str(both))
+    assert built.returncode == 0, built.stderr
+    (row,) = metrics(bt)
+    assert set(row["suites"]) == {"arith", "again"}
+    arith = row["suites"]["arith"]
+    assert arith["questions"] == 24 and 0.0 <= arith["accuracy"] <= 1.0
+    assert row["suites"]["again"] == arith  # the same questions on the same weights
+    table = bt("ls", "--metrics").stdout
+    assert "acc:arith" in table and "acc:again" in table
+
+    # Another plan asks for one of those suites on the same weights: its eval step is completed
+    # from the evaluation cache, without a process (no model is loaded).
+    one = suite_preset(tmp_path, ARITH, "one.toml")
+    again = bt("run", str(one))
+    assert again.returncode == 0, again.stderr
+    assert actions(summaries(tmp_path / "experiments")[-1])["eval"] == "cached"
+    assert "same weights evaluated before" in again.stderr
+    rows = {r["hash"]: r for r in metrics(bt)}
+    assert rows[plan_hash(bt("plan", str(one)))]["suites"] == {"arith": arith}
+
+    null = bt("run", str(one))  # and a second run of a plan is a null build
+    assert null.returncode == 0 and set(actions(summaries(tmp_path / "experiments")[-1]).values()) == {
+        "cached"
+    }
+
+
+def test_gc_keeps_and_fsck_checks_every_suite_entry(bt, tmp_path, store):
+    preset = suite_preset(tmp_path, ARITH)
+    assert bt("run", str(preset)).returncode == 0
+    entries = sorted((store / "evals").iterdir())
+    assert len(entries) == 2  # the held-out result and the suite's
+    assert bt("gc").returncode == 0
+    assert sorted((store / "evals").iterdir()) == entries
+    assert bt("fsck").returncode == 0
+
+
+def test_a_suite_enters_the_plan_by_content_not_by_path(bt, tmp_path):
+    first = plan_hash(bt("plan", str(suite_preset(tmp_path, ARITH))))
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.copyfile(ARITHMETIC, moved / "renamed.jsonl")
+    renamed = '{ name = "arith", file = "elsewhere/renamed.jsonl" }'
+    assert plan_hash(bt("plan", str(suite_preset(tmp_path, renamed, "moved.toml")))) == first
+    with (moved / "renamed.jsonl").open("a") as handle:
+        handle.write('{"context": "1+1=", "choices": ["2", "3"], "answer": 0}\n')
+    assert plan_hash(bt("plan", str(suite_preset(tmp_path, renamed, "moved.toml")))) != first
+    bumped = '{ name = "arith", version = 2, file = "arithmetic.jsonl" }'
+    assert plan_hash(bt("plan", str(suite_preset(tmp_path, bumped, "bumped.toml")))) != first
+
+
+def test_a_preset_without_suites_plans_the_eval_step_it_planned_before(bt, store):
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    plan = load_plan(Store(store), plan_hash(bt("plan", str(MICRO))))
+    (evaluation,) = [s for s in plan.steps if s.kind == "eval"]
+    assert set(evaluation.config) == {"eval", "model", "version"}
+    assert set(evaluation.config["eval"]) == {"suite", "seq_len", "batch_size", "max_batches"}
+    assert set(evaluation.inputs) == {"weights", "data"}
+    assert set(plan.config["eval"]) == {"suite", "every", "seq_len", "batch_size", "max_batches"}
+
+
+@pytest.mark.parametrize(
+    ("suites", "expected"),
+    [
+        (
+            '{ name = "x" }',
+            'eval.suites[0].file: a multiple_choice suite reads a file; add file = "questions.jsonl"',
+        ),
+        ('{ file = "arithmetic.jsonl" }', "eval.suites[0].name: is required"),
+        ('{ name = "x", file = "missing.jsonl" }', "eval.suites[0].file: cannot read"),
+        ('{ name = "x", file = "arithmetic.jsonl", kind = "mc" }', "eval.suites[0].kind: must be one of"),
+        (f"{ARITH}, {ARITH}", "eval.suites: suite names must be unique (repeated: arith)"),
+    ],
+)
+def test_a_bad_suite_is_a_one_line_preset_error(bt, tmp_path, suites, expected):
+    result = bt("plan", str(suite_preset(tmp_path, suites)))
+    assert result.returncode == ExitCode.USAGE
+    assert f"bench.toml: {expected}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_bad_question_fails_the_step_naming_file_line_and_key(bt, tmp_path):
+    preset = suite_preset(tmp_path, ARITH)
+    with (tmp_path / "arithmetic.jsonl").open("a") as handle:
+        handle.write('{"context": "1+1=", "choices": ["2", "3"], "answer": 2}\n')
+    result = bt("run", str(preset))
+    assert result.returncode == ExitCode.FAILED
+    assert "arithmetic.jsonl:25: answer: expected the index of a choice, 0 to 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- laws -------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300), st.floats(0.001, 1.0), st.floats(0.001, 1.0), st.integers(0, 2**32))
+def test_a_subset_is_drawn_from_its_seed_and_grows_with_its_fraction(count, a, b, seed):
+    small, large = sorted((a, b))
+    drawn = subset_indices(count, small, seed)
+    assert drawn == sorted(set(drawn)) and all(0 <= i < count for i in drawn)
+    assert len(drawn) == (count if small >= 1.0 else max(1, round(small * count)))
+    assert drawn == subset_indices(count, small, seed)
+    assert set(drawn) <= set(subset_indices(count, large, seed))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=20), st.text(min_size=1, max_size=20))
+def test_the_pair_of_a_context_and_a_choice_is_the_whole_text_split(context, choice):
+    encode, end = text_encoder(None)
+    before, after = pair_ids(context, choice, encode, end)
+    stripped = context.rstrip()
+    assert after[: len(encode(context[len(stripped) :]))] == encode(context[len(stripped) :])
+    if stripped:
+        assert before + after == encode(context + choice)
+    else:
+        assert before == [end] and after == encode(context + choice)
+
+
+def test_accuracy_takes_the_first_of_tied_choices_and_normalizes_by_characters():
+    questions = [
+        MultipleChoice(context="", choices=("a", "b"), answer=0),
+        MultipleChoice(context="", choices=("a", "b"), answer=1),
+        MultipleChoice(context="", choices=("x", "yyyy"), answer=1),
+    ]
+    result = accuracy([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -2.0]], questions)
+    assert result == {"questions": 3, "acc": 1 / 3, "acc_norm": 2 / 3}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b"not json", "x.jsonl:1: not JSON"),
+        (b'{"context": "a", "choices": ["b", "c"]}', "expected the keys answer, choices, context"),
+        (b'{"context": 1, "choices": ["b", "c"], "answer": 0}', "x.jsonl:1: context: expected a string"),
+        (b'{"context": "a", "choices": ["b"], "answer": 0}', "choices: expected two or more"),
+        (b'{"context": "a", "choices": ["b", "c"], "answer": true}', "answer: expected the index"),
+    ],
+)
+def test_a_malformed_question_names_its_line_and_key(line, message):
+    with pytest.raises(StepFailed, match=message.replace("(", r"\(")):
+        read_multiple_choice(line + b"\n", "x.jsonl")
+
+
+def test_the_shipped_suite_reads():
+    questions = read_multiple_choice(ARITHMETIC.read_bytes(), ARITHMETIC)
+    assert len(questions) == 24 and all(q.context.endswith("=") for q in questions)
