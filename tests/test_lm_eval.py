@@ -41,17 +41,17 @@ def buildtrain_scores(store: Path, plan: str, package: Path, suite: Path) -> lis
     from buildtrain.plan.stored import load_plan
     from buildtrain.steps.choice import choice_loglikelihoods
     from buildtrain.steps.sample import package_model
-    from buildtrain.steps.suites import read_multiple_choice, text_encoder
+    from buildtrain.steps.suites import read_multiple_choice, text_codec
     from buildtrain.store.store import Store
 
     loaded = load_plan(Store(store), plan)
     tokenizers = [s for s in loaded.steps if s.kind == "tokenizer"]
-    encode, end = text_encoder(Store(store).output(tokenizers[0].hash) if tokenizers else None)
+    codec = text_codec(Store(store).output(tokenizers[0].hash) if tokenizers else None)
     hf_config = json.loads((package / "hf" / "config.json").read_bytes())
     model = package_model(package, hf_config["vocab_size"])
     questions = read_multiple_choice(suite.read_bytes(), suite)
     window = hf_config["max_position_embeddings"]
-    return choice_loglikelihoods(model, questions, encode, end, window, 4, torch.device("cpu"))
+    return choice_loglikelihoods(model, questions, codec.encode, codec.end, window, 4, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])

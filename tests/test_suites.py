@@ -19,7 +19,7 @@ from buildtrain.steps.suites import (
     pair_ids,
     read_multiple_choice,
     subset_indices,
-    text_encoder,
+    text_codec,
 )
 
 ARITHMETIC = REPO / "tests" / "suites" / "arithmetic.jsonl"
@@ -155,7 +155,8 @@ def test_a_subset_is_drawn_from_its_seed_and_grows_with_its_fraction(count, a, b
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=20), st.text(min_size=1, max_size=20))
 def test_the_pair_of_a_context_and_a_choice_is_the_whole_text_split(context, choice):
-    encode, end = text_encoder(None)
+    codec = text_codec(None)
+    encode, end = codec.encode, codec.end
     before, after = pair_ids(context, choice, encode, end)
     stripped = context.rstrip()
     assert after[: len(encode(context[len(stripped) :]))] == encode(context[len(stripped) :])
@@ -193,3 +194,57 @@ def test_a_malformed_question_names_its_line_and_key(line, message):
 def test_the_shipped_suite_reads():
     questions = read_multiple_choice(ARITHMETIC.read_bytes(), ARITHMETIC)
     assert len(questions) == 24 and all(q.context.endswith("=") for q in questions)
+
+
+def hf_continuations(hf: Path, contexts: list[str], tokens: int) -> list[str | None]:
+    """transformers' greedy continuation of each context on the `hf/` export (its own generate),
+    up to its first newline or end-of-document token; None where it reaches neither."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    found: list[str | None] = []
+    for context in contexts:
+        ids = torch.tensor([tokenizer(context).input_ids])
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        new = out[0, ids.shape[1] :].tolist()
+        ended = tokenizer.eos_token_id in new
+        text = tokenizer.decode(new[: new.index(tokenizer.eos_token_id)] if ended else new)
+        found.append(text.split("\n", 1)[0] if ended or "\n" in text else None)
+    return found
+
+
+def test_exact_match_scores_greedy_continuations_as_transformers_generates_them(bt, tmp_path):
+    sums = '{ name = "sums", kind = "exact_match", file = "sums.jsonl" }'
+    shutil.copyfile(REPO / "tests" / "suites" / "sums.jsonl", tmp_path / "sums.jsonl")
+    trained = "[train]\nsteps = 600\n"  # long enough for the micro model to end its answers
+    first = suite_preset(tmp_path, sums, "first.toml", trained)
+    assert bt("run", str(first)).returncode == 0
+    assert bt("export", str(first), str(tmp_path / "package")).returncode == 0
+    (row,) = metrics(bt)
+    assert row["suites"]["sums"]["questions"] == 24 and 0.0 <= row["suites"]["sums"]["accuracy"] <= 1.0
+
+    # Plant the model's own answers (what transformers generates, up to its newline or end) as the
+    # targets of half the questions, and answers it does not give as the others': those match.
+    contexts = [json.loads(line)["context"] for line in (tmp_path / "sums.jsonl").read_text().splitlines()]
+    generated = hf_continuations(tmp_path / "package" / "hf", contexts, tokens=12)
+    planted = [(c, g) for c, g in zip(contexts, generated, strict=True) if g][:6]
+    assert planted, f"the model ends no answer: {generated}"
+    questions = [{"context": c, "target": g} for c, g in planted]
+    questions += [{"context": c, "target": g + "0x"} for c, g in planted]
+    (tmp_path / "planted.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    planted_suite = '{ name = "planted", kind = "exact_match", file = "planted.jsonl" }'
+    second = suite_preset(tmp_path, planted_suite, "p.toml", trained)
+    assert bt("run", str(second)).returncode == 0
+    rows = {r["hash"]: r for r in metrics(bt)}
+    assert rows[plan_hash(bt("plan", str(second)))]["suites"]["planted"]["accuracy"] == 0.5
+
+
+def test_an_exact_match_question_needs_a_one_line_target():
+    from buildtrain.steps.suites import read_exact_match
+
+    with pytest.raises(StepFailed, match=r"s.jsonl:2: target: expected a non-empty string without a newline"):
+        read_exact_match(b'{"context": "a", "target": "b"}\n{"context": "a", "target": "b\\nc"}\n', "s.jsonl")
+    with pytest.raises(StepFailed, match="expected the keys context, target"):
+        read_exact_match(b'{"context": "a", "answer": "b"}\n', "s.jsonl")

@@ -295,7 +295,7 @@ def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
     )
 
 
-SUITE_KINDS = ("multiple_choice",)
+SUITE_KINDS = ("multiple_choice", "exact_match")
 
 
 @attrs.frozen(kw_only=True)
@@ -308,7 +308,8 @@ class SuiteConfig:
     version: int = setting(1, "the suite's version: results are cached under (name, version)", at_least(1))
     kind: str = setting(
         "multiple_choice",
-        "multiple_choice: a JSONL file of {context, choices, answer}, scored by log-likelihood",
+        "multiple_choice: JSONL of {context, choices, answer}, scored by log-likelihood; exact_match: "
+        "JSONL of {context, target}, scored by greedy generation",
         one_of(*SUITE_KINDS),
     )
     file: str | None = setting(None, "the suite's JSONL file, relative to the preset")

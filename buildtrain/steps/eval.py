@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from buildtrain.config.steps import EvalStep
+from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.steps.context import StepContext, final_weights, read_json
 from buildtrain.steps.eval_cache import cache_key, complete_from_cache, suite_keys, write_result
 from buildtrain.steps.sources import Source, read_source
-from buildtrain.steps.suites import read_multiple_choice, subset_indices, text_encoder
+from buildtrain.steps.suites import read_exact_match, read_multiple_choice, subset_indices, text_codec
 
 # The executor completes an evaluation found in the cache without starting a process (kinds/eval.py).
 complete_from_store = complete_from_cache
@@ -68,20 +68,33 @@ def _evaluate(
         results[0] = {"identity": wanted[0][1], "result": result}
     for at, (suite, source) in enumerate(zip(config.suites, ctx.sources, strict=True), start=1):
         if results[at] is None:
-            result = _suite(ctx, config, suite.name, source, model, device, autocast)
+            result = _suite(ctx, config, suite, source, model, device, autocast)
             ctx.log.info("eval_suite", suite=suite.name, **result)
             results[at] = {"identity": wanted[at][1], "result": result}
     return results  # type: ignore[return-value]
 
 
 def _suite(
-    ctx: StepContext, config: EvalStep, name: str, source: Source, model: Any, device: Any, autocast: Any
+    ctx: StepContext,
+    config: EvalStep,
+    suite: SuiteStep,
+    source: Source,
+    model: Any,
+    device: Any,
+    autocast: Any,
 ) -> dict[str, Any]:
-    """One multiple-choice suite scored on the subset the step's settings draw."""
+    """One suite scored on the subset the step's settings draw."""
+    read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
+    questions = read(read_source(source), source.path)
+    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
+    codec = text_codec(ctx.inputs.get("tokenizer"))
+    if suite.kind == "exact_match":
+        from buildtrain.steps import exact
+
+        return {"kind": suite.kind, **exact.score(model, chosen, codec, config.context)}
     from buildtrain.steps.choice import score
 
-    questions = read_multiple_choice(read_source(source), source.path)
-    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
-    encode, end = text_encoder(ctx.inputs.get("tokenizer"))
-    result = score(model, chosen, encode, end, config.context, config.eval.batch_size, device, autocast)
-    return {"kind": "multiple_choice", **result}
+    result = score(
+        model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
+    )
+    return {"kind": suite.kind, **result}

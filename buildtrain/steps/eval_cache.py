@@ -52,7 +52,7 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
 
 # Bump when a suite kind's scoring changes what it computes; results are cached by this version
 # as well as by the suite's own (which says when its questions changed).
-SCORING_VERSIONS = {"multiple_choice": 1}
+SCORING_VERSIONS = {"multiple_choice": 1, "exact_match": 1}
 BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
 
 

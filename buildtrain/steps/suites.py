@@ -15,6 +15,9 @@ that buildtrain and the harness's HF back end on the `hf/` export score the same
 
 The choices are written as they are scored: the file carries any space between context and
 choice (a harness task reproduces this with `target_delimiter: ""`).
+
+An exact-match suite is JSONL of `{"context": str, "target": str}`, scored by greedy generation
+(`exact.py`).
 """
 
 from __future__ import annotations
@@ -66,12 +69,49 @@ def _question(line: bytes, where: str) -> MultipleChoice:
     return MultipleChoice(context=context, choices=tuple(choices), answer=answer)
 
 
+@attrs.frozen(kw_only=True)
+class ExactMatch:
+    """One question answered by generation: a context and the exact text that should follow."""
+
+    context: str
+    target: str
+
+
+def _target(line: bytes, where: str) -> ExactMatch:
+    """An exact-match question from one JSONL line; StepFailed naming the line, the key and the fix."""
+    fix = 'each line is {"context": "...", "target": "..."}'
+    try:
+        item = json.loads(line)
+    except ValueError as exc:
+        raise StepFailed(f"{where}: not JSON ({exc}); {fix}") from None
+    if not isinstance(item, dict) or set(item) != {"context", "target"}:
+        keys = sorted(item) if isinstance(item, dict) else type(item).__name__
+        raise StepFailed(f"{where}: expected the keys context, target (got {keys}); {fix}")
+    if not isinstance(item["context"], str):
+        raise StepFailed(f"{where}: context: expected a string; {fix}")
+    target = item["target"]
+    if not isinstance(target, str) or not target or "\n" in target:
+        raise StepFailed(
+            f"{where}: target: expected a non-empty string without a newline (one ends generation)"
+        )
+    return ExactMatch(context=item["context"], target=target)
+
+
 def read_multiple_choice(raw: bytes, path: Path | str) -> list[MultipleChoice]:
     """Every question of a multiple-choice suite file (blank lines are skipped)."""
+    return _read(raw, path, _question)
+
+
+def read_exact_match(raw: bytes, path: Path | str) -> list[ExactMatch]:
+    """Every question of an exact-match suite file (blank lines are skipped)."""
+    return _read(raw, path, _target)
+
+
+def _read(raw: bytes, path: Path | str, parse: Callable[[bytes, str], Any]) -> list[Any]:
     questions = []
     for number, line in enumerate(raw.splitlines(), start=1):
         if line.strip():
-            questions.append(_question(line, f"{path}:{number}"))
+            questions.append(parse(line, f"{path}:{number}"))
     if not questions:
         raise StepFailed(f"{path}: the suite has no questions; write one JSON object per line")
     return questions
@@ -88,15 +128,32 @@ def subset_indices(count: int, fraction: float, seed: int) -> list[int]:
     return sorted(ranked[:keep])
 
 
-def text_encoder(tokenizer: Path | None) -> tuple[Encode, int]:
-    """(text -> ids, end-of-document id) of a plan's tokenizer: a tokenizer step's output folder,
-    or None for the byte tokenizer (whose ids are a text's UTF-8 bytes)."""
+@attrs.frozen(kw_only=True)
+class Codec:
+    """A plan's tokenizer as the suites use it: text to ids, ids to text, the end-of-document id."""
+
+    encode: Encode
+    decode: Callable[[list[int]], str]
+    end: int
+
+
+def text_codec(tokenizer: Path | None) -> Codec:
+    """The codec of a plan's tokenizer: a tokenizer step's output folder, or None for the byte
+    tokenizer (whose ids are a text's UTF-8 bytes; bytes that are not UTF-8 decode to U+FFFD)."""
     if tokenizer is None:
-        return (lambda text: list(text.encode("utf-8"))), END_OF_DOCUMENT
+        return Codec(
+            encode=lambda text: list(text.encode("utf-8")),
+            decode=lambda ids: bytes(i for i in ids if i < END_OF_DOCUMENT).decode("utf-8", "replace"),
+            end=END_OF_DOCUMENT,
+        )
     from buildtrain.steps.tokenizer_files import load
 
     loaded, description = load(tokenizer)
-    return (lambda text: loaded.encode(text).ids), int(description["end_of_document"])
+    return Codec(
+        encode=lambda text: loaded.encode(text).ids,
+        decode=lambda ids: loaded.decode(ids),
+        end=int(description["end_of_document"]),
+    )
 
 
 def pair_ids(context: str, continuation: str, encode: Encode, end: int) -> tuple[list[int], list[int]]:

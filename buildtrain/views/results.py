@@ -24,10 +24,11 @@ def eval_result(store: Store, step_hash: str) -> dict[str, Any] | None:
 
 def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
     """Each benchmark suite's numbers from a built eval step: `accuracy` (the `acc` of a
-    multiple-choice suite), `acc_norm` and how many questions were scored."""
+    multiple-choice suite, the `exact_match` of an exact-match one), `acc_norm` (multiple choice
+    only) and how many questions were scored."""
     return {
         name: {
-            "accuracy": result.get("acc"),
+            "accuracy": result.get("acc", result.get("exact_match")),
             "acc_norm": result.get("acc_norm"),
             "questions": result.get("questions"),
         }
