@@ -1,6 +1,7 @@
 """lm-evaluation-harness's own computation of a local task, run through its HF back end on an
-`hf/` export: `python harness.py HF_FOLDER TASK_FOLDER TASK` prints {"acc", "acc_norm",
-"loglikelihoods"} as JSON (one list of per-choice log-likelihoods per question, in file order).
+`hf/` export: `python harness.py HF_FOLDER TASK_FOLDER TASK` prints the task's metrics as JSON
+(`acc`, `acc_norm`, `exact_match`, ...) and, for a loglikelihood task, `loglikelihoods`: one list
+of per-choice log-likelihoods per question, in file order.
 
 A process of its own: the offline switches and the datasets cache (inside the task folder) are
 read when `datasets` is imported, and the harness seeds global generators. Run from the task
@@ -34,14 +35,11 @@ def main() -> None:
         batch_size=4,
         log_samples=True,
     )
-    scores = results["results"][task]
+    scores = {key.split(",")[0]: value for key, value in results["results"][task].items() if "," in key}
     samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
-    loglikelihoods = [[float(resp[0][0]) for resp in sample["resps"]] for sample in samples]
-    print(
-        json.dumps(
-            {"acc": scores["acc,none"], "acc_norm": scores["acc_norm,none"], "loglikelihoods": loglikelihoods}
-        )
-    )
+    if samples and isinstance(samples[0]["resps"][0][0], (list, tuple)):  # loglikelihood requests
+        scores["loglikelihoods"] = [[float(resp[0][0]) for resp in sample["resps"]] for sample in samples]
+    print(json.dumps(scores))
 
 
 if __name__ == "__main__":

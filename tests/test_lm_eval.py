@@ -89,3 +89,47 @@ def test_accuracy_equals_the_harness_hf_back_end_on_the_export(bt, tmp_path, sto
     assert len(scores) == len(theirs["loglikelihoods"])
     for mine, harnessed in zip(scores, theirs["loglikelihoods"], strict=True):
         assert mine == pytest.approx(harnessed, abs=1e-4)
+
+
+def test_an_lm_eval_suite_runs_a_harness_task_on_buildtrains_model(bt, tmp_path):
+    """The harness's own tasks (a multiple-choice one and a generate_until one) through
+    `simple_evaluate` with buildtrain's model behind its LM interface: the multiple-choice task
+    gives buildtrain's own multiple_choice numbers, the generation task finds exactly the answers
+    planted from transformers' greedy generate, as the harness's HF back end does."""
+    from test_suites import hf_continuations, suite_preset
+
+    for name in ("arithmetic.jsonl", "arithmetic_mc.yaml", "sums.jsonl", "sums_gen.yaml"):
+        shutil.copyfile(SUITES / name, tmp_path / name)
+    trained = "[train]\nsteps = 600\n"  # long enough for the micro model to end its answers
+    suites = (
+        '{ name = "mc", file = "arithmetic.jsonl" }, '
+        '{ name = "harness-mc", kind = "lm_eval", task = "arithmetic_mc.yaml", file = "arithmetic.jsonl" }'
+    )
+    first = suite_preset(tmp_path, suites, "first.toml", trained)
+    assert bt("run", str(first)).returncode == 0
+    assert bt("export", str(first), str(tmp_path / "package")).returncode == 0
+    (row,) = json.loads(bt("ls", "--metrics", "--json").stdout)
+    assert row["suites"]["harness-mc"]["accuracy"] == pytest.approx(row["suites"]["mc"]["accuracy"], abs=1e-6)
+    assert row["suites"]["harness-mc"]["acc_norm"] == pytest.approx(row["suites"]["mc"]["acc_norm"], abs=1e-6)
+
+    contexts = [json.loads(line)["context"] for line in (tmp_path / "sums.jsonl").read_text().splitlines()]
+    generated = hf_continuations(tmp_path / "package" / "hf", contexts, tokens=8)
+    planted = [(c, g) for c, g in zip(contexts, generated, strict=True) if g][:6]
+    assert planted, f"the model ends no answer: {generated}"
+    questions = [{"context": c, "target": g} for c, g in planted] + [
+        {"context": c, "target": g + "0x"} for c, g in planted
+    ]
+    (tmp_path / "planted.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    gen = '{ name = "harness-gen", kind = "lm_eval", task = "sums_gen.yaml", file = "planted.jsonl" }'
+    second = suite_preset(tmp_path, gen, "second.toml", trained)
+    built = bt("run", str(second))
+    assert built.returncode == 0, built.stderr
+    rows = {r["hash"]: r for r in json.loads(bt("ls", "--metrics", "--json").stdout)}
+    ours = rows[plan_hash(bt("plan", str(second)))]["suites"]["harness-gen"]
+    assert ours == {"accuracy": 0.5, "acc_norm": None, "questions": len(questions)}
+
+    task = tmp_path / "task"  # the harness's HF back end on the same task and data
+    task.mkdir()
+    shutil.copyfile(SUITES / "sums_gen.yaml", task / "sums_gen.yaml")
+    shutil.copyfile(tmp_path / "planted.jsonl", task / "sums.jsonl")
+    assert harness(tmp_path / "package" / "hf", task, "bt_sums_gen")["exact_match"] == 0.5

@@ -120,6 +120,18 @@ def test_a_preset_without_suites_plans_the_eval_step_it_planned_before(bt, store
         ('{ name = "x", file = "missing.jsonl" }', "eval.suites[0].file: cannot read"),
         ('{ name = "x", file = "arithmetic.jsonl", kind = "mc" }', "eval.suites[0].kind: must be one of"),
         (f"{ARITH}, {ARITH}", "eval.suites: suite names must be unique (repeated: arith)"),
+        (
+            '{ name = "x", kind = "lm_eval", file = "arithmetic.jsonl" }',
+            "eval.suites[0].task: an lm_eval suite runs",
+        ),
+        (
+            '{ name = "x", task = "t.yaml", file = "arithmetic.jsonl" }',
+            "eval.suites[0].task: only an lm_eval suite",
+        ),
+        (
+            '{ name = "x", kind = "lm_eval", task = "t.yaml", file = "arithmetic.jsonl" }',
+            "eval.suites[0].task: cannot read",
+        ),
     ],
 )
 def test_a_bad_suite_is_a_one_line_preset_error(bt, tmp_path, suites, expected):

@@ -117,8 +117,9 @@ def _absolute_suite_files(section: Any, base: Path) -> None:
     """Suite files are relative to the preset that names them, like data files."""
     suites = section.get("suites") if isinstance(section, dict) else None
     for suite in suites if isinstance(suites, list) else []:
-        if isinstance(suite, dict) and isinstance(suite.get("file"), str):
-            suite["file"] = os.path.normpath(base / os.path.expanduser(suite["file"]))
+        for key in ("file", "task"):
+            if isinstance(suite, dict) and isinstance(suite.get(key), str):
+                suite[key] = os.path.normpath(base / os.path.expanduser(suite[key]))
 
 
 def _extends_of(raw: dict[str, Any], label: str) -> list[str]:

@@ -295,7 +295,7 @@ def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
     )
 
 
-SUITE_KINDS = ("multiple_choice", "exact_match")
+SUITE_KINDS = ("multiple_choice", "exact_match", "lm_eval")
 
 
 @attrs.frozen(kw_only=True)
@@ -309,10 +309,15 @@ class SuiteConfig:
     kind: str = setting(
         "multiple_choice",
         "multiple_choice: JSONL of {context, choices, answer}, scored by log-likelihood; exact_match: "
-        "JSONL of {context, target}, scored by greedy generation",
+        "JSONL of {context, target}, scored by greedy generation; lm_eval: an lm-evaluation-harness "
+        "task (`task`) on local data (`file`)",
         one_of(*SUITE_KINDS),
     )
     file: str | None = setting(None, "the suite's JSONL file, relative to the preset")
+    task: str | None = setting(
+        None,
+        "lm_eval only: the harness's task YAML, relative to the preset; `file` is the split it evaluates",
+    )
 
     @name.validator
     def _safe_name(self, _: attrs.Attribute[Any], value: str) -> None:
@@ -327,6 +332,16 @@ class SuiteConfig:
     def _file_given(self, _: attrs.Attribute[Any], value: str | None) -> None:
         if value is None:
             raise ValueError(f'a {self.kind} suite reads a file; add file = "questions.jsonl"')
+
+    @task.validator
+    @reads("kind")
+    def _task_for_the_harness(self, _: attrs.Attribute[Any], value: str | None) -> None:
+        if self.kind == "lm_eval" and value is None:
+            raise ValueError('an lm_eval suite runs a harness task; add task = "task.yaml"')
+        if self.kind != "lm_eval" and value is not None:
+            raise ValueError(
+                f"only an lm_eval suite runs a harness task; drop it from this {self.kind} suite"
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -217,6 +217,9 @@ class DataStep:
 SUITE_SETTINGS = ("suites", "subset", "seed")
 
 
+SUITE_PATHS = ("file", "task")  # a suite's files, sources of the eval step in this order
+
+
 def heldout_settings(config: EvalConfig) -> dict[str, Any]:
     """The eval section without its suite settings: what held-out evaluation reads."""
     return {k: v for k, v in converter.unstructure(config).items() if k not in SUITE_SETTINGS}
@@ -233,7 +236,7 @@ def eval_view(config: EvalConfig) -> dict[str, Any]:
     view = converter.unstructure(config)
     if not config.suites:
         return heldout_settings(config)
-    view["suites"] = [{k: v for k, v in suite.items() if k != "file"} for suite in view["suites"]]
+    view["suites"] = [{k: v for k, v in suite.items() if k not in SUITE_PATHS} for suite in view["suites"]]
     return view
 
 

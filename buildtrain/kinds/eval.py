@@ -4,6 +4,7 @@ evaluated once (by any plan) are completed from the cache without a process."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ from buildtrain.config.schema import Stage
 from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
+from buildtrain.plan.toolchain import lm_eval_version
 from buildtrain.store.evals import keys_of_output
 
 if TYPE_CHECKING:
@@ -49,12 +51,19 @@ class EvalKind(StepKind):
             "data": planning.required("data", final).hash,
         }
         if suites:  # questions are text: the step encodes them with the plan's tokenizer
-            inputs["sources"] = [{"blake3": f.blake3, "size": f.size} for f in planning.suite_files]
+            files = [f for suite in planning.suite_files for f in suite]  # data, then a harness task
+            inputs["sources"] = [{"blake3": f.blake3, "size": f.size} for f in files]
             tokenizer = planning.planned("tokenizer", final)
             if tokenizer is not None:
                 inputs["tokenizer"] = tokenizer.hash
         toolchain = self.toolchain(step_config, config.numerics)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
+
+    def library_facts(self, config: Mapping[str, Any]) -> dict[str, str]:
+        # A harness task's numbers are the harness's: its release enters the hash where one runs.
+        if any(suite["kind"] == "lm_eval" for suite in config.get("suites", [])):
+            return {"lm-eval": lm_eval_version()}
+        return {}
 
     def references(self, output: Path) -> list[str]:
         return keys_of_output(output)

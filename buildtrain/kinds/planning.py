@@ -24,7 +24,7 @@ class Planning:
     view: Mapping[str, Any]  # the config as the plan hash records it (no paths)
     sources: Mapping[str, list[SourceFile]]  # each stage's data files, by content
     tokenizer_files: Mapping[str, SourceFile]  # each stage's given tokenizer file, by content
-    suite_files: tuple[SourceFile, ...] = ()  # each eval suite's file, by content, in suite order
+    suite_files: tuple[tuple[SourceFile, ...], ...] = ()  # each eval suite's files, by content
     world_size: int  # processes that will train (hashed only where a result depends on it)
     steps: dict[str, Step] = attrs.Factory(dict)  # by hash, in plan order
     _by_kind: dict[tuple[str, str | None], Step | None] = attrs.Factory(dict)

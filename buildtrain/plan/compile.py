@@ -39,11 +39,11 @@ def compile_plan(
     sources: Mapping[str, list[SourceFile]],
     world_size: int = 1,
     tokenizer_files: Mapping[str, SourceFile] | None = None,
-    suite_files: Sequence[SourceFile] = (),
+    suite_files: Sequence[tuple[SourceFile, ...]] = (),
 ) -> Plan:
     """The plan for `config`; `sources` gives the content of each stage's data files, `world_size`
     the processes that will train (hashed only where a result depends on it), `tokenizer_files`
-    the content of each stage's given tokenizer file, `suite_files` that of each eval suite's file
+    the content of each stage's given tokenizer file, `suite_files` that of each eval suite's files
     (in `eval.suites` order)."""
     view = config_view(config)
     planning = Planning(

@@ -13,6 +13,7 @@ import attrs
 from buildtrain.config.loader import LoadedPreset, load_preset
 from buildtrain.config.preflight import preflight
 from buildtrain.config.schema import TokenizerConfig
+from buildtrain.config.steps import SUITE_PATHS
 from buildtrain.errors import ConfigError
 from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
@@ -108,21 +109,29 @@ def _source_digest(cache: StatCache, found: Path | ObjectVersion) -> tuple[Sourc
 
 def _suite_digests(
     loaded: LoadedPreset, cache: StatCache, locations: dict[str, list[str]]
-) -> list[SourceFile]:
-    """Each eval suite's file by content (in suite order); where it was seen is a hint for the run."""
+) -> list[tuple[SourceFile, ...]]:
+    """Each eval suite's files by content (in suite order; `config.steps.SUITE_PATHS` in each);
+    where each was seen is a hint for the run."""
     found = []
     for index, suite in enumerate(loaded.config.eval.suites):
-        assert suite.file is not None  # the schema requires it
-        path = Path(suite.file)
-        try:
-            source = cache.digest_of(path)
-        except OSError as exc:
-            where = loaded.source_of(("eval", "suites", index, "file"))
-            raise ConfigError(
-                [f"{where}: eval.suites[{index}].file: cannot read {path}: {exc.strerror}; give a JSONL file"]
-            ) from None
-        found.append(source)
-        known = locations.setdefault(source.blake3, [])
-        if str(path.absolute()) not in known:
-            known.append(str(path.absolute()))
+        files = []
+        for key in SUITE_PATHS:
+            name = getattr(suite, key)
+            if name is None:
+                continue
+            path = Path(name)
+            try:
+                source = cache.digest_of(path)
+            except OSError as exc:
+                where = loaded.source_of(("eval", "suites", index, key))
+                raise ConfigError(
+                    [
+                        f"{where}: eval.suites[{index}].{key}: cannot read {path}: {exc.strerror}; give a file there"
+                    ]
+                ) from None
+            files.append(source)
+            known = locations.setdefault(source.blake3, [])
+            if str(path.absolute()) not in known:
+                known.append(str(path.absolute()))
+        found.append(tuple(files))
     return found

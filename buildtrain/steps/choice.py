@@ -18,17 +18,17 @@ from buildtrain.steps.suites import Encode, MultipleChoice, accuracy, pair_ids, 
 
 
 @torch.no_grad()
-def loglikelihoods(
+def scored(
     model: torch.nn.Module,
     sequences: Sequence[tuple[list[int], list[int]]],
     batch_size: int,
     device: torch.device,
     autocast: contextlib.AbstractContextManager[Any] | None = None,
-) -> list[float]:
-    """The summed log-likelihood of each (input, continuation) sequence's continuation, where the
-    input's last `len(continuation)` positions predict it."""
+) -> list[tuple[float, bool]]:
+    """(summed log-likelihood, whether each token is the argmax) of each (input, continuation)
+    sequence's continuation, where the input's last `len(continuation)` positions predict it."""
     model.eval()
-    scores: list[float] = []
+    found: list[tuple[float, bool]] = []
     for first in range(0, len(sequences), batch_size):
         batch = sequences[first : first + batch_size]
         width = max(len(inputs) for inputs, _ in batch)
@@ -40,9 +40,21 @@ def loglikelihoods(
         logprobs = F.log_softmax(logits.float(), dim=-1).cpu()
         for row, (inputs, continuation) in enumerate(batch):
             end, n = len(inputs), len(continuation)
-            picked = logprobs[row, end - n : end].gather(1, torch.tensor(continuation)[:, None])
-            scores.append(picked.double().sum().item())
-    return scores
+            window, wanted = logprobs[row, end - n : end], torch.tensor(continuation)
+            picked = window.gather(1, wanted[:, None])
+            found.append((picked.double().sum().item(), bool((window.argmax(-1) == wanted).all())))
+    return found
+
+
+def loglikelihoods(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    batch_size: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager[Any] | None = None,
+) -> list[float]:
+    """The summed log-likelihood of each sequence's continuation (`scored`)."""
+    return [score for score, _ in scored(model, sequences, batch_size, device, autocast)]
 
 
 def choice_loglikelihoods(

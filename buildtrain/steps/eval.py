@@ -7,13 +7,24 @@ cache (`eval_cache.py`), so weights evaluated before are not evaluated again.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.steps.eval_cache import cache_key, complete_from_cache, suite_keys, write_result
+from buildtrain.steps.eval_cache import (
+    SUITE_SOURCES,
+    cache_key,
+    complete_from_cache,
+    suite_keys,
+    write_result,
+)
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.steps.suites import read_exact_match, read_multiple_choice, subset_indices, text_codec
+
+if TYPE_CHECKING:
+    from buildtrain.config.schema import NumericsConfig
 
 # The executor completes an evaluation found in the cache without starting a process (kinds/eval.py).
 complete_from_store = complete_from_cache
@@ -44,50 +55,87 @@ def _evaluate(
 ) -> list[dict[str, Any]]:
     """Each result of `wanted` (held-out first, then the suites): cached ones as they are, the
     rest computed with the weights loaded once."""
-    import torch
-
-    from buildtrain.steps.data_index import DATA_INDEX, vocab_size
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
-    from buildtrain.steps.train.model import Transformer
-    from buildtrain.steps.train.state import load_model
 
     config = EvalStep.from_config(ctx.step.config)
-    device = torch.device(ctx.numerics.device)
-    index = read_json(ctx.inputs["data"] / DATA_INDEX)
-    model = Transformer.build(config.model, vocab_size(index), torch.Generator())
-    load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
-    model.to(device)
-    bf16 = ctx.numerics.dtype == "bfloat16"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    loaded = load(config, ctx.inputs["data"], final_weights(ctx.inputs["weights"]), ctx.numerics)
     results = list(cached)
     if results[0] is None:
-        heldout = TokenStream(ctx.inputs["data"], index["splits"]["heldout"])
-        result = evaluate(model, heldout, config.eval, device, autocast)
+        heldout = TokenStream(ctx.inputs["data"], loaded.index["splits"]["heldout"])
+        result = evaluate(loaded.model, heldout, config.eval, loaded.device, loaded.autocast)
         ctx.log.info("eval", **result)
         results[0] = {"identity": wanted[0][1], "result": result}
-    for at, (suite, source) in enumerate(zip(config.suites, ctx.sources, strict=True), start=1):
+    sources = iter(ctx.sources)
+    for at, suite in enumerate(config.suites, start=1):
+        files = [next(sources) for _ in SUITE_SOURCES[suite.kind]]  # data, then a harness task
         if results[at] is None:
-            result = _suite(ctx, config, suite, source, model, device, autocast)
+            work = ctx.work / "harness" / suite.name
+            result = score_suite(loaded, config, suite, files, ctx.inputs.get("tokenizer"), work)
             ctx.log.info("eval_suite", suite=suite.name, **result)
             results[at] = {"identity": wanted[at][1], "result": result}
     return results  # type: ignore[return-value]
 
 
-def _suite(
-    ctx: StepContext,
+@attrs.frozen(kw_only=True)
+class Loaded:
+    """Weights loaded to evaluate: the model, where it runs, and the data step's index."""
+
+    model: Any
+    device: Any
+    autocast: Any
+    index: dict[str, Any]
+
+
+def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) -> Loaded:
+    """The model of `config` with the weights in `weights` (a safetensors file), on the device."""
+    import torch
+
+    from buildtrain.steps.data_index import DATA_INDEX, vocab_size
+    from buildtrain.steps.train.model import Transformer
+    from buildtrain.steps.train.state import load_model
+
+    device = torch.device(numerics.device)
+    index = read_json(data / DATA_INDEX)
+    model = Transformer.build(config.model, vocab_size(index), torch.Generator())
+    load_model(model, weights)  # every weight is replaced
+    model.to(device)
+    bf16 = numerics.dtype == "bfloat16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    return Loaded(model=model, device=device, autocast=autocast, index=index)
+
+
+def score_suite(
+    loaded: Loaded,
     config: EvalStep,
     suite: SuiteStep,
-    source: Source,
-    model: Any,
-    device: Any,
-    autocast: Any,
+    files: list[Source],
+    tokenizer: Path | None,
+    work: Path,
 ) -> dict[str, Any]:
-    """One suite scored on the subset the step's settings draw."""
+    """One suite scored on the subset `config` draws (`tokenizer`: the tokenizer step's output,
+    or None for bytes; `work`: a folder for the harness's files)."""
+    model, device, autocast = loaded.model, loaded.device, loaded.autocast
+    codec = text_codec(tokenizer)
+    if suite.kind == "lm_eval":
+        from buildtrain.steps.harness import Scorer, run_task
+
+        scorer = Scorer(
+            model=model,
+            codec=codec,
+            window=config.context,
+            batch_size=config.eval.batch_size,
+            device=device,
+            autocast=autocast,
+        )
+        data, task = files
+        result = run_task(
+            scorer, read_source(task), str(task.path), read_source(data), work, config.subset, config.seed
+        )
+        return {"kind": suite.kind, **result}
     read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
-    questions = read(read_source(source), source.path)
+    questions = read(read_source(files[0]), files[0].path)
     chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
-    codec = text_codec(ctx.inputs.get("tokenizer"))
     if suite.kind == "exact_match":
         from buildtrain.steps import exact
 

@@ -52,30 +52,38 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
 
 # Bump when a suite kind's scoring changes what it computes; results are cached by this version
 # as well as by the suite's own (which says when its questions changed).
-SCORING_VERSIONS = {"multiple_choice": 1, "exact_match": 1}
+SCORING_VERSIONS = {"multiple_choice": 1, "exact_match": 1, "lm_eval": 1}
+# The sources each kind of suite reads, in the eval step's order: its data, then a harness task.
+SUITE_SOURCES = {"multiple_choice": ("data",), "exact_match": ("data",), "lm_eval": ("data", "task")}
 BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
 
 
-def suite_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[str, dict[str, Any]]]:
+def suite_keys(
+    step: Step, inputs: Mapping[str, Path], weights: str | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     """(key, identity) of each benchmark suite of the eval step, in suite order: what the result
     depends on is the suite (name, version, scoring), the weights, the file's content, the subset
     and its seed, and how text becomes tokens (tokenizer, model context); never the plan or the
-    path. Raises ValueError (or OSError) like `cache_key`."""
+    path. `weights`: the digest of other weights than the input's final ones (a kept checkpoint,
+    `bt eval --update`). Raises ValueError (or OSError) like `cache_key`."""
     config = step.config
     suites = config.get("suites", [])
     if not suites:
         return []
-    weights = _declared(inputs["weights"], step.inputs["weights"], "weights")
+    weights = weights or _declared(inputs["weights"], step.inputs["weights"], "weights")
     tokenizer = BYTE_TOKENIZER
     if "tokenizer" in step.inputs:
         tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
-    found = []
-    for suite, source in zip(suites, step.inputs["sources"], strict=True):
+    found, sources = [], iter(step.inputs["sources"])
+    for suite in suites:
+        files = {name: next(sources)["blake3"] for name in SUITE_SOURCES[suite["kind"]]}
+        harness = {"harness": step.toolchain["lm-eval"]} if "task" in files else {}  # its release
         identity = {
             **suite,
+            **files,
+            **harness,
             "scoring": SCORING_VERSIONS[suite["kind"]],
             "weights": weights,
-            "data": source["blake3"],
             "subset": config["subset"],
             "seed": config["seed"],
             "tokenizer": tokenizer,

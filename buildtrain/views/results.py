@@ -28,7 +28,7 @@ def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
     only) and how many questions were scored."""
     return {
         name: {
-            "accuracy": result.get("acc", result.get("exact_match")),
+            "accuracy": result.get("acc", result.get("exact_match")),  # a harness task's too
             "acc_norm": result.get("acc_norm"),
             "questions": result.get("questions"),
         }
