@@ -260,3 +260,36 @@ def test_an_exact_match_question_needs_a_one_line_target():
         read_exact_match(b'{"context": "a", "target": "b"}\n{"context": "a", "target": "b\\nc"}\n', "s.jsonl")
     with pytest.raises(StepFailed, match="expected the keys context, target"):
         read_exact_match(b'{"context": "a", "answer": "b"}\n', "s.jsonl")
+
+
+def test_bt_eval_scores_a_suite_ad_hoc_and_finds_it_again_without_torch(bt, tmp_path):
+    import os
+
+    plan = plan_hash(bt("plan", str(suite_preset(tmp_path, ARITH))))
+    assert bt("run", plan).returncode == 0
+    (row,) = metrics(bt)
+    blocked = tmp_path / "no-torch" / "torch"  # a process that finds this cannot import torch
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("bt eval imported torch for a stored result")\n')
+    no_torch = {"PYTHONPATH": os.pathsep.join([str(blocked.parent), os.environ.get("PYTHONPATH", "")])}
+
+    def evaluated(*args: str, env: dict[str, str] | None = None) -> dict:
+        done = bt("eval", plan, "--suite", *args, env=env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    found = evaluated("arith", env=no_torch)  # the plan's own result, from the store
+    assert found["cached"] and found["result"]["acc"] == row["suites"]["arith"]["accuracy"]
+    half = evaluated("arith", "--subset", "0.5")
+    assert not half["cached"] and half["result"]["questions"] == 12
+    assert evaluated("arith", "--subset", "0.5", env=no_torch) == {**half, "cached": True}
+    early = evaluated("arith@1", "--update", "4")
+    assert not early["cached"] and early["weights"] == "update 4" and early["key"] != found["key"]
+    assert evaluated("arith", "--update", "12", env=no_torch)["key"] == found["key"]  # the final weights
+
+    refused = bt("eval", plan, "--suite", "arith@2")
+    assert refused.returncode == ExitCode.USAGE and "the plan's suites are arith@1" in refused.stderr
+    refused = bt("eval", plan, "--suite", "arith", "--update", "5")
+    assert (
+        refused.returncode == ExitCode.USAGE and "kept the checkpoints of updates 12, 8, 4" in refused.stderr
+    )
