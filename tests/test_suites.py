@@ -54,6 +54,7 @@ def test_a_suite_is_scored_listed_and_never_evaluated_twice(bt, tmp_path):
     arith = row["suites"]["arith"]
     assert arith["questions"] == 24 and 0.0 <= arith["accuracy"] <= 1.0
     assert row["suites"]["again"] == arith  # the same questions on the same weights
+    assert arith["overlap"] == 0  # the synthetic corpus holds no question with its answer
     table = bt("ls", "--metrics").stdout
     assert "acc:arith" in table and "acc:again" in table
 
@@ -293,3 +294,51 @@ def test_bt_eval_scores_a_suite_ad_hoc_and_finds_it_again_without_torch(bt, tmp_
     assert (
         refused.returncode == ExitCode.USAGE and "kept the checkpoints of updates 12, 8, 4" in refused.stderr
     )
+
+
+def test_a_question_planted_in_the_training_data_is_reported_as_overlap(bt, tmp_path, store):
+    import random
+
+    rng = random.Random(3)
+    with (tmp_path / "corpus.jsonl").open("w") as corpus:
+        for _ in range(300):
+            sums = [(rng.randrange(400, 999), rng.randrange(100, 999)) for _ in range(3)]
+            corpus.write(json.dumps({"text": "\n".join(f"{a}+{b}={a + b}" for a, b in sums)}) + "\n")
+        # A suite question with its answer, spaced and cased otherwise: the same after normalising.
+        corpus.write(json.dumps({"text": "  95+25=120 \n"}) + "\n")
+    data = '[data]\nsource = "files"\nfiles = ["corpus.jsonl"]\nformat = "jsonl"\n'
+    preset = suite_preset(tmp_path, ARITH, extra=data)
+    built = bt("run", str(preset))
+    assert built.returncode == 0, built.stderr
+    (row,) = metrics(bt)
+    assert row["suites"]["arith"]["overlap"] == 1
+    assert "overlap:arith" in bt("ls", "--metrics").stdout
+    evals = [p for p in (store / "steps").iterdir() if (p / "eval.json").is_file()]
+    (output,) = [p for p in evals if not (p / "BLAKE3SUMS").exists()]  # not the export package
+    recorded = json.loads((output / "eval.json").read_text())["suites"]["arith"]["result"]["overlap"]
+    assert recorded == {"count": 1, "examples": ["95+25="]}
+    (documents,) = [p / "documents.u64" for p in (store / "steps").iterdir() if (p / "data.json").is_file()]
+    assert documents.stat().st_size == 8 * 301  # one digest per distinct document
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60), st.lists(st.integers(0, 200), max_size=6))
+def test_a_document_digest_does_not_depend_on_where_its_chunks_are_cut(text, cuts):
+    from buildtrain.steps.documents import DocumentDigest, digest_text
+
+    raw = text.encode("utf-8")
+    document, at = DocumentDigest(), 0
+    for cut in sorted(min(c, len(raw)) for c in cuts):
+        document.update(raw[at:cut])
+        at = cut
+    document.update(raw[at:])
+    assert document.value() == digest_text(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from("aB1+= \t\n"), max_size=40))
+def test_a_document_digest_ignores_ascii_case_and_spacing(text):
+    from buildtrain.steps.documents import digest_text
+
+    assert digest_text(text) == digest_text(" ".join(text.lower().split()))
+    assert digest_text(text) == digest_text("  " + text.upper() + "\n")

@@ -112,7 +112,7 @@ def _compute(store: Store, plan: Plan, step: Step, inputs: dict[str, Any], weigh
     loaded = load(config, inputs["data"], weights, settings)
     work = store.new_temp("eval")
     try:
-        return score_suite(loaded, config, config.suites[0], files, inputs.get("tokenizer"), work)
+        return score_suite(loaded, config, config.suites[0], files, inputs, work)
     finally:
         from buildtrain.store import objects
 

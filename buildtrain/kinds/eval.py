@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from buildtrain.config.schema import Stage
+from buildtrain.config.schema import Config, Stage
 from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
@@ -20,6 +20,19 @@ if TYPE_CHECKING:
 
 # Bump when an evaluation suite changes what it computes; results are cached by this version.
 EVAL_SUITE_VERSIONS = {"heldout": 1}
+
+
+DOCUMENTS = "documents:"  # inputs naming the data steps whose documents a suite is checked against
+
+
+def lineage(config: Config) -> list[str]:
+    """The stages whose training made the final weights: the final one and its ancestors, first first."""
+    names, stage = [], config.final_stage
+    while True:
+        names.insert(0, stage.name)
+        if stage.init_from is None:
+            return names
+        stage = config.stage(stage.init_from)
 
 
 class EvalKind(StepKind):
@@ -56,6 +69,8 @@ class EvalKind(StepKind):
             tokenizer = planning.planned("tokenizer", final)
             if tokenizer is not None:
                 inputs["tokenizer"] = tokenizer.hash
+            for name in lineage(config):  # the documents its weights were trained on
+                inputs[f"{DOCUMENTS}{name}"] = planning.required("data", name).hash
         toolchain = self.toolchain(step_config, config.numerics)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 

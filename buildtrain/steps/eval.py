@@ -71,7 +71,7 @@ def _evaluate(
         files = [next(sources) for _ in SUITE_SOURCES[suite.kind]]  # data, then a harness task
         if results[at] is None:
             work = ctx.work / "harness" / suite.name
-            result = score_suite(loaded, config, suite, files, ctx.inputs.get("tokenizer"), work)
+            result = score_suite(loaded, config, suite, files, ctx.inputs, work)
             ctx.log.info("eval_suite", suite=suite.name, **result)
             results[at] = {"identity": wanted[at][1], "result": result}
     return results  # type: ignore[return-value]
@@ -105,18 +105,22 @@ def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) 
     return Loaded(model=model, device=device, autocast=autocast, index=index)
 
 
+OVERLAP_EXAMPLES = 3  # questions a result quotes from its overlap with the training documents
+EXAMPLE_CHARACTERS = 80
+
+
 def score_suite(
     loaded: Loaded,
     config: EvalStep,
     suite: SuiteStep,
     files: list[Source],
-    tokenizer: Path | None,
+    inputs: dict[str, Path],
     work: Path,
 ) -> dict[str, Any]:
-    """One suite scored on the subset `config` draws (`tokenizer`: the tokenizer step's output,
-    or None for bytes; `work`: a folder for the harness's files)."""
+    """One suite scored on the subset `config` draws, with its overlap with the training
+    documents (`inputs`: the step's verified inputs; `work`: a folder for the harness's files)."""
     model, device, autocast = loaded.model, loaded.device, loaded.autocast
-    codec = text_codec(tokenizer)
+    codec = text_codec(inputs.get("tokenizer"))
     if suite.kind == "lm_eval":
         from buildtrain.steps.harness import Scorer, run_task
 
@@ -132,17 +136,33 @@ def score_suite(
         result = run_task(
             scorer, read_source(task), str(task.path), read_source(data), work, config.subset, config.seed
         )
-        return {"kind": suite.kind, **result}
+        return {"kind": suite.kind, **result, "overlap": None}  # the harness's documents are its own
     read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
     questions = read(read_source(files[0]), files[0].path)
     chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
     if suite.kind == "exact_match":
         from buildtrain.steps import exact
 
-        return {"kind": suite.kind, **exact.score(model, chosen, codec, config.context)}
-    from buildtrain.steps.choice import score
+        result = exact.score(model, chosen, codec, config.context)
+    else:
+        from buildtrain.steps.choice import score
 
-    result = score(
-        model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
-    )
-    return {"kind": suite.kind, **result}
+        result = score(
+            model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
+        )
+    return {"kind": suite.kind, **result, "overlap": contamination(chosen, inputs)}
+
+
+def contamination(questions: list[Any], inputs: dict[str, Path]) -> dict[str, Any]:
+    """How many questions (context and answer as one document) are among the documents of the
+    data steps the weights were trained on, and a few of them (`documents.py`)."""
+    import numpy as np
+
+    from buildtrain.steps.documents import overlap, read_documents
+
+    arrays = [read_documents(path) for name, path in sorted(inputs.items()) if name.startswith("documents:")]
+    trained = np.unique(np.concatenate([a for a in arrays if a is not None] or [np.zeros(0, np.uint64)]))
+    texts = [q.context + (q.choices[q.answer] if hasattr(q, "choices") else q.target) for q in questions]
+    found = overlap(trained, texts)
+    examples = [questions[i].context[:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
+    return {"count": len(found), "examples": examples}

@@ -18,7 +18,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import EVAL_RESULT
+from buildtrain.store.layout import DOCUMENTS, EVAL_RESULT
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -74,6 +74,12 @@ def suite_keys(
     tokenizer = BYTE_TOKENIZER
     if "tokenizer" in step.inputs:
         tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
+    # What the contamination check intersects: each trained-on data step's document digests.
+    trained = [
+        _declared(inputs[k], step.inputs[k], DOCUMENTS)
+        for k in sorted(step.upstream)
+        if k.startswith("documents:")
+    ]
     found, sources = [], iter(step.inputs["sources"])
     for suite in suites:
         files = {name: next(sources)["blake3"] for name in SUITE_SOURCES[suite["kind"]]}
@@ -84,6 +90,7 @@ def suite_keys(
             **harness,
             "scoring": SCORING_VERSIONS[suite["kind"]],
             "weights": weights,
+            "trained_on": trained,
             "subset": config["subset"],
             "seed": config["seed"],
             "tokenizer": tokenizer,

@@ -14,6 +14,8 @@ import numpy as np
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
 from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
+from buildtrain.steps.documents import Recorder
+from buildtrain.store.layout import DOCUMENTS
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
@@ -69,6 +71,7 @@ def finish(
     blocks: int,
     units: str,
     log: Any,
+    recorder: Recorder,
 ) -> dict[str, str]:
     """Close the shards, refuse an empty split (`units` says what the corpus was cut into), write
     `data.json` and return the output's logical digests: the end of every data step."""
@@ -88,6 +91,7 @@ def finish(
     write_bytes_durably(out / DATA_INDEX, canonical_bytes(index))
     digests = {shard["file"]: shard["digest"] for w in writers.values() for shard in w.shards}
     digests["data"] = digest("data", {s: [x["digest"] for x in w.shards] for s, w in writers.items()})
+    digests[DOCUMENTS] = recorder.write(out)  # what the contamination check intersects
     log.info(
         "data_built",
         documents=documents,

@@ -31,6 +31,7 @@ def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
             "accuracy": result.get("acc", result.get("exact_match")),  # a harness task's too
             "acc_norm": result.get("acc_norm"),
             "questions": result.get("questions"),
+            "overlap": (result.get("overlap") or {}).get("count"),  # questions found in training data
         }
         for name, result in output_suites(store.output(step_hash)).items()
     }

@@ -99,18 +99,19 @@ def sort_rows(rows: list[dict[str, Any]], keys: Sequence[str], column: str | Non
     return present + blank
 
 
-SUITE_PREFIX = "acc:"  # a suite's accuracy column: `acc:NAME`
+SUITE_PREFIXES = {"acc:": "accuracy", "overlap:": "overlap"}  # a suite's columns: `acc:NAME`, ...
 
 
 def suite_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """One accuracy column per benchmark suite any listed plan evaluated, by name."""
+    """An accuracy and an overlap column per benchmark suite any listed plan evaluated, by name."""
     names = dict.fromkeys(name for row in rows for name in row.get("suites", {}))
-    return [SUITE_PREFIX + name for name in names]
+    return [prefix + name for name in names for prefix in SUITE_PREFIXES]
 
 
 def result_value(row: dict[str, Any], column: str) -> Any:
-    if column.startswith(SUITE_PREFIX):
-        return row.get("suites", {}).get(column[len(SUITE_PREFIX) :], {}).get("accuracy")
+    for prefix, field in SUITE_PREFIXES.items():
+        if column.startswith(prefix):
+            return row.get("suites", {}).get(column[len(prefix) :], {}).get(field)
     return row.get(column)
 
 
