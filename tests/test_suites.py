@@ -342,3 +342,42 @@ def test_a_document_digest_ignores_ascii_case_and_spacing(text):
 
     assert digest_text(text) == digest_text(" ".join(text.lower().split()))
     assert digest_text(text) == digest_text("  " + text.upper() + "\n")
+
+
+def test_eval_every_draws_each_suite_over_the_kept_checkpoints_and_leaves_the_weights(bt, tmp_path, store):
+    from conftest import step_digests
+
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    curve = plan_hash(
+        bt("plan", str(suite_preset(tmp_path, ARITH, "curve.toml", "eval_every = 4\nsubset = 0.5\n")))
+    )
+    flat = plan_hash(bt("plan", str(suite_preset(tmp_path, ARITH, "flat.toml", "subset = 0.5\n"))))
+    assert bt("run", curve).returncode == 0
+    assert bt("run", flat).returncode == 0
+    trains = [{s.hash for s in load_plan(Store(store), p).steps if s.kind == "train"} for p in (curve, flat)]
+    assert trains[0] == trains[1]  # the same train step: the curve is drawn after training
+    assert step_digests(store, curve)["train:main"] == step_digests(store, flat)["train:main"]
+
+    (output,) = [p for p in (store / "steps").iterdir() if b'"curves"' in _eval_json(p)]
+    body = json.loads(_eval_json(output))
+    points = body["curves"]["arith"]
+    assert [p["update"] for p in points] == [4, 8, 12]  # the kept checkpoints; 12 is the final weights
+    assert points[-1]["result"] == body["suites"]["arith"]["result"]
+    early = bt("eval", curve, "--suite", "arith", "--update", "4")  # the same result, stored once
+    assert json.loads(early.stdout)["cached"] and json.loads(early.stdout)["result"] == points[0]["result"]
+
+    report = bt("report", "-o", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr
+    assert "Benchmark suites at the kept checkpoints" in (tmp_path / "report.html").read_text()
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    (record,) = [r for r in (tmp_path / "experiments").iterdir() if r.name.endswith(curve[:12])]
+    events = accumulator.EventAccumulator(str(record))
+    events.Reload()
+    assert sorted(e.step for e in events.Scalars("eval/arith/acc")) == [4, 8, 12]
+
+
+def _eval_json(output: Path) -> bytes:
+    path = output / "eval.json"
+    return path.read_bytes() if path.is_file() and not (output / "BLAKE3SUMS").exists() else b""

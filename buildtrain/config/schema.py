@@ -367,6 +367,12 @@ class EvalConfig:
         at_most(1.0),
     )
     seed: int = setting(0, "seed of the subset drawn from each suite", at_least(0))
+    eval_every: int = setting(
+        0,
+        "also score each suite (on eval.subset) at every kept checkpoint whose update is a multiple of N, "
+        "after training: a curve in bt report and TensorBoard (0: the final weights only)",
+        at_least(0),
+    )
 
     @suites.validator
     def _unique_names(self, _: attrs.Attribute[Any], value: tuple[SuiteConfig, ...]) -> None:

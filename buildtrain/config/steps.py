@@ -214,7 +214,7 @@ class DataStep:
 
 # The eval section's suite settings: recorded (in the plan's config and the eval step's) only where
 # suites are set, so a plan without suites keeps the form, and the hashes, it had before suites.
-SUITE_SETTINGS = ("suites", "subset", "seed")
+SUITE_SETTINGS = ("suites", "subset", "seed", "eval_every")
 
 
 SUITE_PATHS = ("file", "task")  # a suite's files, sources of the eval step in this order
@@ -227,7 +227,7 @@ def heldout_settings(config: EvalConfig) -> dict[str, Any]:
 
 def heldout_only(config: EvalConfig) -> EvalConfig:
     """The eval section with its suite settings at their defaults (what a train step records)."""
-    return attrs.evolve(config, suites=(), subset=1.0, seed=0)
+    return attrs.evolve(config, suites=(), subset=1.0, seed=0, eval_every=0)
 
 
 def eval_view(config: EvalConfig) -> dict[str, Any]:
@@ -285,6 +285,7 @@ class EvalStep:
     subset: float = 1.0
     seed: int = 0
     context: int = 0
+    eval_every: int = 0  # a curve of each suite over the kept checkpoints (only when set)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> EvalStep:
@@ -296,6 +297,8 @@ class EvalStep:
         if self.suites:
             config["suites"] = [attrs.asdict(suite) for suite in self.suites]
             config.update(subset=self.subset, seed=self.seed, context=self.context)
+            if self.eval_every:
+                config["eval_every"] = self.eval_every
         return config
 
 

@@ -58,6 +58,7 @@ class EvalKind(StepKind):
             subset=config.eval.subset,
             seed=config.eval.seed,
             context=config.final_stage.train.seq_len,
+            eval_every=config.eval.eval_every,
         ).to_config()
         inputs: dict[str, Any] = {
             "weights": planning.required("train", final).hash,

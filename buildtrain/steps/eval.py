@@ -15,13 +15,16 @@ from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.steps.context import StepContext, final_weights, read_json
 from buildtrain.steps.eval_cache import (
     SUITE_SOURCES,
+    assemble,
     cache_key,
     complete_from_cache,
+    curve_keys,
     suite_keys,
     write_result,
 )
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.steps.suites import read_exact_match, read_multiple_choice, subset_indices, text_codec
+from buildtrain.store.layout import CHECKPOINTS, MODEL, RESULT
 
 if TYPE_CHECKING:
     from buildtrain.config.schema import NumericsConfig
@@ -33,21 +36,53 @@ complete_from_store = complete_from_cache
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
     wanted = [(key, identity), *suite_keys(ctx.step, ctx.inputs)]
-    cached = [ctx.results.lookup(k) if ctx.results is not None else None for k, _ in wanted]
-    for (each, _), hit in zip(wanted, cached, strict=True):
+    points = curve_keys(ctx.step, ctx.inputs)  # the suites at kept checkpoints (eval_every)
+    keys = [k for k, _ in wanted] + [k for _, _, k, _ in points]
+    cached = [ctx.results.lookup(k) if ctx.results is not None else None for k in keys]
+    for each, hit in zip(keys, cached, strict=True):
         if hit is not None:
             ctx.log.info("eval_cache_hit", key=each)
-    results = cached
-    if any(hit is None for hit in cached):  # the model is loaded only for what is not cached
-        results = _evaluate(ctx, wanted, cached)
-    body = results[0]
-    if len(results) > 1:
-        body = {**body, "suites": {r["identity"]["name"]: r for r in results[1:]}}
-    digests = write_result(body, out)
+    results, curve = cached[: len(wanted)], cached[len(wanted) :]
+    if any(hit is None for hit in results):  # the model is loaded only for what is not cached
+        results = _evaluate(ctx, wanted, results)
+    if any(hit is None for hit in curve):
+        curve = _curve(ctx, points, curve)
+    final = read_json(ctx.inputs["weights"] / RESULT)["steps"]
+    digests = write_result(assemble(results, points, curve, final), out)  # type: ignore[arg-type]
     if ctx.results is not None:  # the step holds its lock
-        for (each, _), result in zip(wanted, results, strict=True):
-            ctx.results.record(each, result)
+        for each, result in zip(keys, [*results, *curve], strict=True):
+            ctx.results.record(each, result)  # type: ignore[arg-type]
     return digests
+
+
+def suite_files(config: EvalStep, sources: list[Source]) -> list[list[Source]]:
+    """Each suite's sources (data, then a harness task), from the step's in plan order."""
+    found, at = [], iter(sources)
+    for suite in config.suites:
+        found.append([next(at) for _ in SUITE_SOURCES[suite.kind]])
+    return found
+
+
+def _curve(
+    ctx: StepContext, points: list[tuple[int, int, str, dict[str, Any]]], cached: list[dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """Each point of the suites' curves: cached ones as they are, the rest scored on the weights
+    of their checkpoint (loaded once per checkpoint)."""
+    config = EvalStep.from_config(ctx.step.config)
+    files = suite_files(config, ctx.sources)
+    results, loaded, loaded_at = list(cached), None, None
+    for at, (update, index, _, identity) in enumerate(points):
+        if results[at] is not None:
+            continue
+        if loaded is None or loaded_at != update:
+            weights = ctx.inputs["weights"] / CHECKPOINTS / f"step-{update:06d}" / MODEL
+            loaded, loaded_at = load(config, ctx.inputs["data"], weights, ctx.numerics), update
+        suite = config.suites[index]
+        work = ctx.work / "harness" / f"{suite.name}-{update}"
+        result = score_suite(loaded, config, suite, files[index], ctx.inputs, work)
+        ctx.log.info("eval_suite", suite=suite.name, step=update, **result)
+        results[at] = {"identity": identity, "result": result}
+    return results  # type: ignore[return-value]
 
 
 def _evaluate(
@@ -66,13 +101,14 @@ def _evaluate(
         result = evaluate(loaded.model, heldout, config.eval, loaded.device, loaded.autocast)
         ctx.log.info("eval", **result)
         results[0] = {"identity": wanted[0][1], "result": result}
-    sources = iter(ctx.sources)
-    for at, suite in enumerate(config.suites, start=1):
-        files = [next(sources) for _ in SUITE_SOURCES[suite.kind]]  # data, then a harness task
+    final = read_json(ctx.inputs["weights"] / RESULT)["steps"]  # the update the final weights are of
+    for at, (suite, files) in enumerate(
+        zip(config.suites, suite_files(config, ctx.sources), strict=True), start=1
+    ):
         if results[at] is None:
             work = ctx.work / "harness" / suite.name
             result = score_suite(loaded, config, suite, files, ctx.inputs, work)
-            ctx.log.info("eval_suite", suite=suite.name, **result)
+            ctx.log.info("eval_suite", suite=suite.name, step=final, **result)
             results[at] = {"identity": wanted[at][1], "result": result}
     return results  # type: ignore[return-value]
 

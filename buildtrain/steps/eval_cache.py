@@ -8,6 +8,7 @@ without importing a step. Torch-free.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +19,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import DOCUMENTS, EVAL_RESULT
+from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, MODEL, RESULT
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -101,6 +102,51 @@ def suite_keys(
     return found
 
 
+def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, str, dict[str, Any]]]:
+    """(update, suite index, key, identity) of each point of the suites' curves (`eval_every`):
+    every suite at every kept checkpoint of the train step whose update is a multiple of
+    `eval_every`, the final one excepted (it is the step's own result). Each point is a suite
+    result like any other, keyed by its checkpoint's weights digest (computed as the train step
+    computes its final one). Torch-free."""
+    every = step.config.get("eval_every", 0)
+    if not every:
+        return []
+    from buildtrain.store.tensors import combine, safetensors_digests
+
+    output = inputs["weights"]
+    trained = json.loads((output / RESULT).read_bytes())
+    points = []
+    for name in trained["checkpoints"]:
+        update = int(name.rsplit("-", 1)[1])
+        if update % every or update == trained["steps"]:
+            continue
+        weights = combine(safetensors_digests(output / CHECKPOINTS / name / MODEL))
+        for index, (key, identity) in enumerate(suite_keys(step, inputs, weights)):
+            points.append((update, index, key, identity))
+    return sorted(points, key=lambda p: (p[0], p[1]))
+
+
+def assemble(
+    found: list[dict[str, Any]],
+    points: list[tuple[int, int, str, dict[str, Any]]],
+    curve: list[dict[str, Any]],
+    final: int = 0,
+) -> dict[str, Any]:
+    """An eval step's output body: the held-out result, each suite's, and each suite's curve
+    (ending with its result on the final weights, those of update `final`)."""
+    body = found[0]
+    if len(found) > 1:
+        body = {**body, "suites": {s["identity"]["name"]: s for s in found[1:]}}
+    if points:
+        curves: dict[str, list[dict[str, Any]]] = {}
+        for (update, _, _, identity), result in zip(points, curve, strict=True):
+            curves.setdefault(identity["name"], []).append({"update": update, **result})
+        for name, result in body.get("suites", {}).items():
+            curves.setdefault(name, []).append({"update": final, **result})
+        body = {**body, "curves": curves}
+    return body
+
+
 def lookup(store: Store, key: str) -> dict[str, Any] | None:
     """The cached result of `key`, only if its entry verifies (a damaged one is never used)."""
     body, _ = entry_problem(store.eval_path(key), key)
@@ -143,23 +189,23 @@ def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
     try:
         key, _ = cache_key(step, inputs["weights"], inputs["data"])
         keys = [key, *(k for k, _ in suite_keys(step, inputs))]
+        points = curve_keys(step, inputs)
     except (OSError, ValueError, KeyError):
         return None  # an input's manifest does not verify: the step process says which
     found = []
-    for each in keys:
+    for each in [*keys, *(k for _, _, k, _ in points)]:
         cached, problem = entry_problem(store.eval_path(each), each)
         if problem is not None:
             store.set_aside(store.eval_path(each))
         if cached is None:
             return None
         found.append(cached)
-    body = found[0]
-    if len(found) > 1:
-        body = {**body, "suites": {s["identity"]["name"]: s for s in found[1:]}}
+    final = json.loads((inputs["weights"] / RESULT).read_bytes())["steps"] if points else 0
+    body = assemble(found[: len(keys)], points, found[len(keys) :], final)
     out = store.new_temp("eval")
     try:
         digests = write_result(body, out)
-        for each, cached in zip(keys, found, strict=True):
+        for each, cached in zip([*keys, *(k for _, _, k, _ in points)], found, strict=True):
             record_entry(store, each, cached)
         objects.publish(out, store.output(step.hash), digests)
     finally:

@@ -63,7 +63,12 @@ def keys_of_output(output: Path) -> list[str]:
     try:
         body = json.loads(path.read_bytes())
         suites = body.get("suites", {})
-        return [key_of(body["identity"]), *(key_of(suite["identity"]) for suite in suites.values())]
+        points = [point for curve in body.get("curves", {}).values() for point in curve]
+        return [
+            key_of(body["identity"]),
+            *(key_of(suite["identity"]) for suite in suites.values()),
+            *(key_of(point["identity"]) for point in points),
+        ]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
 
@@ -83,5 +88,18 @@ def output_suites(output: Path) -> dict[str, dict[str, Any]]:
     try:
         suites = json.loads((output / EVAL_RESULT).read_bytes()).get("suites", {})
         return {name: dict(suite["result"]) for name, suite in suites.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def output_curves(output: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each suite's (update, accuracy) points an eval step's output records (`eval_every`)."""
+    try:
+        curves = json.loads((output / EVAL_RESULT).read_bytes()).get("curves", {})
+        found = {}
+        for name, points in curves.items():
+            values = [(p["update"], p["result"].get("acc", p["result"].get("exact_match"))) for p in points]
+            found[name] = [(int(u), float(v)) for u, v in values if isinstance(v, (int, float))]
+        return found
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
