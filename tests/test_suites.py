@@ -381,3 +381,26 @@ def test_eval_every_draws_each_suite_over_the_kept_checkpoints_and_leaves_the_we
 def _eval_json(output: Path) -> bytes:
     path = output / "eval.json"
     return path.read_bytes() if path.is_file() and not (output / "BLAKE3SUMS").exists() else b""
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80))
+def test_a_document_digest_is_the_blake3_of_its_lowercased_words_joined_by_spaces(text):
+    """The normalisation, stated once as bytes methods say it: ASCII case and whitespace."""
+    import blake3
+
+    from buildtrain.steps.documents import digest_text
+
+    words = b" ".join(text.encode("utf-8").lower().split())
+    assert digest_text(text) == int.from_bytes(blake3.blake3(words).digest(8), "little")
+
+
+def test_a_document_longer_than_any_question_is_not_digested():
+    from buildtrain.steps.documents import MAX_DOCUMENT, Recorder
+
+    recorder = Recorder()
+    stream = [("short", [b"95+25=120"]), ("long", [b"x" * MAX_DOCUMENT, b"y"])]
+    for _, chunks in recorder.documents(stream):
+        for _ in chunks:
+            pass
+    assert len(recorder.values) == 1

@@ -7,8 +7,10 @@ ASCII letters lowercased, each run of ASCII whitespace made one space, whitespac
 dropped. The digest is the first 8 bytes of the blake3 of the normalised bytes: a false match
 between two different documents has a chance of about n / 2**64 per question for n documents.
 
-The cost on a large corpus: one extra pass of `lower` and `split` over each chunk, blake3, and 8
-bytes of memory and disk per document (800 MB for 10**8 documents, sorted once at the end).
+The cost on a large corpus: one extra pass of `translate` and `replace` over each document's chunks (up
+to `MAX_DOCUMENT` bytes: a longer document is not digested, since no question is that long),
+blake3, and 8 bytes of memory and disk per document (800 MB for 10**8 documents, sorted once at
+the end).
 A data step reads both splits, so its digests cover the held-out documents too: the check
 over-reports what the weights saw, never under-reports it.
 """
@@ -26,6 +28,15 @@ from buildtrain.canonical import digest
 from buildtrain.store.layout import DOCUMENTS
 from buildtrain.store.objects import write_bytes_durably
 
+# A question is never this long: a longer document is not digested (it cannot equal one), which
+# bounds the cost of a corpus of huge documents. 80 MB of plain text as one document took the byte
+# data step from 99 ms to 820 ms when every byte was normalised (benchmarks/data_step.py --quick).
+MAX_DOCUMENT = 1 << 20
+# ASCII letters to lower case, ASCII whitespace (what bytes.split() splits on) to a space: one
+# translate and a few replaces: 138 MB/s over 1 KB documents where split and join gave 79 MB/s.
+NORMAL = bytes(32 if b in b" \t\n\r\x0b\x0c" else b + 32 if 65 <= b <= 90 else b for b in range(256))
+TOO_LONG = -1  # the value of a document past MAX_DOCUMENT (never recorded)
+
 
 class DocumentDigest:
     """The digest of one document's normalised bytes, fed in chunks cut anywhere."""
@@ -34,19 +45,28 @@ class DocumentDigest:
         self.hasher = blake3.blake3()
         self.started = False  # a word was written: a later space goes between two words
         self.space = False  # whitespace seen since the last word
+        self.size = 0
 
     def update(self, chunk: bytes) -> None:
-        words = chunk.lower().split()  # ASCII whitespace and letters only: bytes methods
+        self.size += len(chunk)
+        if self.size > MAX_DOCUMENT:
+            return
+        spaced = chunk.translate(NORMAL)  # letters lowercased, each whitespace byte a space
+        while b"  " in spaced:  # runs of spaces to one (each pass halves them)
+            spaced = spaced.replace(b"  ", b" ")
+        words = spaced.strip(b" ")
         if not words:
             self.space = self.space or bool(chunk)
             return
-        if self.started and (self.space or chunk[:1].isspace()):
+        if self.started and (self.space or spaced[:1] == b" "):
             self.hasher.update(b" ")
-        self.hasher.update(b" ".join(words))
+        self.hasher.update(words)
         self.started = True
-        self.space = chunk[-1:].isspace()
+        self.space = spaced[-1:] == b" "
 
     def value(self) -> int:
+        if self.size > MAX_DOCUMENT:
+            return TOO_LONG
         return int.from_bytes(self.hasher.digest(8), "little")
 
 
@@ -76,7 +96,9 @@ class Recorder:
         for chunk in chunks:
             document.update(bytes(chunk))
             yield chunk
-        self.values.append(document.value())
+        value = document.value()
+        if value != TOO_LONG:
+            self.values.append(value)
 
     def write(self, out: Path) -> str:
         """Write `documents.u64` into `out`; the digest the output declares for it."""
