@@ -1,6 +1,9 @@
-"""The eval kind: the final stage's weights evaluated on its held-out split. Results are also
-content-addressed in the store's evaluation cache, keyed by what determines them, so weights
-evaluated once (by any plan) are completed from the cache without a process."""
+"""The eval kind: the final stage's weights evaluated on its held-out split and on the preset's
+benchmark suites. Results are also content-addressed in the store's evaluation cache, keyed by
+what determines them, so weights evaluated once (by any plan) are completed from the cache
+without a process. Only with suites does the step read more: the suites' files (sources, by
+content), the tokenizer step's output, and the document digests of the data steps that trained
+the weights; without them it plans exactly as it did before suites existed."""
 
 from __future__ import annotations
 

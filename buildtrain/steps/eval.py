@@ -1,7 +1,10 @@
 """The eval step: evaluate the final weights, with results content-addressed in the store.
 
-A result is keyed by (suite, version, weights digest, data digest, settings) in the evaluation
-cache (`eval_cache.py`), so weights evaluated before are not evaluated again.
+The held-out loss, then each benchmark suite of `[eval] suites` (multiple_choice, exact_match,
+lm_eval; `suites.py`), with its overlap with the training documents (`documents.py`), and with
+`eval_every` each suite again at the train step's kept checkpoints. Every result is keyed in the
+evaluation cache (`eval_cache.py`) by what determines it, so weights evaluated before are not
+evaluated again, and the model is loaded only for what the cache lacks.
 """
 
 from __future__ import annotations
