@@ -404,3 +404,24 @@ def test_a_document_longer_than_any_question_is_not_digested():
         for _ in chunks:
             pass
     assert len(recorder.values) == 1
+
+
+def test_a_suite_with_max_overlap_withholds_a_contaminated_score(bt, tmp_path):
+    with (tmp_path / "corpus.jsonl").open("w") as corpus:
+        for index in range(300):
+            corpus.write(json.dumps({"text": f"{index}+{index}={2 * index}\n{index}+1={index + 1}"}) + "\n")
+        corpus.write(json.dumps({"text": "95+25=120"}) + "\n")  # a question of the suite, with its answer
+    data = '[data]\nsource = "files"\nfiles = ["corpus.jsonl"]\nformat = "jsonl"\n'
+    strict = '{ name = "arith", file = "arithmetic.jsonl", max_overlap = 0 }'
+    built = bt("run", str(suite_preset(tmp_path, strict, extra=data)))
+    assert built.returncode == 0, built.stderr
+    (row,) = metrics(bt)
+    suite = row["suites"]["arith"]
+    assert suite["accuracy"] is None and suite["overlap"] == 1
+    assert suite["refused"] == "1 questions are in the training data (max_overlap 0)"
+    refused = bt(
+        "plan", str(suite_preset(tmp_path, '{ name = "a", file = "arithmetic.jsonl", max_overlap = -1 }'))
+    )
+    assert (
+        refused.returncode == ExitCode.USAGE and "eval.suites[0].max_overlap: must be >= 0" in refused.stderr
+    )

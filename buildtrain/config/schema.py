@@ -318,6 +318,12 @@ class SuiteConfig:
         None,
         "lm_eval only: the harness's task YAML, relative to the preset; `file` is the split it evaluates",
     )
+    max_overlap: int | None = setting(
+        None,
+        "refuse to report a score when more than this many questions are among the training documents "
+        "(none: always report; the overlap is reported either way)",
+        attrs.validators.optional(at_least(0)),
+    )
 
     @name.validator
     def _safe_name(self, _: attrs.Attribute[Any], value: str) -> None:

@@ -247,6 +247,7 @@ class SuiteStep:
     name: str
     version: int
     kind: str
+    max_overlap: int | None = None  # recorded only when set
 
 
 @attrs.frozen(kw_only=True)
@@ -295,7 +296,9 @@ class EvalStep:
         settings = {k: v for k, v in heldout_settings(self.eval).items() if k != "every"}
         config = {"eval": settings, "model": converter.unstructure(self.model), "version": self.version}
         if self.suites:
-            config["suites"] = [attrs.asdict(suite) for suite in self.suites]
+            config["suites"] = [
+                {k: v for k, v in attrs.asdict(suite).items() if v is not None} for suite in self.suites
+            ]
             config.update(subset=self.subset, seed=self.seed, context=self.context)
             if self.eval_every:
                 config["eval_every"] = self.eval_every

@@ -52,7 +52,10 @@ class EvalKind(StepKind):
         config = planning.config
         final = config.final_stage.name
         version = EVAL_SUITE_VERSIONS[config.eval.suite]
-        suites = tuple(SuiteStep(name=s.name, version=s.version, kind=s.kind) for s in config.eval.suites)
+        suites = tuple(
+            SuiteStep(name=s.name, version=s.version, kind=s.kind, max_overlap=s.max_overlap)
+            for s in config.eval.suites
+        )
         step_config = EvalStep(
             eval=config.eval,
             model=config.model,

@@ -189,7 +189,11 @@ def score_suite(
         result = score(
             model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
         )
-    return {"kind": suite.kind, **result, "overlap": contamination(chosen, inputs)}
+    overlap = contamination(chosen, inputs)
+    if suite.max_overlap is not None and overlap["count"] > suite.max_overlap:  # withheld, not hidden
+        why = f"{overlap['count']} questions are in the training data (max_overlap {suite.max_overlap})"
+        return {"kind": suite.kind, "questions": result["questions"], "overlap": overlap, "refused": why}
+    return {"kind": suite.kind, **result, "overlap": overlap}
 
 
 def contamination(questions: list[Any], inputs: dict[str, Path]) -> dict[str, Any]:

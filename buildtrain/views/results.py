@@ -32,6 +32,7 @@ def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
             "acc_norm": result.get("acc_norm"),
             "questions": result.get("questions"),
             "overlap": (result.get("overlap") or {}).get("count"),  # questions found in training data
+            **({"refused": result["refused"]} if "refused" in result else {}),  # max_overlap exceeded
         }
         for name, result in output_suites(store.output(step_hash)).items()
     }
