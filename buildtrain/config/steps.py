@@ -236,7 +236,9 @@ def eval_view(config: EvalConfig) -> dict[str, Any]:
     view = converter.unstructure(config)
     if not config.suites:
         return heldout_settings(config)
-    view["suites"] = [{k: v for k, v in suite.items() if k not in SUITE_PATHS} for suite in view["suites"]]
+    view["suites"] = [  # an unset optional key (max_overlap) enters only when set
+        {k: v for k, v in suite.items() if k not in SUITE_PATHS and v is not None} for suite in view["suites"]
+    ]
     return view
 
 
