@@ -114,6 +114,17 @@ def temperature(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A share in (0, 1]: `--subset`."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 1 (got {text})")
+    return value
+
+
 def non_negative(text: str) -> float:
     try:
         value = float(text)

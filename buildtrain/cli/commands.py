@@ -381,6 +381,30 @@ def _prompt(text: str) -> str:
     return text
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from buildtrain.executor.adhoc import evaluate
+
+    store = store_of(args)
+    done = evaluate(store, one_plan(args, store), args.suite, args.subset, args.update)
+    print(
+        json.dumps(
+            {
+                "suite": done.suite,
+                "weights": done.weights,
+                "cached": done.cached,
+                "key": done.key,
+                "result": done.result,
+            },
+            sort_keys=True,
+        )
+    )
+    how = "found in the store, no model loaded" if done.cached else "computed and stored"
+    err(f"bt eval: {done.suite} on the {done.weights} weights: {how} (evals/{done.key[:12]}…)")
+    return ExitCode.OK
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     from buildtrain.executor.deliver import sample_text
 

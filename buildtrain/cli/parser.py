@@ -8,7 +8,15 @@ from collections.abc import Callable
 
 from buildtrain import __version__
 from buildtrain.cli import commands, queries, team
-from buildtrain.cli.arguments import add_executor, add_world_size, positive, seed, temperature, thread_count
+from buildtrain.cli.arguments import (
+    add_executor,
+    add_world_size,
+    fraction,
+    positive,
+    seed,
+    temperature,
+    thread_count,
+)
 from buildtrain.errors import ExitCode
 
 EPILOG = """\
@@ -84,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ls(command)
     _add_report(command)
     _add_sample(command)
+    _add_eval(command)
     _add_gc(command)
     _add_export(command)
     _add_push(command)
@@ -453,6 +462,36 @@ def _add_sample(command: Command) -> None:
         "--seed", type=seed, default=0, metavar="S", help="seed of the draws, 0..2**64-1 (default 0)"
     )
     sub.set_defaults(func=commands.cmd_sample)
+
+
+def _add_eval(command: Command) -> None:
+    sub = command(
+        "eval",
+        "score a built plan's weights on one of its suites, ad hoc",
+        "Score the final weights of a built PLAN (or a kept checkpoint's, --update N) on one of the "
+        "suites its [eval] suites lists. The result is stored in the store's evaluation cache like "
+        "the eval step's, under (suite, version, weights, file, subset, seed): asked again, or by a "
+        "plan, it is found there and no model is loaded. Prints the result as JSON on stdout.",
+    )
+    sub.add_argument("plan", help=PLAN_OR_PRESET)
+    sub.add_argument(
+        "--suite", required=True, metavar="NAME[@VERSION]", help="a suite of the plan's [eval] suites"
+    )
+    sub.add_argument(
+        "--subset",
+        type=fraction,
+        default=None,
+        metavar="F",
+        help="score this share of its questions (default: the plan's eval.subset)",
+    )
+    sub.add_argument(
+        "--update",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="the weights of the kept checkpoint of update N (default: the final weights)",
+    )
+    sub.set_defaults(func=commands.cmd_eval)
 
 
 def _add_gc(command: Command) -> None:

@@ -120,6 +120,15 @@ def _absolute_checkpoint(section: Any, base: Path) -> None:
         init["hf"] = os.path.normpath(base / os.path.expanduser(init["hf"]))
 
 
+def _absolute_suite_files(section: Any, base: Path) -> None:
+    """Suite files are relative to the preset that names them, like data files."""
+    suites = section.get("suites") if isinstance(section, dict) else None
+    for suite in suites if isinstance(suites, list) else []:
+        for key in ("file", "task"):
+            if isinstance(suite, dict) and isinstance(suite.get(key), str):
+                suite[key] = os.path.normpath(base / os.path.expanduser(suite[key]))
+
+
 def _extends_of(raw: dict[str, Any], label: str) -> list[str]:
     extends = raw.pop("extends", [])
     if isinstance(extends, str):
@@ -190,6 +199,7 @@ class _Extends:
         raw = _read_toml(path)
         _absolute_globs(raw.get("data"), path.parent)
         _absolute_checkpoint(raw.get("model"), path.parent)
+        _absolute_suite_files(raw.get("eval"), path.parent)
         for stage in raw.get("stages", []) if isinstance(raw.get("stages"), list) else []:
             if isinstance(stage, dict):
                 _absolute_globs(stage.get("data"), path.parent)

@@ -111,8 +111,9 @@ def _fields(cls: type, prefix: str, section: str) -> list[KeyDoc]:
             )
         )
         tables = [a for a in typing.get_args(annotation) if attrs.has(a)]
-        if tables:  # a word or a table (data.tokenizer): the table's keys follow
-            found.extend(_fields(tables[0], key, section))
+        if tables:  # a word or a table (data.tokenizer), or an array of tables (eval.suites)
+            array = typing.get_origin(annotation) is tuple
+            found.extend(_fields(tables[0], f"{key}[]" if array else key, section))
     return found
 
 

@@ -20,6 +20,7 @@ from buildtrain.config.checks import (
     at_most,
     below,
     greater_than,
+    name_problem,
     never_hashed,
     one_of,
     reads,
@@ -370,6 +371,61 @@ def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
     )
 
 
+SUITE_KINDS = ("multiple_choice", "exact_match", "lm_eval")
+
+
+@attrs.frozen(kw_only=True)
+class SuiteConfig:
+    """A benchmark suite: a named, versioned set of questions, given by content (never by path)."""
+
+    name: str = setting(
+        "", "required: the suite's name, unique in the preset; letters, digits, '.', '_', '-'"
+    )
+    version: int = setting(1, "the suite's version: results are cached under (name, version)", at_least(1))
+    kind: str = setting(
+        "multiple_choice",
+        "multiple_choice: JSONL of {context, choices, answer}, scored by log-likelihood; exact_match: "
+        "JSONL of {context, target}, scored by greedy generation; lm_eval: an lm-evaluation-harness "
+        "task (`task`) on local data (`file`)",
+        one_of(*SUITE_KINDS),
+    )
+    file: str | None = setting(None, "the suite's JSONL file, relative to the preset")
+    task: str | None = setting(
+        None,
+        "lm_eval only: the harness's task YAML, relative to the preset; `file` is the split it evaluates",
+    )
+    max_overlap: int | None = setting(
+        None,
+        "refuse to report a score when more than this many questions are among the training documents "
+        "(none: always report; the overlap is reported either way)",
+        attrs.validators.optional(at_least(0)),
+    )
+
+    @name.validator
+    def _safe_name(self, _: attrs.Attribute[Any], value: str) -> None:
+        if not value:
+            raise ValueError('is required: give each suite a name (name = "arithmetic")')
+        problem = name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @file.validator
+    @reads("kind")
+    def _file_given(self, _: attrs.Attribute[Any], value: str | None) -> None:
+        if value is None:
+            raise ValueError(f'a {self.kind} suite reads a file; add file = "questions.jsonl"')
+
+    @task.validator
+    @reads("kind")
+    def _task_for_the_harness(self, _: attrs.Attribute[Any], value: str | None) -> None:
+        if self.kind == "lm_eval" and value is None:
+            raise ValueError('an lm_eval suite runs a harness task; add task = "task.yaml"')
+        if self.kind != "lm_eval" and value is not None:
+            raise ValueError(
+                f"only an lm_eval suite runs a harness task; drop it from this {self.kind} suite"
+            )
+
+
 @attrs.frozen(kw_only=True)
 class EvalConfig:
     """Held-out evaluation, after training and optionally during it."""
@@ -381,6 +437,31 @@ class EvalConfig:
     max_batches: int = setting(
         0, "evaluate at most this many batches (0 = the whole held-out split)", at_least(0)
     )
+    suites: tuple[SuiteConfig, ...] = setting(
+        (),
+        "benchmark suites evaluated on the final weights, beside the held-out loss: an array of "
+        '{ name, version, kind, file } tables, e.g. [{ name = "arith", file = "arith.jsonl" }]',
+    )
+    subset: float = setting(
+        1.0,
+        "fraction of each suite's questions evaluated (drawn from eval.seed)",
+        greater_than(0.0),
+        at_most(1.0),
+    )
+    seed: int = setting(0, "seed of the subset drawn from each suite", at_least(0))
+    eval_every: int = setting(
+        0,
+        "also score each suite (on eval.subset) at every kept checkpoint whose update is a multiple of N, "
+        "after training: a curve in bt report and TensorBoard (0: the final weights only)",
+        at_least(0),
+    )
+
+    @suites.validator
+    def _unique_names(self, _: attrs.Attribute[Any], value: tuple[SuiteConfig, ...]) -> None:
+        names = [suite.name for suite in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"suite names must be unique (repeated: {', '.join(repeated)})")
 
 
 @attrs.frozen(kw_only=True)

@@ -217,6 +217,46 @@ class DataStep:
         return config
 
 
+# The eval section's suite settings: recorded (in the plan's config and the eval step's) only where
+# suites are set, so a plan without suites keeps the form, and the hashes, it had before suites.
+SUITE_SETTINGS = ("suites", "subset", "seed", "eval_every")
+
+
+SUITE_PATHS = ("file", "task")  # a suite's files, sources of the eval step in this order
+
+
+def heldout_settings(config: EvalConfig) -> dict[str, Any]:
+    """The eval section without its suite settings: what held-out evaluation reads."""
+    return {k: v for k, v in converter.unstructure(config).items() if k not in SUITE_SETTINGS}
+
+
+def heldout_only(config: EvalConfig) -> EvalConfig:
+    """The eval section with its suite settings at their defaults (what a train step records)."""
+    return attrs.evolve(config, suites=(), subset=1.0, seed=0, eval_every=0)
+
+
+def eval_view(config: EvalConfig) -> dict[str, Any]:
+    """The eval section as the plan's config records it: the suite settings only when suites are
+    set, each suite without its file (whose content enters the eval step as a source)."""
+    view = converter.unstructure(config)
+    if not config.suites:
+        return heldout_settings(config)
+    view["suites"] = [  # an unset optional key (max_overlap) enters only when set
+        {k: v for k, v in suite.items() if k not in SUITE_PATHS and v is not None} for suite in view["suites"]
+    ]
+    return view
+
+
+@attrs.frozen(kw_only=True)
+class SuiteStep:
+    """A suite as an eval step records it: its file is a source of the step, by content."""
+
+    name: str
+    version: int
+    kind: str
+    max_overlap: int | None = None  # recorded only when set
+
+
 @attrs.frozen(kw_only=True)
 class TrainStep:
     """A train step's config: the model, its stage's training, and evaluation during training
@@ -233,26 +273,43 @@ class TrainStep:
     def to_config(self) -> dict[str, Any]:
         config = {"model": converter.unstructure(self.model), "train": converter.unstructure(self.train)}
         if self.eval is not None:
-            config["eval"] = converter.unstructure(self.eval)
+            config["eval"] = heldout_settings(self.eval)  # suites are evaluated after training
         return config
 
 
 @attrs.frozen(kw_only=True)
 class EvalStep:
-    """An eval step's config: the evaluation settings (the plan leaves out `eval.every`, a
-    training setting), the model, and the suite's `version`, which results are cached under."""
+    """An eval step's config: the held-out settings (the plan leaves out `eval.every`, a
+    training setting), the model, and the held-out suite's `version`, which results are cached
+    under; with benchmark suites, also the suites (their files are the step's sources, in this
+    order), the subset drawn from each and its seed, and `context`, the tokens the model was
+    trained on (a question longer than that is cut from the left, as the `hf/` export's
+    `max_position_embeddings` makes lm-eval cut it)."""
 
     eval: EvalConfig
     model: ModelConfig
     version: int
+    suites: tuple[SuiteStep, ...] = ()
+    subset: float = 1.0
+    seed: int = 0
+    context: int = 0
+    eval_every: int = 0  # a curve of each suite over the kept checkpoints (only when set)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> EvalStep:
         return converter.structure(config, cls)
 
     def to_config(self) -> dict[str, Any]:
-        settings = {k: v for k, v in converter.unstructure(self.eval).items() if k != "every"}
-        return {"eval": settings, "model": converter.unstructure(self.model), "version": self.version}
+        settings = {k: v for k, v in heldout_settings(self.eval).items() if k != "every"}
+        config = {"eval": settings, "model": converter.unstructure(self.model), "version": self.version}
+        if self.suites:
+            config["suites"] = [
+                {k: v for k, v in attrs.asdict(suite).items() if v is not None} for suite in self.suites
+            ]
+            config.update(subset=self.subset, seed=self.seed, context=self.context)
+            if self.eval_every:
+                config["eval_every"] = self.eval_every
+        return config
 
 
 @attrs.frozen(kw_only=True)

@@ -87,7 +87,10 @@ def _field_pass(instance: Any, key: KeyPath, failed: Collection[KeyPath]) -> lis
         path, value = (*key, field.name), getattr(instance, field.name)
         if attrs.has(type(value)):
             found += _field_pass(value, path, failed)
-        elif not _touches(path, failed):
+            continue
+        for index, item in _tables_in(value):  # an array of tables (eval.suites): each checked
+            found += _field_pass(item, (*path, index), failed)
+        if not _touches(path, failed):
             for check in validators_of(field):
                 if reads_of(check) is not None:
                     continue
@@ -106,6 +109,8 @@ def _rule_pass(instance: Any, key: KeyPath, bad: Collection[KeyPath]) -> list[Fi
         if attrs.has(type(value)):
             found += _rule_pass(value, path, bad)
             continue
+        for index, item in _tables_in(value):
+            found += _rule_pass(item, (*path, index), bad)
         for check in validators_of(field):
             names = reads_of(check)
             if names is None:
@@ -119,6 +124,13 @@ def _rule_pass(instance: Any, key: KeyPath, bad: Collection[KeyPath]) -> list[Fi
                 found.append(finding(path, str(exc), *reads))
                 break
     return found
+
+
+def _tables_in(value: Any) -> list[tuple[int, Any]]:
+    """(index, table) of each attrs instance in an array value."""
+    if not isinstance(value, tuple):
+        return []
+    return [(index, item) for index, item in enumerate(value) if attrs.has(type(item))]
 
 
 def _walk_structure_error(exc: BaseException, key: KeyPath) -> list[tuple[KeyPath, str]]:

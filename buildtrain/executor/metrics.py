@@ -21,6 +21,7 @@ from buildtrain.store.store import Store
 
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
 EVAL_SCALARS = ("loss", "bits_per_token", "perplexity")
+SUITE_SCALARS = ("acc", "acc_norm", "exact_match")  # a suite's result at an update (`eval_suite`)
 
 
 class MetricsCollector:
@@ -42,6 +43,10 @@ class MetricsCollector:
             self._last_step[label] = line["step"]
             seen["train"].append(line)
             self.writer.scalars(line["step"], _scalars(label, line, TRAIN_SCALARS))
+        elif (
+            event == "eval_suite" and isinstance(line.get("step"), int) and isinstance(line.get("suite"), str)
+        ):
+            self.writer.scalars(line["step"], _scalars(f"{label}/{line['suite']}", line, SUITE_SCALARS))
         elif event == "eval":
             # During training an eval line carries the update; an evaluation step's own has none.
             during_training = isinstance(line.get("step"), int)

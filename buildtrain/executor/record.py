@@ -25,7 +25,7 @@ from buildtrain.executor.outcome import StepResult
 from buildtrain.plan.plan import Plan
 from buildtrain.store.objects import append_flushed, write_bytes_durably
 
-METRIC_EVENTS = ("train_step", "eval")
+METRIC_EVENTS = ("train_step", "eval", "eval_suite")
 
 
 class RunRecord:

@@ -97,9 +97,11 @@ class RemoteCache:
     def _pull_entry(self, store: Store, step: Step) -> None:
         """An evaluation's cache entry comes with its step (other plans here then reuse it); a
         damaged or foreign one is named and left out (the step's own output is what counts)."""
-        key = evals.key_of_output(store.output(step.hash))
-        if key is None or evals.entry_problem(store.eval_path(key), key)[0] is not None:
-            return
+        for key in evals.keys_of_output(store.output(step.hash)):
+            if evals.entry_problem(store.eval_path(key), key)[0] is None:
+                self._pull_key(store, step, key)
+
+    def _pull_key(self, store: Store, step: Step, key: str) -> None:
         try:
             raw = self.remote.pull_eval(key, lambda raw: _entry_check(key, raw))
         except RemoteDamaged as exc:
@@ -122,9 +124,9 @@ class RemoteCache:
                 self.remote.push_plan(plan.hash, canonical_bytes(plan.to_body()))
                 self._plans_pushed.add(plan.hash)
             pushed = self.remote.push_output(store, step.hash)
-            key = evals.key_of_output(store.output(step.hash))  # an evaluation's cache entry
-            if key is not None and evals.entry_problem(store.eval_path(key), key)[0] is not None:
-                self.remote.push_eval(key, store.eval_path(key).read_bytes())
+            for key in evals.keys_of_output(store.output(step.hash)):  # an evaluation's cache entries
+                if evals.entry_problem(store.eval_path(key), key)[0] is not None:
+                    self.remote.push_eval(key, store.eval_path(key).read_bytes())
             if built_here or pushed.manifest != "present":
                 self.attest(store, step)
         except (BuildtrainError, OSError, ValueError) as exc:

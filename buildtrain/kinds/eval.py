@@ -1,23 +1,41 @@
-"""The eval kind: the final stage's weights evaluated on its held-out split. Results are also
-content-addressed in the store's evaluation cache, keyed by what determines them, so weights
-evaluated once (by any plan) are completed from the cache without a process."""
+"""The eval kind: the final stage's weights evaluated on its held-out split and on the preset's
+benchmark suites. Results are also content-addressed in the store's evaluation cache, keyed by
+what determines them, so weights evaluated once (by any plan) are completed from the cache
+without a process. Only with suites does the step read more: the suites' files (sources, by
+content), the tokenizer step's output, and the document digests of the data steps that trained
+the weights; without them it plans exactly as it did before suites existed."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from buildtrain.config.schema import Stage
-from buildtrain.config.steps import EvalStep
+from buildtrain.config.schema import Config, Stage
+from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.kinds.kind import StepKind
 from buildtrain.plan.plan import Step
-from buildtrain.store.evals import key_of_output
+from buildtrain.plan.toolchain import Machine, lm_eval_version
+from buildtrain.store.evals import keys_of_output
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
 
 # Bump when an evaluation suite changes what it computes; results are cached by this version.
 EVAL_SUITE_VERSIONS = {"heldout": 1}
+
+
+DOCUMENTS = "documents:"  # inputs naming the data steps whose documents a suite is checked against
+
+
+def lineage(config: Config) -> list[str]:
+    """The stages whose training made the final weights: the final one and its ancestors, first first."""
+    names, stage = [], config.final_stage
+    while True:
+        names.insert(0, stage.name)
+        if stage.init_from is None:
+            return names
+        stage = config.stage(stage.init_from)
 
 
 class EvalKind(StepKind):
@@ -28,22 +46,49 @@ class EvalKind(StepKind):
     spot_checked = False  # a spot check (--steps) covers training only
     summary = "evaluation"
     completes_from_store = "same weights evaluated before"  # found in the evaluation cache
+    reads_sources = True  # the suites' files, located by content before it runs
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         config = planning.config
         final = config.final_stage.name
         version = EVAL_SUITE_VERSIONS[config.eval.suite]
-        step_config = EvalStep(eval=config.eval, model=config.model, version=version).to_config()
-        inputs = {
+        suites = tuple(
+            SuiteStep(name=s.name, version=s.version, kind=s.kind, max_overlap=s.max_overlap)
+            for s in config.eval.suites
+        )
+        step_config = EvalStep(
+            eval=config.eval,
+            model=config.model,
+            version=version,
+            suites=suites,
+            subset=config.eval.subset,
+            seed=config.eval.seed,
+            context=config.final_stage.train.seq_len,
+            eval_every=config.eval.eval_every,
+        ).to_config()
+        inputs: dict[str, Any] = {
             "weights": planning.required("train", final).hash,
             "data": planning.required("data", final).hash,
         }
+        if suites:  # questions are text: the step encodes them with the plan's tokenizer
+            files = [f for suite in planning.suite_files for f in suite]  # data, then a harness task
+            inputs["sources"] = [{"blake3": f.blake3, "size": f.size} for f in files]
+            tokenizer = planning.planned("tokenizer", final)
+            if tokenizer is not None:
+                inputs["tokenizer"] = tokenizer.hash
+            for name in lineage(config):  # the documents its weights were trained on
+                inputs[f"{DOCUMENTS}{name}"] = planning.required("data", name).hash
         toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 
+    def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
+        # A harness task's numbers are the harness's: its release enters the hash where one runs.
+        if any(suite["kind"] == "lm_eval" for suite in config.get("suites", [])):
+            return {"lm-eval": lm_eval_version()}
+        return {}
+
     def references(self, output: Path) -> list[str]:
-        key = key_of_output(output)
-        return [] if key is None else [key]
+        return keys_of_output(output)
 
 
 KIND = EvalKind()

@@ -34,6 +34,7 @@ class Planning:
     view: Mapping[str, Any]  # the config as the plan hash records it (no paths)
     sources: Mapping[str, list[SourceFile]]  # each stage's data files, by content
     tokenizer_files: Mapping[str, SourceFile]  # each stage's given tokenizer file, by content
+    suite_files: tuple[tuple[SourceFile, ...], ...] = ()  # each eval suite's files, by content
     world_size: int  # processes that will train (hashed only where a result depends on it)
     machine: Machine | None = None  # the workers' machine, where an engine's nodes execute the steps
     checkpoint: CheckpointFiles | None = None  # the pretrained checkpoint the model starts from

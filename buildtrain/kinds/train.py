@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig, NumericsConfig, Stage, TrainConfig, world_size_problem
-from buildtrain.config.steps import TrainStep
+from buildtrain.config.steps import TrainStep, heldout_only
 from buildtrain.kinds.kind import RankBudget, StepKind
 from buildtrain.plan.plan import Step
 from buildtrain.store.layout import CHECKPOINTS, RESULT, TRAIN_STATE
@@ -35,7 +35,7 @@ class TrainKind(StepKind):
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         assert stage is not None
         config = planning.config
-        during = config.eval if config.eval.every else None  # evaluation during training
+        during = heldout_only(config.eval) if config.eval.every else None  # evaluation during training
         step_config = TrainStep(model=config.model, train=stage.train, eval=during).to_config()
         if stage.init_from:
             parent: str | None = planning.required(self.name, stage.init_from).hash

@@ -10,11 +10,12 @@ files enter only as (blake3, size).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import Config
+from buildtrain.config.steps import eval_view
 from buildtrain.kinds import KINDS
 from buildtrain.kinds.data import data_view
 from buildtrain.kinds.planning import CheckpointFiles, Planning
@@ -28,6 +29,7 @@ def config_view(config: Config) -> dict[str, Any]:
     view = converter.unstructure(config)
     for stage, resolved in zip(view["stages"], config.stages, strict=True):
         stage["data"] = data_view(resolved.data)
+    view["eval"] = eval_view(config.eval)  # suite files enter the eval step by content
     if config.numerics.profile == "portable":
         view["numerics"].pop("threads")  # an execution setting: portable results do not depend on it
     return view
@@ -39,18 +41,21 @@ def compile_plan(
     world_size: int = 1,
     tokenizer_files: Mapping[str, SourceFile] | None = None,
     checkpoint: CheckpointFiles | None = None,
+    suite_files: Sequence[tuple[SourceFile, ...]] = (),
     machine: Machine | None = None,
 ) -> Plan:
     """The plan for `config`; `sources` gives the content of each stage's data files, `world_size`
     the processes that will train (hashed only where a result depends on it), `tokenizer_files`
     the content of each stage's given tokenizer file, `checkpoint` that of `model.init`'s files,
-    `machine` the machine that will execute the steps (default: this one)."""
+    `suite_files` that of each eval suite's files (in `eval.suites` order), `machine` the machine
+    that will execute the steps (default: this one)."""
     view = config_view(config)
     planning = Planning(
         config=config,
         view=view,
         sources=sources,
         tokenizer_files=tokenizer_files or {},
+        suite_files=tuple(suite_files),
         world_size=world_size,
         machine=machine,
         checkpoint=checkpoint,

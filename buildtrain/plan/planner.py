@@ -14,6 +14,7 @@ from buildtrain.config.loader import LoadedPreset, load_preset
 from buildtrain.config.preflight import preflight
 from buildtrain.config.pretrained import Checkpoint
 from buildtrain.config.schema import TokenizerConfig
+from buildtrain.config.steps import SUITE_PATHS
 from buildtrain.errors import ConfigError
 from buildtrain.kinds.planning import CheckpointFiles
 from buildtrain.plan.card import save_card
@@ -100,11 +101,18 @@ def plan_loaded(
             if str(path.absolute()) not in known:
                 known.append(str(path.absolute()))
     imported = None if checkpoint is None else _checkpoint_files(cache, checkpoint, locations)
+    suite_files = _suite_digests(loaded, cache, locations)
     cache.save()
 
     machine = workers(loaded.config.numerics.device) if workers is not None else None
     plan = compile_plan(
-        loaded.config, sources, world_size, tokenizer_files, checkpoint=imported, machine=machine
+        loaded.config,
+        sources,
+        world_size,
+        tokenizer_files,
+        checkpoint=imported,
+        suite_files=suite_files,
+        machine=machine,
     )
     record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
     save_card(store, plan, record["created"])  # what bt ls --metrics reads
@@ -145,3 +153,33 @@ def _source_digest(cache: StatCache, found: Path | ObjectVersion) -> tuple[Sourc
         return cache.digest_of(found), str(found.absolute())
     except OSError as exc:
         raise ConfigError([f"{found}: cannot read data file: {exc.strerror}"]) from None
+
+
+def _suite_digests(
+    loaded: LoadedPreset, cache: StatCache, locations: dict[str, list[str]]
+) -> list[tuple[SourceFile, ...]]:
+    """Each eval suite's files by content (in suite order; `config.steps.SUITE_PATHS` in each);
+    where each was seen is a hint for the run."""
+    found = []
+    for index, suite in enumerate(loaded.config.eval.suites):
+        files = []
+        for key in SUITE_PATHS:
+            name = getattr(suite, key)
+            if name is None:
+                continue
+            path = Path(name)
+            try:
+                source = cache.digest_of(path)
+            except OSError as exc:
+                where = loaded.source_of(("eval", "suites", index, key))
+                raise ConfigError(
+                    [
+                        f"{where}: eval.suites[{index}].{key}: cannot read {path}: {exc.strerror}; give a file there"
+                    ]
+                ) from None
+            files.append(source)
+            known = locations.setdefault(source.blake3, [])
+            if str(path.absolute()) not in known:
+                known.append(str(path.absolute()))
+        found.append(tuple(files))
+    return found

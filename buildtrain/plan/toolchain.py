@@ -181,6 +181,16 @@ def tokenizers_version() -> str:
         return "not-installed"
 
 
+def lm_eval_version() -> str:
+    """The `lm-eval` release: a harness task's prompts, splits and metrics are its code."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("lm-eval")
+    except metadata.PackageNotFoundError:
+        return "not-installed"
+
+
 def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Human lines naming each fingerprint field that differs."""
     lines = []

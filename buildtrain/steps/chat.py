@@ -25,6 +25,7 @@ from buildtrain.config.steps import TextSettings
 from buildtrain.errors import StepFailed
 from buildtrain.steps import split
 from buildtrain.steps.data_index import token_width
+from buildtrain.steps.documents import Recorder
 from buildtrain.steps.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source, open_source
 from buildtrain.steps.tokenizer_files import load
@@ -143,9 +144,11 @@ def build_chat(
     writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     masks = {s: ShardWriter(out, f"{s}-mask", shard_tokens, 1) for s in ("train", "heldout")}
     runs = split.SplitRuns(text.split_seed, text.heldout_fraction)
+    recorder = Recorder()  # each record's turns as one document, for the contamination check
     count = 0
     for source in sources:
         for where, messages in records(source):
+            recorder.add_text("".join(str(message["content"]) for message in messages))
             ids, mask = encoded(tokenizer, renderer.segments(messages, where), description["end_of_document"])
             held_out, _ = runs.run(count)
             name = "heldout" if held_out else "train"
@@ -160,5 +163,6 @@ def build_chat(
         blocks=count,
         units=f"{count} chat records",
         log=log,
+        recorder=recorder,
         masks=masks,
     )

@@ -19,6 +19,7 @@ from buildtrain.config.schema import END_OF_DOCUMENT
 from buildtrain.config.steps import DataStep
 from buildtrain.steps import split
 from buildtrain.steps.corpus import corpus
+from buildtrain.steps.documents import Recorder
 from buildtrain.steps.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source
 
@@ -115,7 +116,8 @@ def build(step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any)
     # 2 shared cores at load 4-6): a thread that holds the GIL when it is preempted stalls all.
     writers = {s: ShardWriter(out, s, settings.shard_tokens) for s in ("train", "heldout")}
     router = BlockRouter(writers, settings.split_block, settings.heldout_fraction, settings.split_seed)
-    for _, document in corpus(settings.text, sources):
+    recorder = Recorder()
+    for _, document in recorder.documents(corpus(settings.text, sources)):
         for chunk in document:
             router.add(chunk)
         router.add(END_OF_DOCUMENT_TOKEN)
@@ -131,4 +133,5 @@ def build(step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any)
         blocks=block_index,
         units=f"{block_index} blocks of {settings.split_block} tokens",
         log=log,
+        recorder=recorder,
     )

@@ -1,56 +1,216 @@
 """The eval step: evaluate the final weights, with results content-addressed in the store.
 
-A result is keyed by (suite, version, weights digest, data digest, settings) in the evaluation
-cache (`eval_cache.py`), so weights evaluated before are not evaluated again.
+The held-out loss, then each benchmark suite of `[eval] suites` (multiple_choice, exact_match,
+lm_eval; `suites.py`), with its overlap with the training documents (`documents.py`), and with
+`eval_every` each suite again at the train step's kept checkpoints. Every result is keyed in the
+evaluation cache (`eval_cache.py`) by what determines it, so weights evaluated before are not
+evaluated again, and the model is loaded only for what the cache lacks.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from buildtrain.config.steps import EvalStep
+import attrs
+
+from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.steps.eval_cache import cache_key, complete_from_cache, write_result
+from buildtrain.steps.eval_cache import (
+    SUITE_SOURCES,
+    assemble,
+    cache_key,
+    complete_from_cache,
+    curve_keys,
+    suite_keys,
+    write_result,
+)
+from buildtrain.steps.sources import Source, read_source
+from buildtrain.steps.suites import read_exact_match, read_multiple_choice, subset_indices, text_codec
+from buildtrain.store.layout import CHECKPOINTS, MODEL, RESULT
+
+if TYPE_CHECKING:
+    from buildtrain.config.schema import NumericsConfig
 
 # The executor completes an evaluation found in the cache without starting a process (kinds/eval.py).
 complete_from_store = complete_from_cache
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
-    import torch
+    key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
+    wanted = [(key, identity), *suite_keys(ctx.step, ctx.inputs)]
+    points = curve_keys(ctx.step, ctx.inputs)  # the suites at kept checkpoints (eval_every)
+    keys = [k for k, _ in wanted] + [k for _, _, k, _ in points]
+    cached = [ctx.results.lookup(k) if ctx.results is not None else None for k in keys]
+    for each, hit in zip(keys, cached, strict=True):
+        if hit is not None:
+            ctx.log.info("eval_cache_hit", key=each)
+    results, curve = cached[: len(wanted)], cached[len(wanted) :]
+    if any(hit is None for hit in results):  # the model is loaded only for what is not cached
+        results = _evaluate(ctx, wanted, results)
+    if any(hit is None for hit in curve):
+        curve = _curve(ctx, points, curve)
+    final = read_json(ctx.inputs["weights"] / RESULT)["steps"]
+    digests = write_result(assemble(results, points, curve, final), out)  # type: ignore[arg-type]
+    if ctx.results is not None:  # the step holds its lock
+        for each, result in zip(keys, [*results, *curve], strict=True):
+            ctx.results.record(each, result)  # type: ignore[arg-type]
+    return digests
 
-    from buildtrain.steps.data_index import DATA_INDEX, embedding_rows, records_end
+
+def suite_files(config: EvalStep, sources: list[Source]) -> list[list[Source]]:
+    """Each suite's sources (data, then a harness task), from the step's in plan order."""
+    found, at = [], iter(sources)
+    for suite in config.suites:
+        found.append([next(at) for _ in SUITE_SOURCES[suite.kind]])
+    return found
+
+
+def _curve(
+    ctx: StepContext, points: list[tuple[int, int, str, dict[str, Any]]], cached: list[dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """Each point of the suites' curves: cached ones as they are, the rest scored on the weights
+    of their checkpoint (loaded once per checkpoint)."""
+    config = EvalStep.from_config(ctx.step.config)
+    files = suite_files(config, ctx.sources)
+    results, loaded, loaded_at = list(cached), None, None
+    for at, (update, index, _, identity) in enumerate(points):
+        if results[at] is not None:
+            continue
+        if loaded is None or loaded_at != update:
+            weights = ctx.inputs["weights"] / CHECKPOINTS / f"step-{update:06d}" / MODEL
+            loaded, loaded_at = load(config, ctx.inputs["data"], weights, ctx.numerics), update
+        suite = config.suites[index]
+        work = ctx.work / "harness" / f"{suite.name}-{update}"
+        result = score_suite(loaded, config, suite, files[index], ctx.inputs, work)
+        ctx.log.info("eval_suite", suite=suite.name, step=update, **result)
+        results[at] = {"identity": identity, "result": result}
+    return results  # type: ignore[return-value]
+
+
+def _evaluate(
+    ctx: StepContext, wanted: list[tuple[str, dict[str, Any]]], cached: list[dict[str, Any] | None]
+) -> list[dict[str, Any]]:
+    """Each result of `wanted` (held-out first, then the suites): cached ones as they are, the
+    rest computed with the weights loaded once."""
     from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
+
+    config = EvalStep.from_config(ctx.step.config)
+    loaded = load(config, ctx.inputs["data"], final_weights(ctx.inputs["weights"]), ctx.numerics)
+    results = list(cached)
+    if results[0] is None:
+        from buildtrain.steps.data_index import records_end
+
+        split = loaded.index["splits"]["heldout"]
+        heldout = TokenStream(ctx.inputs["data"], split)
+        masks = TokenStream(ctx.inputs["data"], split, "masks") if "masks" in split else None  # chat
+        model, device, autocast = loaded.model, loaded.device, loaded.autocast
+        result = evaluate(model, heldout, config.eval, device, autocast, masks, records_end(loaded.index))
+        ctx.log.info("eval", **result)
+        results[0] = {"identity": wanted[0][1], "result": result}
+    final = read_json(ctx.inputs["weights"] / RESULT)["steps"]  # the update the final weights are of
+    for at, (suite, files) in enumerate(
+        zip(config.suites, suite_files(config, ctx.sources), strict=True), start=1
+    ):
+        if results[at] is None:
+            work = ctx.work / "harness" / suite.name
+            result = score_suite(loaded, config, suite, files, ctx.inputs, work)
+            ctx.log.info("eval_suite", suite=suite.name, step=final, **result)
+            results[at] = {"identity": wanted[at][1], "result": result}
+    return results  # type: ignore[return-value]
+
+
+@attrs.frozen(kw_only=True)
+class Loaded:
+    """Weights loaded to evaluate: the model, where it runs, and the data step's index."""
+
+    model: Any
+    device: Any
+    autocast: Any
+    index: dict[str, Any]
+
+
+def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) -> Loaded:
+    """The model of `config` with the weights in `weights` (a safetensors file), on the device."""
+    import torch
+
+    from buildtrain.steps.data_index import DATA_INDEX, embedding_rows
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import load_model
 
-    key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
-    cached = ctx.results.lookup(key) if ctx.results is not None else None
-    if cached is not None:
-        ctx.log.info("eval_cache_hit", key=key)
-        return _recorded(ctx, key, cached, out)
-
-    config = EvalStep.from_config(ctx.step.config)
-    numerics = ctx.numerics
     device = torch.device(numerics.device)
-    index = read_json(ctx.inputs["data"] / DATA_INDEX)
+    index = read_json(data / DATA_INDEX)
     model = Transformer.build(config.model, embedding_rows(config.model, index), torch.Generator())
-    load_model(model, final_weights(ctx.inputs["weights"]))  # every weight is replaced
+    load_model(model, weights)  # every weight is replaced
     model.to(device)
-    split = index["splits"]["heldout"]
-    heldout = TokenStream(ctx.inputs["data"], split)
-    masks = TokenStream(ctx.inputs["data"], split, "masks") if "masks" in split else None  # chat records
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=numerics.dtype == "bfloat16")
-    result = evaluate(model, heldout, config.eval, device, autocast, masks, records_end(index))
-    ctx.log.info("eval", **result)
-    return _recorded(ctx, key, {"identity": identity, "result": result}, out)
+    bf16 = numerics.dtype == "bfloat16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    return Loaded(model=model, device=device, autocast=autocast, index=index)
 
 
-def _recorded(ctx: StepContext, key: str, body: dict[str, Any], out: Path) -> dict[str, str]:
-    """Write the result into the output and into the evaluation cache (the step holds its lock)."""
-    digests = write_result(body, out)
-    if ctx.results is not None:
-        ctx.results.record(key, body)
-    return digests
+OVERLAP_EXAMPLES = 3  # questions a result quotes from its overlap with the training documents
+EXAMPLE_CHARACTERS = 80
+
+
+def score_suite(
+    loaded: Loaded,
+    config: EvalStep,
+    suite: SuiteStep,
+    files: list[Source],
+    inputs: dict[str, Path],
+    work: Path,
+) -> dict[str, Any]:
+    """One suite scored on the subset `config` draws, with its overlap with the training
+    documents (`inputs`: the step's verified inputs; `work`: a folder for the harness's files)."""
+    model, device, autocast = loaded.model, loaded.device, loaded.autocast
+    codec = text_codec(inputs.get("tokenizer"))
+    if suite.kind == "lm_eval":
+        from buildtrain.steps.harness import Scorer, run_task
+
+        scorer = Scorer(
+            model=model,
+            codec=codec,
+            window=config.context,
+            batch_size=config.eval.batch_size,
+            device=device,
+            autocast=autocast,
+        )
+        data, task = files
+        result = run_task(
+            scorer, read_source(task), str(task.path), read_source(data), work, config.subset, config.seed
+        )
+        return {"kind": suite.kind, **result, "overlap": None}  # the harness's documents are its own
+    read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
+    questions = read(read_source(files[0]), files[0].path)
+    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
+    if suite.kind == "exact_match":
+        from buildtrain.steps import exact
+
+        result = exact.score(model, chosen, codec, config.context)
+    else:
+        from buildtrain.steps.choice import score
+
+        result = score(
+            model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
+        )
+    overlap = contamination(chosen, inputs)
+    if suite.max_overlap is not None and overlap["count"] > suite.max_overlap:  # withheld, not hidden
+        why = f"{overlap['count']} questions are in the training data (max_overlap {suite.max_overlap})"
+        return {"kind": suite.kind, "questions": result["questions"], "overlap": overlap, "refused": why}
+    return {"kind": suite.kind, **result, "overlap": overlap}
+
+
+def contamination(questions: list[Any], inputs: dict[str, Path]) -> dict[str, Any]:
+    """How many questions (context and answer as one document) are among the documents of the
+    data steps the weights were trained on, and a few of them (`documents.py`)."""
+    import numpy as np
+
+    from buildtrain.steps.documents import overlap, read_documents
+
+    arrays = [read_documents(path) for name, path in sorted(inputs.items()) if name.startswith("documents:")]
+    trained = np.unique(np.concatenate([a for a in arrays if a is not None] or [np.zeros(0, np.uint64)]))
+    texts = [q.context + (q.choices[q.answer] if hasattr(q, "choices") else q.target) for q in questions]
+    found = overlap(trained, texts)
+    examples = [questions[i].context[:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
+    return {"count": len(found), "examples": examples}

@@ -8,7 +8,9 @@ without importing a step. Torch-free.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import EVAL_RESULT
+from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, MODEL, RESULT
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -49,18 +51,106 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
     return key_of(identity), identity
 
 
+# Bump when a suite kind's scoring changes what it computes; results are cached by this version
+# as well as by the suite's own (which says when its questions changed).
+SCORING_VERSIONS = {"multiple_choice": 1, "exact_match": 1, "lm_eval": 1}
+# The sources each kind of suite reads, in the eval step's order: its data, then a harness task.
+SUITE_SOURCES = {"multiple_choice": ("data",), "exact_match": ("data",), "lm_eval": ("data", "task")}
+BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
+
+
+def suite_keys(
+    step: Step, inputs: Mapping[str, Path], weights: str | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """(key, identity) of each benchmark suite of the eval step, in suite order: what the result
+    depends on is the suite (name, version, scoring), the weights, the file's content, the subset
+    and its seed, and how text becomes tokens (tokenizer, model context); never the plan or the
+    path. `weights`: the digest of other weights than the input's final ones (a kept checkpoint,
+    `bt eval --update`). Raises ValueError (or OSError) like `cache_key`."""
+    config = step.config
+    suites = config.get("suites", [])
+    if not suites:
+        return []
+    weights = weights or _declared(inputs["weights"], step.inputs["weights"], "weights")
+    tokenizer = BYTE_TOKENIZER
+    if "tokenizer" in step.inputs:
+        tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
+    # What the contamination check intersects: each trained-on data step's document digests.
+    trained = [
+        _declared(inputs[k], step.inputs[k], DOCUMENTS)
+        for k in sorted(step.upstream)
+        if k.startswith("documents:")
+    ]
+    found, sources = [], iter(step.inputs["sources"])
+    for suite in suites:
+        files = {name: next(sources)["blake3"] for name in SUITE_SOURCES[suite["kind"]]}
+        harness = {"harness": step.toolchain["lm-eval"]} if "task" in files else {}  # its release
+        identity = {
+            **suite,
+            **files,
+            **harness,
+            "scoring": SCORING_VERSIONS[suite["kind"]],
+            "weights": weights,
+            "trained_on": trained,
+            "subset": config["subset"],
+            "seed": config["seed"],
+            "tokenizer": tokenizer,
+            "context": config["context"],
+            "model": config["model"],
+        }
+        found.append((key_of(identity), identity))
+    return found
+
+
+def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, str, dict[str, Any]]]:
+    """(update, suite index, key, identity) of each point of the suites' curves (`eval_every`):
+    every suite at every kept checkpoint of the train step whose update is a multiple of
+    `eval_every`, the final one excepted (it is the step's own result). Each point is a suite
+    result like any other, keyed by its checkpoint's weights digest (computed as the train step
+    computes its final one). Torch-free."""
+    every = step.config.get("eval_every", 0)
+    if not every:
+        return []
+    from buildtrain.store.tensors import combine, safetensors_digests
+
+    output = inputs["weights"]
+    trained = json.loads((output / RESULT).read_bytes())
+    points = []
+    for name in trained["checkpoints"]:
+        update = int(name.rsplit("-", 1)[1])
+        if update % every or update == trained["steps"]:
+            continue
+        weights = combine(safetensors_digests(output / CHECKPOINTS / name / MODEL))
+        for index, (key, identity) in enumerate(suite_keys(step, inputs, weights)):
+            points.append((update, index, key, identity))
+    return sorted(points, key=lambda p: (p[0], p[1]))
+
+
+def assemble(
+    found: list[dict[str, Any]],
+    points: list[tuple[int, int, str, dict[str, Any]]],
+    curve: list[dict[str, Any]],
+    final: int = 0,
+) -> dict[str, Any]:
+    """An eval step's output body: the held-out result, each suite's, and each suite's curve
+    (ending with its result on the final weights, those of update `final`)."""
+    body = found[0]
+    if len(found) > 1:
+        body = {**body, "suites": {s["identity"]["name"]: s for s in found[1:]}}
+    if points:
+        curves: dict[str, list[dict[str, Any]]] = {}
+        for (update, _, _, identity), result in zip(points, curve, strict=True):
+            curves.setdefault(identity["name"], []).append({"update": update, **result})
+        for name, result in body.get("suites", {}).items():
+            curves.setdefault(name, []).append({"update": final, **result})
+        body = {**body, "curves": curves}
+    return body
+
+
 def lookup(store: Store, key: str) -> dict[str, Any] | None:
     """The cached result of `key`, only if its entry verifies (a damaged one is never used)."""
     body, _ = entry_problem(store.eval_path(key), key)
     return body
-
-
-def record_result(store: Store, key: str, body: dict[str, Any], out: Path) -> dict[str, str]:
-    """Write the result into the step output and into the content-addressed cache (replacing a
-    damaged entry there: the caller holds the step's lock)."""
-    digests = write_result(body, out)
-    record_entry(store, key, body)
-    return digests
 
 
 def write_result(body: dict[str, Any], out: Path) -> dict[str, str]:
@@ -92,20 +182,31 @@ class StoreResults:
 
 
 def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
-    """An evaluation of the same weights and data may already be in the store: no process needed.
-    Called holding the step's lock; a damaged or foreign cache entry is set aside, never used."""
+    """An evaluation of the same weights, data and suites may already be in the store: no process
+    needed when every result is. Called holding the step's lock; a damaged or foreign cache entry
+    is set aside, never used."""
+    inputs = {name: store.output(upstream) for name, upstream in step.upstream.items()}
     try:
-        key, _ = cache_key(step, store.output(step.inputs["weights"]), store.output(step.inputs["data"]))
+        key, _ = cache_key(step, inputs["weights"], inputs["data"])
+        keys = [key, *(k for k, _ in suite_keys(step, inputs))]
+        points = curve_keys(step, inputs)
     except (OSError, ValueError, KeyError):
         return None  # an input's manifest does not verify: the step process says which
-    cached, problem = entry_problem(store.eval_path(key), key)
-    if problem is not None:
-        store.set_aside(store.eval_path(key))
-    if cached is None:
-        return None
+    found = []
+    for each in [*keys, *(k for _, _, k, _ in points)]:
+        cached, problem = entry_problem(store.eval_path(each), each)
+        if problem is not None:
+            store.set_aside(store.eval_path(each))
+        if cached is None:
+            return None
+        found.append(cached)
+    final = json.loads((inputs["weights"] / RESULT).read_bytes())["steps"] if points else 0
+    body = assemble(found[: len(keys)], points, found[len(keys) :], final)
     out = store.new_temp("eval")
     try:
-        digests = record_result(store, key, cached, out)
+        digests = write_result(body, out)
+        for each, cached in zip([*keys, *(k for _, _, k, _ in points)], found, strict=True):
+            record_entry(store, each, cached)
         objects.publish(out, store.output(step.hash), digests)
     finally:
         objects.remove_tree(out)

@@ -85,15 +85,24 @@ def _generate(
 ) -> list[int]:
     import torch
 
+    from buildtrain.steps.train.generate import generate
+
+    torch.set_num_threads(1)
+    model = package_model(folder, vocab)
+    return generate(model, prompt, tokens, options.temperature, options.top_k, options.seed, stop=end)
+
+
+def package_model(folder: Path, vocab: int) -> Any:
+    """The export package's model (its weights verified by the caller), in eval mode."""
+    import torch
+
     from buildtrain.config.convert import converter
     from buildtrain.config.schema import ModelConfig
-    from buildtrain.steps.train.generate import generate
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import load_model
 
-    torch.set_num_threads(1)
     config = json.loads((folder / "config.json").read_bytes())
     model = Transformer.build(converter.structure(config["model"], ModelConfig), vocab, torch.Generator())
     load_model(model, folder / "model.safetensors")
     model.eval()
-    return generate(model, prompt, tokens, options.temperature, options.top_k, options.seed, stop=end)
+    return model

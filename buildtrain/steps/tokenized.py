@@ -20,6 +20,7 @@ import numpy as np
 from buildtrain.config.steps import TextSettings
 from buildtrain.steps.corpus import corpus
 from buildtrain.steps.data_index import token_width
+from buildtrain.steps.documents import Recorder
 from buildtrain.steps.pieces import Piece, pieces
 from buildtrain.steps.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source
@@ -58,6 +59,7 @@ def build_tokenized(
     end_of_document = description["end_of_document"]
     writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     counts = {"documents": 0, "pieces": 0}
+    recorder = Recorder()
 
     def write(batch: list[Piece], encodings: list[Any]) -> None:
         ids: dict[bool, list[int]] = {False: [], True: []}
@@ -85,7 +87,7 @@ def build_tokenized(
                 write(pending[0], pending[1].result())
             pending = (batch, future)
 
-        for batch in _batches(pieces(text, corpus(text, sources))):
+        for batch in _batches(pieces(text, recorder.documents(corpus(text, sources)))):
             submit(batch)
         if pending is not None:
             write(pending[0], pending[1].result())
@@ -97,4 +99,5 @@ def build_tokenized(
         blocks=counts["pieces"],
         units=f"{counts['pieces']} pieces of at most {text.split_block} bytes",
         log=log,
+        recorder=recorder,
     )

@@ -54,16 +54,23 @@ def entry_problem(path: Path, key: str) -> tuple[dict[str, Any] | None, str | No
     return {"identity": entry["identity"], "result": entry["result"]}, None
 
 
-def key_of_output(output: Path) -> str | None:
-    """The cache key an eval step's output names, if it holds a readable result (`bt gc` keeps
-    that entry)."""
+def keys_of_output(output: Path) -> list[str]:
+    """The cache keys an eval step's output names, if it holds a readable result: the held-out
+    result's, then each suite's (`bt gc` keeps those entries)."""
     path = output / EVAL_RESULT
     if path.is_symlink() or not path.is_file():
-        return None
+        return []
     try:
-        return key_of(json.loads(path.read_bytes())["identity"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        body = json.loads(path.read_bytes())
+        suites = body.get("suites", {})
+        points = [point for curve in body.get("curves", {}).values() for point in curve]
+        return [
+            key_of(body["identity"]),
+            *(key_of(suite["identity"]) for suite in suites.values()),
+            *(key_of(point["identity"]) for point in points),
+        ]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def output_result(output: Path) -> dict[str, Any] | None:
@@ -74,3 +81,25 @@ def output_result(output: Path) -> dict[str, Any] | None:
         return result if isinstance(result, dict) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def output_suites(output: Path) -> dict[str, dict[str, Any]]:
+    """Each benchmark suite's result an eval step's output records, by suite name."""
+    try:
+        suites = json.loads((output / EVAL_RESULT).read_bytes()).get("suites", {})
+        return {name: dict(suite["result"]) for name, suite in suites.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def output_curves(output: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each suite's (update, accuracy) points an eval step's output records (`eval_every`)."""
+    try:
+        curves = json.loads((output / EVAL_RESULT).read_bytes()).get("curves", {})
+        found = {}
+        for name, points in curves.items():
+            values = [(p["update"], p["result"].get("acc", p["result"].get("exact_match"))) for p in points]
+            found[name] = [(int(u), float(v)) for u, v in values if isinstance(v, (int, float))]
+        return found
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}

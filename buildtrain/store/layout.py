@@ -88,6 +88,9 @@ SEGMENT_SUFFIX = ".jsonl"
 RESULT = "result.json"
 # An eval step's output, and the copy an export package carries.
 EVAL_RESULT = "eval.json"
+# In a data step's output: the digest of every document it read (steps/documents.py); its digest
+# in the output's manifest is named after the file, as a shard's is.
+DOCUMENTS = "documents.u64"
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.plan.card import load_card
+from buildtrain.store.evals import output_curves
 from buildtrain.store.store import Store
 from buildtrain.views.curves import Curve, plan_curve
-from buildtrain.views.figures import FIGURES, svg, write_pngs
+from buildtrain.views.figures import FIGURES, suites_svg, svg, write_pngs
 from buildtrain.views.table import (
     HEADINGS,
     RESULT_COLUMNS,
@@ -154,6 +155,20 @@ def _steps(store: Store, row: dict[str, Any], record: dict[str, Any] | None, pla
     )
 
 
+def _suite_series(
+    store: Store, rows: Sequence[dict[str, Any]], labels: dict[str, str]
+) -> list[tuple[str, list[tuple[int, float]]]]:
+    """(legend label, points) of each suite curve the listed plans' eval steps recorded."""
+    series = []
+    for row in rows:
+        card = load_card(store, row["hash"])
+        evals = card.summarizing("evaluation") if card is not None else []
+        if evals and store.has_output(evals[-1][2]):
+            for name, points in output_curves(store.output(evals[-1][2])).items():
+                series.append((f"{labels[row['hash']]}: {name}", points))
+    return series
+
+
 def build_report(
     store: Store, plan_hashes: Sequence[str], experiments: Path, png_folder: Path | None = None
 ) -> tuple[str, list[Path]]:
@@ -168,6 +183,9 @@ def build_report(
     by_plan = {row["hash"]: row for row in rows}
     heldout = [by_plan[c.plan].get("heldout_loss") for c in curves]
     figures = "".join(f"<figure>{svg(name, curves, heldout)}</figure>" for name in FIGURES)
+    series = _suite_series(store, rows, labels)
+    if series:
+        figures += f"<figure>{suites_svg(series)}</figure>"
     pngs = write_pngs(png_folder, curves, heldout) if png_folder is not None else []
     steps = "".join(
         _steps(store, row, latest_record(experiments, row["hash"]), labels[row["hash"]]) for row in rows

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from buildtrain.plan.card import Card
-from buildtrain.store.evals import output_result
+from buildtrain.store.evals import output_result, output_suites
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
 
@@ -22,6 +22,22 @@ def eval_result(store: Store, step_hash: str) -> dict[str, Any] | None:
     return output_result(store.output(step_hash))
 
 
+def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
+    """Each benchmark suite's numbers from a built eval step: `accuracy` (the `acc` of a
+    multiple-choice suite, the `exact_match` of an exact-match one), `acc_norm` (multiple choice
+    only) and how many questions were scored."""
+    return {
+        name: {
+            "accuracy": result.get("acc", result.get("exact_match")),  # a harness task's too
+            "acc_norm": result.get("acc_norm"),
+            "questions": result.get("questions"),
+            "overlap": (result.get("overlap") or {}).get("count"),  # questions found in training data
+            **({"refused": result["refused"]} if "refused" in result else {}),  # max_overlap exceeded
+        }
+        for name, result in output_suites(store.output(step_hash)).items()
+    }
+
+
 def plan_results(store: Store, card: Card) -> dict[str, Any]:
     """The numbers of one plan: final train loss and speed (last stage), held-out loss and bits
     per token, wall time (the sum over the executions that built its steps), build status."""
@@ -34,7 +50,9 @@ def plan_results(store: Store, card: Card) -> dict[str, Any]:
     result = eval_result(store, evals[-1][2]) if evals and built[card.steps.index(evals[-1])] else None
     walls = [s["wall_s"] for s in summaries.values() if s and isinstance(s.get("wall_s"), (int, float))]
     count = sum(built)
+    suites = suite_results(store, evals[-1][2]) if evals and built[card.steps.index(evals[-1])] else {}
     return {
+        **({"suites": suites} if suites else {}),
         "train_loss": train.get("final_loss"),
         "heldout_loss": (result or {}).get("loss"),
         "bits_per_token": (result or {}).get("bits_per_token"),

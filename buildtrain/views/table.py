@@ -99,6 +99,22 @@ def sort_rows(rows: list[dict[str, Any]], keys: Sequence[str], column: str | Non
     return present + blank
 
 
+SUITE_PREFIXES = {"acc:": "accuracy", "overlap:": "overlap"}  # a suite's columns: `acc:NAME`, ...
+
+
+def suite_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """An accuracy and an overlap column per benchmark suite any listed plan evaluated, by name."""
+    names = dict.fromkeys(name for row in rows for name in row.get("suites", {}))
+    return [prefix + name for name in names for prefix in SUITE_PREFIXES]
+
+
+def result_value(row: dict[str, Any], column: str) -> Any:
+    for prefix, field in SUITE_PREFIXES.items():
+        if column.startswith(prefix):
+            return row.get("suites", {}).get(column[len(prefix) :], {}).get(field)
+    return row.get(column)
+
+
 def cell(value: Any) -> str:
     if value is None:
         return "-"
@@ -183,17 +199,19 @@ def fitted_table(
     if not rows:
         return "no plans in this store; compile one with: bt plan PRESET", []
     shown, results = list(keys), list(RESULT_COLUMNS)
+    at = results.index("heldout_loss") + 1
+    results[at:at] = suite_columns(rows)  # after the held-out loss, before the speed
 
     def draw(compact: bool) -> list[str]:
         short = short_names(shown) if compact else {k: k for k in shown}
         clip = (lambda t: _clip(t, CLIPPED_VALUE)) if compact else (lambda t: t)
-        headers = ["plan", "name", *(short[k] for k in shown), *(HEADINGS[c] for c in results)]
+        headers = ["plan", "name", *(short[k] for k in shown), *(HEADINGS.get(c, c) for c in results)]
         cells = [
             [
                 row["hash"][:SHORT],
                 clip(row["name"]),
                 *(clip(cell(row["values"].get(k))) for k in shown),
-                *(cell(row.get(c)) for c in results),
+                *(cell(result_value(row, c)) for c in results),
             ]
             for row in rows
         ]
@@ -222,7 +240,7 @@ def fitted_table(
 
 
 def table_json(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{**row, "values": dict(row["values"])} for row in rows]
+    return [{**row, "values": dict(row["values"])} for row in rows]  # suites: {name: {accuracy, ...}}
 
 
 def metrics_diff(store: Store, a: str, b: str) -> list[dict[str, Any]]:

@@ -78,13 +78,14 @@ def generate(
 ) -> list[int]:
     """Up to `tokens` new token ids after `prompt` (not empty), ending early at `stop`."""
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device  # an eval step on a GPU generates there
     cache = KVCache(len(model.blocks))
-    logits = forward_cached(model, torch.tensor([prompt]), cache)
+    logits = forward_cached(model, torch.tensor([prompt], device=device), cache)
     produced: list[int] = []
     for _ in range(tokens):
         token = pick(logits[0], temperature, top_k, generator)
         if token == stop:
             break
         produced.append(token)
-        logits = forward_cached(model, torch.tensor([[token]]), cache)
+        logits = forward_cached(model, torch.tensor([[token]], device=device), cache)
     return produced

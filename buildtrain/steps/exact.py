@@ -1,0 +1,43 @@
+"""The exact-match scorer: greedy generation after each context, compared with its target.
+
+A question is right when the greedy continuation, cut at its first newline or end-of-document
+token, is exactly the target. The model may generate at most (the target's UTF-8 bytes + 1)
+tokens: every token but the end-of-document one stands for at least one byte, so that is room for
+the target and the newline or end that closes it, and a longer continuation cannot match. The
+prompt is the context's tokens (the end-of-document token when empty), cut from the left so that
+prompt and continuation fit the model's context. One sequence at a time, with a key/value cache
+(`train/generate.py`): greedy picks need no generator, so the result is as reproducible as the
+weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from buildtrain.errors import StepFailed
+from buildtrain.steps.suites import Codec, ExactMatch
+from buildtrain.steps.train.generate import generate
+
+
+def continuation(model: Any, question: ExactMatch, codec: Codec, window: int) -> str:
+    """The greedy continuation of the question's context, cut at its first newline."""
+    budget = len(question.target.encode("utf-8")) + 1
+    if budget >= window:
+        raise StepFailed(
+            f"a target of {budget - 1} bytes leaves no room for its context in the model's {window} "
+            "tokens; shorten it"
+        )
+    prompt = (codec.encode(question.context) or [codec.end])[-(window - budget) :]
+    ids = generate(model, prompt, budget, temperature=0.0, top_k=0, seed=0, stop=codec.end)
+    return codec.decode(ids).split("\n", 1)[0]
+
+
+@torch.no_grad()
+def score(model: Any, questions: Sequence[ExactMatch], codec: Codec, window: int) -> dict[str, Any]:
+    """`exact_match`: the share of questions whose continuation is exactly the target."""
+    model.eval()
+    right = sum(continuation(model, q, codec, window) == q.target for q in questions)
+    return {"questions": len(questions), "exact_match": right / len(questions)}
