@@ -191,5 +191,8 @@ def test_sample_verify_and_export_take_a_preset_path(micro_built: Reference, tmp
     assert exported.returncode == 0 and (tmp_path / "out" / "model.safetensors").is_file(), exported.stderr
     sweep = tmp_path / "sweep.toml"
     sweep.write_text(f'extends = "{MICRO}"\n[sweep]\n"train.lr" = [1e-3, 2e-3]\n')
-    refused = run_bt("verify", str(sweep), store=store)
+    # In a store of its own: planning the sweep stores its plans, which the session's shared store
+    # must not gain (bt gc and fsck tests read it).
+    (tmp_path / "sweep-store").mkdir()
+    refused = run_bt("verify", str(sweep), store=tmp_path / "sweep-store" / ".bt")
     assert refused.returncode == 2 and "is a sweep of 2 plans; give one of their hashes" in refused.stderr
