@@ -270,6 +270,9 @@ def models(draw: st.DrawFn) -> dict[str, Any]:
         "tie_embeddings": draw(st.booleans()),
         "dropout": draw(unit(0.0, 0.9)),
         "init_std": draw(positive(1.0)),
+        "qkv_bias": draw(st.booleans()),
+        "vocab_size": 0,  # the tokenizer's: a larger one is a checkpoint's (tests/test_import.py)
+        "init": None,  # a checkpoint folder: tests/test_import.py plans those
     }
 
 
@@ -296,6 +299,7 @@ def trains(draw: st.DrawFn) -> dict[str, Any]:
         "checkpoint_every": draw(st.integers(1, 1000)),
         "keep_checkpoints": draw(st.integers(1, 5)),
         "digest_every": draw(st.integers(1, 100)),
+        "lora": None,  # adapters on a checkpoint's weights: tests/test_lora.py plans those
     }
 
 
@@ -314,6 +318,7 @@ def datas(draw: st.DrawFn, files: list[str]) -> dict[str, Any]:
         },
         # chat needs a tokenizer file and a template: tests/test_chat.py plans it
         "format": draw(_choices(DataConfig, "format").filter(lambda f: f != "chat")),
+        "chat_template": "",
         "text_field": draw(st.sampled_from(["text", "content", "body"])),
         "text_column": draw(st.sampled_from(["text", "content", "body"])),
         "tokenizer": draw(
@@ -344,6 +349,10 @@ def evals(draw: st.DrawFn) -> dict[str, Any]:
         "seq_len": draw(st.integers(2, 256)),
         "batch_size": draw(st.integers(1, 16)),
         "max_batches": draw(st.integers(0, 10)),
+        "suites": [],  # suite files: tests/test_suites.py plans those
+        "subset": draw(st.floats(0.01, 1.0)),
+        "seed": draw(SEEDS),
+        "eval_every": draw(st.integers(0, 100)),
     }
 
 
@@ -406,7 +415,7 @@ class PresetSpec:
         return Config(
             name=values["name"],
             model=ModelConfig(**values["model"]),
-            eval=EvalConfig(**values["eval"]),
+            eval=EvalConfig(**{**values["eval"], "suites": tuple(values["eval"]["suites"])}),
             numerics=NumericsConfig(**values["numerics"]),
             export=ExportConfig(**values["export"]),
             stages=tuple(
@@ -536,10 +545,15 @@ def _nested(key: str, value: Any) -> bool:
     return isinstance(value, dict) and key != "tokenizer"
 
 
+def _written(table: dict[str, Any]) -> dict[str, Any]:
+    """The keys a TOML document can hold: None (an absent table, the default) is never written."""
+    return {key: value for key, value in table.items() if value is not None}
+
+
 def _sparse(table: dict[str, Any], cls: type, rng: random.Random) -> dict[str, Any]:
     """`table` with some keys that equal their default left out (they resolve alike)."""
     out = {}
-    for key, value in table.items():
+    for key, value in _written(table).items():
         if _nested(key, value):
             value = _sparse(value, typing.get_type_hints(cls)[key], rng)
             if value or rng.random() < 0.5:
@@ -626,7 +640,7 @@ def layout(spec: PresetSpec, rng: random.Random) -> dict[str, Any]:
         if stage["init_from"] is not None:
             entry["init_from"] = stage["init_from"]
     for section, cls in (("data", DataConfig), ("train", TrainConfig)):
-        top, overrides = _hoist([s[section] for s in stages], cls, rng)
+        top, overrides = _hoist([_written(s[section]) for s in stages], cls, rng)
         if top or rng.random() < 0.3:
             doc[section] = top
         for entry, override in zip(entries, overrides, strict=True):

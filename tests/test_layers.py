@@ -146,6 +146,7 @@ ENTRY_POINTS = {
         "buildtrain.executor.deliver",
         "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
         "buildtrain.executor.engine",  # --executor: which engine, with what options
+        "buildtrain.executor.adhoc",  # bt eval: one suite scored on a built plan's weights
     ),
 }
 NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
