@@ -280,13 +280,14 @@ def models(draw: st.DrawFn) -> dict[str, Any]:
 def trains(draw: st.DrawFn) -> dict[str, Any]:
     micro = draw(st.integers(1, 8))
     steps = draw(st.integers(1, 10_000))
+    reduction = draw(_choices(TrainConfig, "reduction"))
     return {
         "steps": steps,
         "seed": draw(SEEDS),
         "seq_len": draw(st.integers(2, 256)),
         "batch_size": micro * draw(st.integers(1, 4)),
         "micro_batch_size": micro,
-        "reduction": draw(_choices(TrainConfig, "reduction")),
+        "reduction": reduction,
         "optimizer": draw(_choices(TrainConfig, "optimizer")),
         "lr": draw(positive(10.0)),
         "betas": [draw(unit(exclude_max=True)), draw(unit(exclude_max=True))],
@@ -300,6 +301,8 @@ def trains(draw: st.DrawFn) -> dict[str, Any]:
         "keep_checkpoints": draw(st.integers(1, 5)),
         "digest_every": draw(st.integers(1, 100)),
         "lora": None,  # adapters on a checkpoint's weights: tests/test_lora.py plans those
+        "sharding": draw(st.sampled_from(["none", "fsdp"])) if reduction == "invariant" else "none",
+        "activation_checkpointing": draw(st.booleans()),
     }
 
 

@@ -327,6 +327,20 @@ class TrainConfig:
     lora: LoraConfig | None = since(
         setting(None, "train low-rank adapters only: { rank, alpha, dropout, targets = [...] }")
     )
+    sharding: str = since(
+        setting(
+            "none",
+            "none (every rank holds the whole model) or fsdp (weights, gradients and AdamW moments "
+            "sharded across ranks with PyTorch's FSDP2; the same bits at any world size)",
+            one_of("none", "fsdp"),
+        )
+    )
+    activation_checkpointing: bool = since(
+        setting(
+            False,
+            "keep no activations inside blocks: recompute them in the backward pass (less memory, ~1/3 more compute)",
+        )
+    )
 
     @betas.validator
     def _betas_in_range(self, _: attrs.Attribute[Any], value: tuple[float, float]) -> None:
@@ -346,6 +360,18 @@ class TrainConfig:
             raise ValueError(
                 f"{value} makes {self.batch_size // value:,} micro-batches per update, more than "
                 f"{MAX_MICRO_BATCHES:,}; raise train.micro_batch_size or lower train.batch_size"
+            )
+
+    @sharding.validator
+    @reads("reduction", "lora")
+    def _sharding_sums_in_the_tree(self, _: attrs.Attribute[Any], value: str) -> None:
+        if value == "fsdp" and self.reduction != "invariant":
+            raise ValueError(
+                'fsdp sums the gradient in the invariant tree; set train.reduction = "invariant"'
+            )
+        if value == "fsdp" and self.lora is not None:
+            raise ValueError(
+                'fsdp does not shard LoRA adapters yet; remove train.lora or set sharding = "none"'
             )
 
     @warmup_steps.validator

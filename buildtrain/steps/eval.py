@@ -27,7 +27,7 @@ from buildtrain.steps.eval_cache import (
 )
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.steps.suites import read_exact_match, read_multiple_choice, subset_indices, text_codec
-from buildtrain.store.layout import CHECKPOINTS, MODEL, RESULT
+from buildtrain.store.layout import CHECKPOINTS, RESULT
 
 if TYPE_CHECKING:
     from buildtrain.config.schema import NumericsConfig
@@ -78,7 +78,7 @@ def _curve(
         if results[at] is not None:
             continue
         if loaded is None or loaded_at != update:
-            weights = ctx.inputs["weights"] / CHECKPOINTS / f"step-{update:06d}" / MODEL
+            weights = ctx.inputs["weights"] / CHECKPOINTS / f"step-{update:06d}"  # either layout
             loaded, loaded_at = load(config, ctx.inputs["data"], weights, ctx.numerics), update
         suite = config.suites[index]
         work = ctx.work / "harness" / f"{suite.name}-{update}"
@@ -132,7 +132,8 @@ class Loaded:
 
 
 def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) -> Loaded:
-    """The model of `config` with the weights in `weights` (a safetensors file), on the device."""
+    """The model of `config` with the weights in `weights` (a safetensors file, or a kept
+    checkpoint's folder), on the device."""
     import torch
 
     from buildtrain.steps.data_index import DATA_INDEX, embedding_rows

@@ -19,7 +19,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, MODEL, RESULT
+from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, MODEL, RESULT, SHARDS
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -111,7 +111,7 @@ def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, s
     every = step.config.get("eval_every", 0)
     if not every:
         return []
-    from buildtrain.store.tensors import combine, safetensors_digests
+    from buildtrain.store.tensors import combine, safetensors_digests, sharded_digests
 
     output = inputs["weights"]
     trained = json.loads((output / RESULT).read_bytes())
@@ -120,7 +120,11 @@ def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, s
         update = int(name.rsplit("-", 1)[1])
         if update % every or update == trained["steps"]:
             continue
-        weights = combine(safetensors_digests(output / CHECKPOINTS / name / MODEL))
+        folder = output / CHECKPOINTS / name
+        sharded = (folder / SHARDS).is_dir()
+        weights = combine(
+            sharded_digests(folder / SHARDS, "model.") if sharded else safetensors_digests(folder / MODEL)
+        )
         for index, (key, identity) in enumerate(suite_keys(step, inputs, weights)):
             points.append((update, index, key, identity))
     return sorted(points, key=lambda p: (p[0], p[1]))

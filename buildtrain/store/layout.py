@@ -78,6 +78,9 @@ CHECKPOINT = re.compile(r"^step-(\d{6,})$")
 # A checkpoint's files (resume, verify, export and fsck read them).
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
+# A sharded checkpoint (train.sharding = "fsdp") holds, instead of those two, one safetensors file
+# per rank of the weights' and AdamW state's rows it owned (torch.distributed.checkpoint's layout).
+SHARDS = "shards"
 TRAIN_STATE = "train_state.json"
 TRACE = "trace.jsonl"  # in an output: the whole trace; in a checkpoint: its segment (store/trace.py)
 STATE_FORMAT = 2  # 2: the checkpoint's trace is a segment, not the whole trace so far

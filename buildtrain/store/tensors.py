@@ -92,3 +92,65 @@ def safetensors_digests(path: Path) -> dict[str, str]:
     return {
         name: tensor_digest(name, dtype, shape, raw) for name, dtype, shape, raw in iter_safetensors(path)
     }
+
+
+# torch.distributed.checkpoint's key, in a shard file's metadata, for where each tensor's rows start.
+SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+def sharded_tensors(folder: Path, prefix: str = "") -> dict[str, tuple[str, list[int], bytes]]:
+    """(dtype, shape, bytes) of each whole tensor named `prefix...` in a folder of shard files (a
+    sharded checkpoint's, one per rank). Shards are cut between rows of dim 0, so a whole tensor's
+    bytes are its shards' bytes in the order of their first rows."""
+    pieces: dict[str, list[tuple[int, str, list[int], memoryview]]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        header, _ = read_safetensors_header(path)
+        metadata = header.get("__metadata__") or {}
+        offsets = json.loads(metadata.get(SHARDING_INFO, "{}"))
+        for name, dtype, shape, raw in iter_safetensors(path):
+            if name.startswith(prefix):
+                first = (offsets.get(name, {}).get("saved_offsets") or [0])[0]
+                pieces.setdefault(name, []).append((first, dtype, shape, raw))
+    whole = {}
+    for name, found in sorted(pieces.items()):
+        found.sort(key=lambda piece: piece[0])
+        dtype, shape = found[0][1], list(found[0][2])
+        if shape:
+            shape[0] = sum(piece[2][0] for piece in found)
+        whole[name] = (dtype, shape, b"".join(bytes(piece[3]) for piece in found))
+    return whole
+
+
+def sharded_digests(folder: Path, prefix: str) -> dict[str, str]:
+    """The digests `safetensors_digests` gives a file of the whole tensors named `prefix...`,
+    named without the prefix, from a folder of shard files."""
+    return {
+        name.removeprefix(prefix): tensor_digest(name.removeprefix(prefix), dtype, shape, data)
+        for name, (dtype, shape, data) in sharded_tensors(folder, prefix).items()
+    }
+
+
+def settle_header(path: Path) -> None:
+    """Rewrite a safetensors header with its metadata keys in sorted order, in place.
+
+    safetensors writes `__metadata__` from a hash map, so a file with several metadata keys (the
+    shard files of torch.distributed.checkpoint) comes out in another order from every process,
+    and a checkpoint's bytes would depend on the process that wrote it. The rewrite keeps the
+    header's length (a permutation of the same JSON, padded with spaces as the format allows), so
+    the tensor data stays where it is.
+    """
+    header, start = read_safetensors_header(path)
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict):
+        return
+    settled = {
+        "__metadata__": dict(sorted(metadata.items())),
+        **{k: v for k, v in header.items() if k != "__metadata__"},
+    }
+    raw = json.dumps(settled, separators=(",", ":"), ensure_ascii=False).encode()
+    size = start - 8
+    if len(raw) > size:
+        raise ValueError(f"{path.name}: its header does not fit back in {size} bytes")
+    with open(path, "r+b") as handle:
+        handle.seek(8)
+        handle.write(raw + b" " * (size - len(raw)))

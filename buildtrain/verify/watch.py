@@ -20,15 +20,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from buildtrain.steps.train.checkpoint import read_trace
 from buildtrain.steps.train.observer import Observer
+from buildtrain.steps.train.state import checkpoint_tensors
 from buildtrain.store.layout import (
     CHECKPOINTS,
-    MODEL,
-    OPTIMIZER,
     RESULT,
     TRACE,
     checkpoint_name,
@@ -122,10 +120,7 @@ class Watcher(Observer):
         differences: list[dict[str, Any]] = []
         folder = self.recorded_output / CHECKPOINTS / checkpoint_name(step)
         if self.compare_at == step and folder.is_dir():
-            recorded = {f"model.{k}": v for k, v in safetensors.torch.load_file(str(folder / MODEL)).items()}
-            recorded.update(
-                {f"optimizer.{k}": v for k, v in safetensors.torch.load_file(str(folder / OPTIMIZER)).items()}
-            )
+            recorded = checkpoint_tensors(folder, optimizer=True)  # either layout
             for name, tensor in sorted(tensors.items()):
                 other = recorded.get(name)
                 if other is None or other.shape != tensor.shape:

@@ -29,6 +29,7 @@ import torch
 from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.steps.train.optimizer import AdamW
+from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.state import (
     MODEL,
     OPTIMIZER,
@@ -128,16 +129,58 @@ def save(
     """Write a complete checkpoint for `update` atomically, with the trace lines since the newest
     boundary as its segment (`Trace.seal`); returns its folder. `midway` is called with the update
     once the weights are written and nothing else is (a fault can strike there)."""
-    require_folder(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(update)
-    temporary = folder / f".{checkpoint_name(update)}.tmp"
-    objects.remove_tree(temporary)
-    temporary.mkdir()
+    final, temporary = _start(folder, update)
     save_tensors(temporary / MODEL, model_tensors(model))
     if midway is not None:
         midway(update)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
+    return _finish(temporary, final, update, state, history, boundary)
+
+
+def save_sharded(
+    folder: Path,
+    update: int,
+    write_shards: Callable[[Path], None],
+    state: dict[str, Any],
+    history: Trace,
+    midway: Callable[[int], None] | None = None,
+    *,
+    boundary: bool = True,
+    ranks: Ranks,
+) -> Path:
+    """`save` for sharded training, on every rank: rank 0 opens the temporary folder, every rank
+    writes its shards into it (`write_shards`, collective), and rank 0 alone writes the rest,
+    seals the manifest over every rank's files and renames the folder into place. The returned
+    path is meaningful on rank 0 only."""
+    final, temporary = _start(folder, update) if ranks.lead else _paths(folder, update)
+    ranks.barrier("a checkpoint")
+    write_shards(temporary)
+    ranks.barrier("a checkpoint")  # every rank's files complete before rank 0 seals them
+    if not ranks.lead:
+        return final
+    if midway is not None:
+        midway(update)
+    return _finish(temporary, final, update, state, history, boundary)
+
+
+def _paths(folder: Path, update: int) -> tuple[Path, Path]:
+    return folder / checkpoint_name(update), folder / f".{checkpoint_name(update)}.tmp"
+
+
+def _start(folder: Path, update: int) -> tuple[Path, Path]:
+    """The checkpoint's final folder and its empty temporary one."""
+    require_folder(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final, temporary = _paths(folder, update)
+    objects.remove_tree(temporary)
+    temporary.mkdir()
+    return final, temporary
+
+
+def _finish(
+    temporary: Path, final: Path, update: int, state: dict[str, Any], history: Trace, boundary: bool
+) -> Path:
+    """The training state and trace segment, then the manifest, then the rename into place."""
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
     raw, segment = history.seal(update, boundary=boundary)
     # Kept by its blake3 first, so that a later checkpoint's link to it holds after this one is pruned.
@@ -198,13 +241,14 @@ def set_aside(path: Path) -> None:
 
 def load_newest(
     folder: Path,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     optimizer: AdamW,
     expect: dict[str, Any],
     on_skip: Callable[[Path, str], None],
 ) -> Resumed | None:
     """Restore the newest checkpoint that verifies and belongs to this step; None to start fresh.
-    Every newer one that does not is reported through `on_skip` and moved aside."""
+    Every newer one that does not is reported through `on_skip` and moved aside. Without a
+    model (sharded training) the tensors are left for every rank to read its own."""
     require_folder(folder)
     for _, path in newest_first(folder.iterdir()) if folder.is_dir() else []:
         if path.is_symlink():  # never a checkpoint, whatever it points to
@@ -217,8 +261,9 @@ def load_newest(
             set_aside(path)
             continue
         state = json.loads((path / TRAIN_STATE).read_bytes())
-        load_model(model, path / MODEL)
-        load_optimizer(model, optimizer, path / OPTIMIZER)
+        if model is not None:
+            load_model(model, path / MODEL)
+            load_optimizer(model, optimizer, path / OPTIMIZER)
         history = Trace(folder, objects.sealed_files(path)[TRACE], update)
         trace.keep(history.pool, history.head, source=path / TRACE)  # one pulled from a remote brings it
         return Resumed(update=update, state=state, trace=history, path=path)

@@ -14,6 +14,7 @@ from buildtrain.steps.train.model import record_mask
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.reduce import cover, gradients_to_vector, tree_sum, vector_to_gradients
 from buildtrain.steps.train.setup import TrainSetup
+from buildtrain.steps.train.sharding import Sharded
 
 
 def seeded(seed: int, purpose: str, *counters: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -42,9 +43,11 @@ def batch_gradient(
     device: torch.device,
     autocast: Any,
     ranks: Ranks,
+    sharded: Sharded | None = None,
 ) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches, then the reduction `train.reduction`
-    names; leaves the batch gradient in `.grad` on every rank and returns the batch loss."""
+    names; leaves the batch gradient in `.grad` on every rank (sharded: each rank's shard of it)
+    and returns the batch loss."""
     cfg = setup.train
     micro_batches = cfg.batch_size // cfg.micro_batch_size
     parameters = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
@@ -64,6 +67,15 @@ def batch_gradient(
             loss = token_loss(logits, y, None if mask is None else mask.to(device)) / micro_batches
         loss.backward()
         return loss.detach()
+
+    if sharded is not None:  # FSDP2 sums each shard's gradient in the tree as backward leaves it
+        sharded.begin_update()
+        for micro in sharded.passes():
+            for parameter in parameters:
+                parameter.grad = None  # each pass's gradient on its own: the tree keeps the sums
+            loss = sharded.add_losses(backward(micro))
+        assert loss is not None
+        return loss
 
     first, end = ranks.share(micro_batches)
     if cfg.reduction == "allreduce":

@@ -194,6 +194,29 @@ class Block(nn.Module):
         return x + dropout(self.ffn(self.ffn_norm(x)), self.p, generator)
 
 
+def recomputed(
+    block: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    generator: torch.Generator | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """A block whose activations are not kept but computed again in the backward pass. Dropout
+    draws from `generator`, which torch's checkpoint does not rewind: the block rewinds it itself,
+    so the recomputation draws what the forward pass drew."""
+    from torch.utils.checkpoint import checkpoint
+
+    start = generator.get_state() if generator is not None else None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if generator is not None and start is not None:
+            generator.set_state(start)
+        return block(x, cos, sin, generator, mask)
+
+    return checkpoint(forward, x, use_reentrant=False)
+
+
 def record_mask(tokens: torch.Tensor, end_of_document: int) -> torch.Tensor:
     """(B, 1, T, T): position i attends to position j <= i of its own record only, a record
     ending at each end-of-document token. RoPE scores depend on relative positions alone, so a
@@ -219,6 +242,9 @@ class Transformer(nn.Module):
         # per forward); not parameters, so never in a checkpoint.
         self.rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self.adapters: list[nn.Module] = []  # LoRA adapters (`lora.py`): they draw dropout too
+        self.checkpointing = (
+            False  # recompute each block in the backward pass (train.activation_checkpointing)
+        )
 
     def rope_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if (length, device) not in self.rope:
@@ -236,7 +262,10 @@ class Transformer(nn.Module):
             adapter.generator = generator
         x = dropout(self.embedding(tokens), self.config.dropout, generator)  # (B, T, C)
         for block in self.blocks:
-            x = block(x, cos, sin, generator, mask)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = recomputed(block, x, cos, sin, generator, mask)
+            else:
+                x = block(x, cos, sin, generator, mask)
         return self.output(self.norm(x))  # (B, T, vocab)
 
     @classmethod

@@ -62,7 +62,7 @@ class Ranks:
 
         mine = torch.tensor(list(bytes.fromhex(step_hash)), dtype=torch.uint8, device=self.device)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        with self._peers("the start of training"):
+        with self.peers("the start of training"):
             dist.all_gather(everyone, mine)
         others = sorted({rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs, mine)})
         if others:
@@ -95,7 +95,7 @@ class Ranks:
         shard = math.ceil(length / self.world)
         send = _by_shard([partials[node] for node in nodes[self.rank]], self.world, shard)
         received = torch.empty(sum(len(n) for n in nodes) * shard, device=send.device)
-        with self._peers("the gradient exchange"):
+        with self.peers("the gradient exchange"):
             dist.all_to_all_single(
                 received,
                 send.view(-1),
@@ -106,7 +106,7 @@ class Ranks:
         known = {node: next(pieces) for rank_nodes in nodes for node in rank_nodes}
         total = tree_sum(root, _no_leaf, known)
         gathered = torch.empty(self.world * shard, device=total.device)
-        with self._peers("the gradient exchange"):
+        with self.peers("the gradient exchange"):
             dist.all_gather(list(gathered.split(shard)), total)  # straight into one vector
         return gathered[:length]
 
@@ -115,9 +115,26 @@ class Ranks:
         if self.world > 1:
             import torch.distributed as dist
 
-            with self._peers("the gradient all-reduce"):
+            with self.peers("the gradient all-reduce"):
                 dist.all_reduce(vector)
         return vector
+
+    def join_alone(self, device: str) -> None:
+        """A process group of one, in memory, with no port to open: sharded training needs one
+        even at world size 1 (FSDP2 shards over a device mesh)."""
+        import torch.distributed as dist
+
+        if self.world == 1 and not dist.is_initialized():
+            backend = "nccl" if device == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    def barrier(self, during: str) -> None:
+        """Wait for every rank (sharded checkpoints: the folder exists before anyone writes into it)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            with self.peers(during):
+                dist.barrier()
 
     def any(self, *flags: bool) -> tuple[bool, ...]:
         """Agree on flags (stop requested, stop watching): true on every rank if true on one."""
@@ -126,7 +143,7 @@ class Ranks:
         import torch.distributed as dist
 
         shared = torch.tensor([float(f) for f in flags], device=self.device)
-        with self._peers("the end of an update"):
+        with self.peers("the end of an update"):
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)
         return tuple(bool(v) for v in shared.tolist())
 
@@ -135,10 +152,7 @@ class Ranks:
         later stage's initial weights): the other ranks need nothing from the store but data."""
         if self.world == 1:
             return counters
-
-        shared = torch.tensor(counters, dtype=torch.int64)
-        self._broadcast(shared)
-        counters = [int(v) for v in shared.tolist()]
+        counters = self.share_counters(counters)
         resumed = counters[0] > 0
         with torch.no_grad():
             for parameter in model.parameters():
@@ -148,12 +162,20 @@ class Ranks:
                         self._broadcast(value)
         return counters
 
+    def share_counters(self, counters: list[int]) -> list[int]:
+        """Rank 0's integers on every rank."""
+        if self.world == 1:
+            return counters
+        shared = torch.tensor(counters, dtype=torch.int64)
+        self._broadcast(shared)
+        return [int(v) for v in shared.tolist()]
+
     def _broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's values into `tensor`, staged through the device when it lives elsewhere
         (NCCL moves only device memory; AdamW's step counts stay on the CPU)."""
         import torch.distributed as dist
 
-        with self._peers("the start of training"):
+        with self.peers("the start of training"):
             if tensor.device.type == self.device:
                 dist.broadcast(tensor, src=0)
                 return
@@ -162,7 +184,7 @@ class Ranks:
             tensor.copy_(staged.to(tensor.device))
 
     @contextlib.contextmanager
-    def _peers(self, during: str) -> Iterator[None]:
+    def peers(self, during: str) -> Iterator[None]:
         """A collective fails when another rank died or hangs: that is a step failure that names
         what this rank was doing, not a crash with a traceback."""
         try:

@@ -21,6 +21,15 @@ def float_bits(value: float) -> str:
     return struct.pack(">f", value).hex()
 
 
+def recorded_state(update: int, cfg: TrainConfig) -> str | None:
+    """What the record of `update` digests: the whole "state" at each update of the checkpoint
+    cadence, the "weights" every `digest_every` updates, else nothing. Only the cadence decides,
+    never an interruption, so the trace of a resumed run equals that of an uninterrupted one."""
+    if checkpoint_due(update, cfg):
+        return "state"
+    return "weights" if update % cfg.digest_every == 0 else None
+
+
 def trace_entry(
     update: int,
     loss: float,
@@ -30,14 +39,14 @@ def trace_entry(
     model: torch.nn.Module,
     optimizer: AdamW,
     cfg: TrainConfig,
+    gathered: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The record of one update (and the tensors it digested).
 
     Weights are digested every `digest_every` updates, the whole state (weights and AdamW moments)
-    at every update the checkpoint cadence names. Only the cadence decides, never an
-    interruption, so the trace of a resumed run equals that of an uninterrupted one. Between
-    checkpoints, weights on a GPU are checksummed where they are (`state.checksums`) instead of
-    copied to the host for blake3.
+    at every update the checkpoint cadence names (`recorded_state`); sharded training passes the
+    whole tensors it `gathered`. Between checkpoints, weights on a GPU are checksummed where they
+    are (`state.checksums`) instead of copied to the host for blake3.
     """
     entry: dict[str, Any] = {
         "step": update,
@@ -46,11 +55,12 @@ def trace_entry(
         "lr": lr,
         "cursor": cursor,
     }
-    full = checkpoint_due(update, cfg)
-    if not (full or update % cfg.digest_every == 0):
+    wanted = recorded_state(update, cfg)
+    if wanted is None:
         return entry, {}
-    tensors = state_tensors(model, optimizer if full else None)
-    on_host = full or next(model.parameters()).device.type == "cpu"
+    full = wanted == "state"
+    tensors = gathered if gathered is not None else state_tensors(model, optimizer if full else None)
+    on_host = full or next(iter(tensors.values())).device.type == "cpu"
     tensor_digests = digests(tensors) if on_host else checksums(tensors)
     entry["weights"] = combine({k: v for k, v in tensor_digests.items() if k.startswith("model.")})
     if full:

@@ -73,3 +73,43 @@ def vector_to_gradients(flat: torch.Tensor, parameters: list[torch.Tensor]) -> t
         parameter.grad = flat[offset : offset + count].view_as(parameter)  # a view: no copy
         offset += count
     return flat[offset]
+
+
+class Tree:
+    """The canonical tree evaluated as its leaves arrive, in micro-batch order.
+
+    Sharded training receives micro-batch gradients a few at a time (one per rank per pass), so
+    it cannot call `tree_sum` with every leaf at hand. A node is summed as soon as both of its
+    children are: the same additions, left += right, as `tree_sum` performs, so the same bits,
+    with at most one pending partial sum per tree level.
+    """
+
+    def __init__(self, leaves: int) -> None:
+        self.leaves = leaves
+        self.parents: dict[tuple[Node, Node], Node] = {}
+        pending = [(0, leaves)]
+        while pending:
+            node = pending.pop()
+            if node[1] - node[0] > 1:
+                left, right = children(node)
+                self.parents[(left, right)] = node
+                pending += [left, right]
+        self.stack: list[tuple[Node, torch.Tensor]] = []
+        self.pushed = 0
+
+    def push(self, leaf: torch.Tensor) -> None:
+        """Add the next micro-batch's vector (summed into in place: pass one nobody reads after)."""
+        node, total = (self.pushed, self.pushed + 1), leaf
+        self.pushed += 1
+        while self.stack and (self.stack[-1][0], node) in self.parents:
+            left_node, left = self.stack.pop()
+            left += total
+            node, total = self.parents[(left_node, node)], left
+        self.stack.append((node, total))
+
+    def total(self) -> torch.Tensor | None:
+        """The root's sum once every leaf arrived, else None."""
+        if self.pushed == self.leaves:
+            assert len(self.stack) == 1
+            return self.stack[0][1]
+        return None

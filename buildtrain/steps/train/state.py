@@ -19,8 +19,8 @@ import torch
 from buildtrain.steps.train.optimizer import AdamW
 
 # File names inside a checkpoint (resume, verify, export and fsck read them): store/layout.py.
-from buildtrain.store.layout import MODEL, OPTIMIZER, TRACE, TRAIN_STATE  # noqa: F401
-from buildtrain.store.tensors import DTYPE_CODES, tensor_digest
+from buildtrain.store.layout import MODEL, OPTIMIZER, SHARDS, TRACE, TRAIN_STATE  # noqa: F401
+from buildtrain.store.tensors import DTYPE_CODES, sharded_tensors, tensor_digest
 
 
 def digest_tensor(name: str, tensor: torch.Tensor) -> str:
@@ -138,8 +138,9 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def load_model(model: torch.nn.Module, path: Path) -> None:
-    """Load weights by name; every parameter must be present and nothing else."""
-    loaded = safetensors.torch.load_file(str(path))
+    """Load weights by name, from a safetensors file or a checkpoint folder (either layout);
+    every parameter must be present and nothing else."""
+    loaded = checkpoint_weights(path) if path.is_dir() else safetensors.torch.load_file(str(path))
     expected = set(model_tensors(model))
     if set(loaded) != expected:
         missing, extra = sorted(expected - set(loaded)), sorted(set(loaded) - expected)
@@ -154,3 +155,29 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
 def load_optimizer(model: torch.nn.Module, optimizer: AdamW, path: Path) -> None:
     """Restore AdamW moments and step counts saved by `optimizer_tensors`."""
     optimizer.load_state_tensors(model.named_parameters(), safetensors.torch.load_file(str(path)))
+
+
+def checkpoint_tensors(folder: Path, optimizer: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights (`model.` names; with `optimizer`, its AdamW state too, `optimizer.`
+    names) as whole tensors on the CPU, whether one process wrote it or every rank its shards."""
+    if (folder / SHARDS).is_dir():
+        return _read_shards(folder / SHARDS, "" if optimizer else "model.")
+    tensors = {f"model.{k}": v for k, v in safetensors.torch.load_file(str(folder / MODEL)).items()}
+    if optimizer:
+        loaded = safetensors.torch.load_file(str(folder / OPTIMIZER))
+        tensors.update({f"optimizer.{k}": v for k, v in loaded.items()})
+    return tensors
+
+
+def checkpoint_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights by parameter name (no `model.` prefix), either layout."""
+    return {k.removeprefix("model."): v for k, v in checkpoint_tensors(folder).items()}
+
+
+def _read_shards(folder: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """Whole tensors (those named `prefix...`) from a sharded checkpoint's shard files."""
+    dtypes = {code: getattr(torch, name) for name, code in DTYPE_CODES.items()}
+    return {
+        name: torch.frombuffer(bytearray(data), dtype=dtypes[dtype]).reshape(shape)
+        for name, (dtype, shape, data) in sharded_tensors(folder, prefix).items()
+    }

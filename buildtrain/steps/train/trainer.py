@@ -32,10 +32,12 @@ from buildtrain.steps.train.gradient import batch_gradient, seeded
 from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
-from buildtrain.steps.train.record import trace_entry
+from buildtrain.steps.train.record import recorded_state, trace_entry
 from buildtrain.steps.train.schedule import checkpoint_due, learning_rate
 from buildtrain.steps.train.setup import TrainSetup
+from buildtrain.steps.train.sharding import Sharded
 from buildtrain.steps.train.state import load_model, state_tensors
+from buildtrain.store.layout import SHARDS, checkpoint_name
 
 
 @attrs.frozen
@@ -91,6 +93,7 @@ class Training:
     batches: Batches
     heldout: TokenStream | None  # rank 0 evaluates during training (eval.every > 0)
     heldout_masks: TokenStream | None  # chat records: only completion tokens are scored
+    sharded: Sharded | None = None  # train.sharding = "fsdp": this rank holds a shard of the state
     update: int = 0
     cursor: int = 0
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
@@ -109,6 +112,9 @@ class Training:
         if cfg.lora is not None:  # after the weights: the adapters are drawn from their own generator
             add_adapters(model, cfg.lora, setup.model, seeded(cfg.seed, "lora"))
         model.to(device)
+        model.checkpointing = cfg.activation_checkpointing
+        micro_batches = cfg.batch_size // cfg.micro_batch_size
+        sharded = Sharded(model, ranks, device, micro_batches) if cfg.sharding == "fsdp" else None
         optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         splits = setup.index["splits"]
         evaluating = setup.eval is not None and setup.eval.every > 0 and ranks.lead
@@ -120,6 +126,7 @@ class Training:
             autocast=torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.dtype == "bfloat16"),
             model=model,
             optimizer=optimizer,
+            sharded=sharded,
             batches=Batches(
                 TokenStream(setup.data, splits["train"]),
                 cfg.seq_len,
@@ -137,16 +144,22 @@ class Training:
         )
         if ranks.lead:
             training.resume()
-        training.update, training.cursor = ranks.share_state(
-            model, optimizer, [training.update, training.cursor]
-        )
+        counters = [training.update, training.cursor]
+        if sharded is None:
+            training.update, training.cursor = ranks.share_state(model, optimizer, counters)
+            return training
+        # Sharded: every rank built the same weights from the seed, and reads its own rows of
+        # the checkpoint rank 0 chose (at whatever world size it was written).
+        training.update, training.cursor = ranks.share_counters(counters)
+        if training.update > 0:
+            sharded.load(setup.work / checkpoint_name(training.update) / SHARDS, model, optimizer)
         return training
 
     def resume(self) -> None:
         """Rank 0: continue from the newest checkpoint that verifies and is this step's own."""
         resumed = checkpoint.load_newest(
             self.setup.work,
-            self.model,
+            None if self.sharded is not None else self.model,  # sharded: every rank loads its rows
             self.optimizer,
             self.setup.identity,
             on_skip=lambda path, why: self.log.warning(
@@ -165,14 +178,34 @@ class Training:
                 world_size=self.controls.ranks.world,
             )
 
-    def record(self, loss: float, grad_norm: float, lr: float, started: float) -> bool:
+    def gathered(self) -> dict[str, torch.Tensor] | None:
+        """Sharded: the whole tensors this update's record digests, gathered on rank 0 (every
+        rank takes part); None when unsharded (the record reads the model) or when none are due."""
+        wanted = recorded_state(self.update, self.setup.train)
+        if self.sharded is None or wanted is None:
+            return None
+        return self.sharded.full_state(self.model, self.optimizer if wanted == "state" else None)
+
+    def record(
+        self,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        started: float,
+        gathered: dict[str, torch.Tensor] | None,
+    ) -> bool:
         """Rank 0's part of an update: trace, evaluate, log, observe. True: the observer says stop."""
         setup, at = self.setup, self.update
         entry, tensors = trace_entry(
-            at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, setup.train
+            at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, setup.train, gathered
         )
         self.trace.append(entry)
-        if self.heldout is not None and setup.eval is not None and at % setup.eval.every == 0:
+        if (
+            self.heldout is not None
+            and setup.eval is not None
+            and at % setup.eval.every == 0
+            and not self.sharded
+        ):
             result = evaluate(
                 self.model,
                 self.heldout,
@@ -200,9 +233,12 @@ class Training:
         return self.controls.observer.recorded(entry, tensors or state_tensors(self.model, self.optimizer))
 
     def save(self) -> None:
-        """Rank 0 writes the checkpoint of the update done last; every rank tells the observer."""
+        """Rank 0 writes the checkpoint of the update done last (sharded: every rank writes its
+        shards, rank 0 the rest); every rank tells the observer."""
         at, observer = self.update, self.controls.observer
-        if self.controls.ranks.lead:
+        if self.sharded is not None:
+            self.save_sharded()
+        elif self.controls.ranks.lead:
             tokens = at * self.setup.train.batch_size * self.setup.train.seq_len
             state = {**self.setup.identity, "step": at, "cursor": self.cursor, "tokens": tokens}
             midway = observer.checkpoint_half_written
@@ -220,6 +256,26 @@ class Training:
             checkpoint.prune(self.setup.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
             self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
         observer.checkpoint_written(at)
+
+    def save_sharded(self) -> None:
+        at, train, ranks = self.update, self.setup.train, self.controls.ranks
+        assert self.sharded is not None
+        sharded, model, optimizer = self.sharded, self.model, self.optimizer
+        tokens = at * train.batch_size * train.seq_len
+        path = checkpoint.save_sharded(
+            self.setup.work,
+            at,
+            lambda folder: sharded.save(folder / SHARDS, model, optimizer),
+            {**self.setup.identity, "step": at, "cursor": self.cursor, "tokens": tokens},
+            self.trace,
+            midway=self.controls.observer.checkpoint_half_written,
+            boundary=checkpoint_due(at, train),
+            ranks=ranks,
+        )
+        if ranks.lead:
+            checkpoint.prune(self.setup.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
+            self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
+        ranks.barrier("a checkpoint")  # nobody resumes or prunes past a checkpoint still being written
 
 
 def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) -> TrainResult:
@@ -243,9 +299,20 @@ def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) ->
         with out_of_memory_fails(run.update, setup.work):
             # forward, loss and backward of every micro-batch of this rank, summed across ranks
             loss_sum = batch_gradient(
-                compute, run.batches, run.cursor, run.update, setup, run.device, run.autocast, ranks
+                compute,
+                run.batches,
+                run.cursor,
+                run.update,
+                setup,
+                run.device,
+                run.autocast,
+                ranks,
+                run.sharded,
             )
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            if run.sharded is not None:
+                norm = run.sharded.clip([p for p in model.parameters() if p.grad is not None], max_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             loss, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one sync
             if not math.isfinite(loss):
                 raise StepFailed(
@@ -256,8 +323,9 @@ def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) ->
             optimizer.zero_grad()
         run.cursor += cfg.batch_size
         ended = observer.updated(run.update, model)
+        gathered = run.gathered()
         if ranks.lead:
-            ended = run.record(loss, grad_norm, lr, started) or ended
+            ended = run.record(loss, grad_norm, lr, started, gathered) or ended
         stopping, ended = ranks.any(stop.signal_name is not None, ended)
         if ended:
             return TrainResult(run.update, run.trace)  # a spot check or a divergence ends here

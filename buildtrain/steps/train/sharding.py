@@ -1,0 +1,198 @@
+"""Sharded training (`train.sharding = "fsdp"`): PyTorch's FSDP2 holds each rank's shard of the
+weights, gradients and AdamW moments, and the gradient is still the canonical tree's sum.
+
+FSDP2 reduce-scatters each block's gradient as the backward pass leaves it: a sum across ranks
+whose order depends on the world size. Here that collective is replaced (FSDP2's custom
+reduce-scatter seam) by an exchange that adds nothing: every rank receives, for its own shard,
+the micro-batch gradient of every rank, and adds them into the canonical tree (`reduce.Tree`).
+The micro-batches are dealt round robin (pass p computes micro-batches pW .. pW+W-1, one per
+rank), so the leaves arrive in tree order whatever the world size W, and each element of a
+shard's gradient is the sum an unsharded run computes, bit for bit. AdamW is element-wise, so the
+sharded update is the unsharded one. The clipping norm is summed row by row (FSDP2 cuts shards
+between rows of dim 0), so it does not depend on where the cuts fall either; it is not summed in
+the order of torch's `clip_grad_norm_`, which is why a clipped update can differ from the
+unsharded run's in its last bits (README, "Sharded training").
+
+Checkpoints are torch.distributed.checkpoint's: every rank writes its shards as one safetensors
+file (no pickle on any path) with the offsets of its rows, and a load at another world size
+reads the rows it now owns (`state.checkpoint_tensors` reads whole tensors back without
+torch.distributed, for the output's weights and whatever reads a kept checkpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from buildtrain.steps.train.optimizer import AdamW
+from buildtrain.steps.train.ranks import Ranks
+from buildtrain.steps.train.reduce import Tree
+from buildtrain.store.tensors import settle_header
+
+
+class Exchange:
+    """Stands in for FSDP2's reduce-scatter: an all-to-all that keeps the ranks' contributions
+    apart (row r of `received`: rank r's micro-batch gradient of this rank's shard)."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.received: torch.Tensor | None = None
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        import torch.distributed as dist
+
+        received = torch.empty_like(input_tensor)
+        with self.ranks.peers("the gradient exchange"):
+            dist.all_to_all_single(received, input_tensor, group=group)
+        self.received = received.view(group.size(), -1)
+
+
+class Sharded:
+    """The model's FSDP2 units (each block, then the root) and the trees that sum their gradients."""
+
+    def __init__(
+        self, model: torch.nn.Module, ranks: Ranks, device: torch.device, micro_batches: int
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.ranks, self.micro_batches = ranks, micro_batches
+        ranks.join_alone(device.type)
+        mesh = init_device_mesh(device.type, (ranks.world,))
+        blocks = list(model.blocks)  # type: ignore[attr-defined]
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.units: list[Any] = [*blocks, model]
+        for index, unit in enumerate(self.units):
+            exchange = Exchange(ranks)
+            unit.set_custom_reduce_scatter(exchange)
+            unit.set_force_sum_reduction_for_comms(True)  # nothing divides: the loss is already a mean
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_all_reduce_hook(functools.partial(self._reduced, index, exchange))
+        self.begin_update()
+
+    def begin_update(self) -> None:
+        self.trees = [Tree(self.micro_batches) for _ in self.units]
+        self.losses = Tree(self.micro_batches)
+
+    def passes(self) -> range:
+        """The micro-batch of this rank in each pass: micro-batch pass * world + rank."""
+        return range(self.ranks.rank, self.micro_batches, self.ranks.world)
+
+    def _reduced(self, unit: int, exchange: Exchange, output: torch.Tensor) -> None:
+        """After a unit's backward: this pass's micro-batch gradients of our shard into the tree;
+        after the last pass, the tree's sum is what FSDP2 stores as the shard's gradient."""
+        leaves = exchange.received if self.ranks.world > 1 else output.view(1, -1)
+        exchange.received = None
+        assert leaves is not None
+        tree = self.trees[unit]
+        for leaf in leaves:
+            tree.push(leaf)
+        total = tree.total()
+        if total is not None:
+            output.copy_(total)
+
+    def add_losses(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """This pass's micro-batch losses of every rank into their tree; the batch loss at the end."""
+        if self.ranks.world == 1:
+            self.losses.push(loss.reshape(1).clone())
+        else:
+            import torch.distributed as dist
+
+            everyone = torch.empty(self.ranks.world, device=loss.device)
+            with self.ranks.peers("the loss exchange"):
+                dist.all_gather_single(everyone, loss.reshape(1))
+            for value in everyone:
+                self.losses.push(value.reshape(1))
+        total = self.losses.total()
+        return None if total is None else total[0]
+
+    def clip(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the sharded gradients to a global norm of at most `max_norm`; returns the norm.
+
+        Each rank sums squares along its rows, the rows of every parameter are gathered whole, and
+        every rank adds them up in parameter order: the same additions at any world size.
+        """
+        import torch.distributed as dist
+
+        world = self.ranks.world
+        grads = [p.grad.to_local() for p in parameters]  # type: ignore[union-attr]
+        chunks = [math.ceil(p.shape[0] / world) if p.dim() else 1 for p in parameters]
+        send = torch.zeros(sum(chunks), device=grads[0].device)
+        offset = 0
+        for p, grad, chunk in zip(parameters, grads, chunks, strict=True):
+            width = math.prod(p.shape[1:])
+            send[offset : offset + grad.shape[0]] = grad.reshape(grad.shape[0], width).square().sum(1)
+            offset += chunk
+        gathered = torch.empty(world * send.numel(), device=send.device)
+        with self.ranks.peers("the gradient norm"):
+            dist.all_gather_single(gathered, send)
+        gathered = gathered.view(world, -1)
+        sums, offset = [], 0
+        for p, chunk in zip(parameters, chunks, strict=True):
+            rows = [
+                gathered[r, offset : offset + max(0, min(chunk, p.shape[0] - r * chunk))]
+                for r in range(world)
+            ]
+            sums.append(torch.cat(rows).sum())
+            offset += chunk
+        norm = torch.stack(sums).sum().sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ formula
+        torch._foreach_mul_(grads, coefficient)
+        return norm
+
+    def full_state(self, model: torch.nn.Module, optimizer: AdamW | None) -> dict[str, torch.Tensor]:
+        """Whole tensors of the training state, by the names `state.state_tensors` gives them, on
+        rank 0 (every rank takes part in gathering each one; the others keep none of them)."""
+        from buildtrain.steps.train.state import state_tensors
+
+        whole = {}
+        for name, tensor in state_tensors(model, optimizer).items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.ranks.lead:
+                whole[name] = full
+        return whole
+
+    def save(self, folder: Path, model: torch.nn.Module, optimizer: AdamW) -> None:
+        """Every rank writes its shards of the weights and AdamW state into `folder` (collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+        from buildtrain.steps.train.state import state_tensors
+
+        with self.ranks.peers("a checkpoint"):
+            dcp.save(
+                state_tensors(model, optimizer),
+                storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
+            )
+        for path in sorted(folder.glob(f"shard-{self.ranks.rank + 1:05d}-*.safetensors")):
+            settle_header(path)  # this rank's file (torch numbers them from 1), before the seal
+
+    def load(self, folder: Path, model: torch.nn.Module, optimizer: AdamW) -> None:
+        """Every rank reads the rows it owns at this world size, whatever the world size that wrote
+        them (collective). The AdamW moments are created first, for the load to fill."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        from buildtrain.steps.train.state import state_tensors
+
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                optimizer.slots(parameter)
+        with self.ranks.peers("a resume"):
+            dcp.load(state_tensors(model, optimizer), storage_reader=HuggingFaceStorageReader(str(folder)))
