@@ -55,6 +55,23 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 
 
+def held_bytes(model: torch.nn.Module, optimizer: AdamW) -> dict[str, int]:
+    """Bytes of weights, gradients and AdamW moments this rank holds (sharded: its shards), read
+    off the tensors themselves: what benchmarks/sharding.py compares across world sizes."""
+
+    def size(tensor: Any) -> int:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    parameters = list(model.parameters())
+    moments = [v for p in parameters for k, v in optimizer.state.get(p, {}).items() if k != "step"]
+    return {
+        "weights_bytes": sum(size(p.detach()) for p in parameters),
+        "gradient_bytes": sum(size(p.grad) for p in parameters if p.grad is not None),
+        "optimizer_bytes": sum(size(m) for m in moments),
+    }
+
+
 def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -291,6 +308,7 @@ def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) ->
     # only when asked for).
     compute = torch.compile(model) if setup.compile else model
     model.train()
+    measured = False
     while run.update < cfg.steps:
         started = time.perf_counter()
         run.update += 1
@@ -320,6 +338,9 @@ def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) ->
                     f"(newest checkpoint: {newest(setup.work)}). Lower train.lr or raise train.warmup_steps."
                 )
             optimizer.update()
+            if not measured:  # once per process: the training state this rank holds, measured
+                log.info("rank_state", world_size=ranks.world, **held_bytes(model, optimizer))
+                measured = True
             optimizer.zero_grad()
         run.cursor += cfg.batch_size
         ended = observer.updated(run.update, model)
