@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from buildtrain.steps.train.reduce import (
     Node,
+    Tree,
     children,
     cover,
     gradients_to_vector,
@@ -108,3 +109,20 @@ def test_gradients_to_vector_and_back_round_trip() -> None:
     assert vector_to_gradients(flat, weights).item() == 2.5
     for weight, grad in zip(weights, expected, strict=True):
         assert torch.equal(weight.grad, grad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 33), seed=st.integers(0, 2**16), world=st.sampled_from([1, 2, 4]))
+def test_the_tree_summed_as_leaves_arrive_has_the_bits_of_the_whole_tree(
+    count: int, seed: int, world: int
+) -> None:
+    """Sharded training pushes one leaf per rank per pass, in micro-batch order."""
+    vectors = leaves(count, seed)
+    tree = Tree(count)
+    for index, vector in enumerate(vectors):
+        assert tree.total() is None
+        tree.push(vector.clone())
+        assert (tree.total() is None) == (index < count - 1)
+        assert len(tree.stack) <= count.bit_length() + 1  # one pending sum per level at most
+    total = tree.total()
+    assert total is not None and torch.equal(total, in_one_process(vectors))

@@ -18,9 +18,12 @@ from buildtrain.steps.train.state import digest_tensor, digests
 from buildtrain.store.tensors import (
     DTYPE_CODES,
     MAX_HEADER,
+    SHARDING_INFO,
     combine,
     read_safetensors_header,
     safetensors_digests,
+    settle_header,
+    sharded_digests,
     tensor_digest,
 )
 
@@ -208,3 +211,50 @@ def test_deeply_nested_header_is_rejected_with_value_error(tmp_path: Path) -> No
     body = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(ValueError):
         read_safetensors_header(header_file(tmp_path / "deep.safetensors", len(body), body))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tensors=tensor_sets, data=st.data())
+def test_sharded_digests_equal_the_digests_of_the_whole_tensors(
+    tensors: dict[str, torch.Tensor], data: st.DataObject
+) -> None:
+    """Rows of dim 0 cut among any number of shard files, each file naming where its rows start
+    (as torch.distributed.checkpoint writes them), digest as the whole tensors do."""
+    files = data.draw(st.integers(1, 4))
+    bounds = {}
+    for name, tensor in tensors.items():
+        rows = tensor.shape[0] if tensor.dim() else 1
+        cuts = data.draw(st.lists(st.integers(0, rows), min_size=files - 1, max_size=files - 1))
+        bounds[name] = [0, *sorted(cuts), rows]
+    with tempfile.TemporaryDirectory() as folder:
+        whole, shards = Path(folder) / "whole.safetensors", Path(folder) / "shards"
+        shards.mkdir()
+        write_safetensors(whole, tensors, sorted(tensors), 0, None)
+        for index in range(files):
+            part, offsets = {}, {}
+            for name, tensor in tensors.items():
+                if tensor.dim() == 0 and index > 0:
+                    continue  # a scalar is written once
+                first, end = bounds[name][index : index + 2]
+                part[f"model.{name}"] = tensor[first:end] if tensor.dim() else tensor
+                offsets[f"model.{name}"] = {"saved_offsets": [first] + [0] * max(0, tensor.dim() - 1)}
+            metadata = {SHARDING_INFO: json.dumps(offsets), "format": "pt"}
+            write_safetensors(shards / f"shard-{index}.safetensors", part, sorted(part), 0, metadata)
+        assert sharded_digests(shards, "model.") == safetensors_digests(whole)
+
+
+def test_settle_header_sorts_the_metadata_in_place_and_keeps_the_tensors(tmp_path: Path) -> None:
+    tensors = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.ones(2)}
+    files = []
+    for order in (["x", "format", "DCP"], ["DCP", "x", "format"]):  # two processes' hash maps
+        path = tmp_path / f"{len(files)}.safetensors"
+        write_safetensors(path, tensors, ["a", "b"], 3, {key: f"value of {key}" for key in order})
+        size = path.stat().st_size
+        settle_header(path)
+        assert path.stat().st_size == size
+        files.append(path.read_bytes())
+    assert files[0] == files[1]
+    header, _ = read_safetensors_header(tmp_path / "0.safetensors")
+    assert list(header["__metadata__"]) == ["DCP", "format", "x"]
+    loaded = safetensors.torch.load_file(str(tmp_path / "0.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())

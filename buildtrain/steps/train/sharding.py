@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import functools
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from buildtrain.errors import StepFailed
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.reduce import Tree
@@ -196,3 +198,33 @@ class Sharded:
                 optimizer.slots(parameter)
         with self.ranks.peers("a resume"):
             dcp.load(state_tensors(model, optimizer), storage_reader=HuggingFaceStorageReader(str(folder)))
+
+
+def require_shared_folder(ranks: Ranks, folder: Path) -> None:
+    """Refuse to train unless every rank sees the same work folder: each rank writes its shards
+    of a checkpoint into it and rank 0 seals them all. Ranks on one machine share it; ranks on
+    several need it on a shared filesystem (with separate stores, each node's folder is its own)."""
+    if ranks.world == 1:
+        return
+    import torch.distributed as dist
+
+    token = torch.tensor(list(secrets.token_bytes(16)), dtype=torch.uint8, device=ranks.device)
+    with ranks.peers("the start of training"):
+        dist.broadcast(token, src=0)  # rank 0's
+    mark = folder / f".ranks-{bytes(token.tolist()).hex()}"
+    if ranks.lead:
+        folder.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+    ranks.barrier("the start of training")
+    shared = torch.tensor([float(mark.is_file())], device=ranks.device)
+    with ranks.peers("the start of training"):
+        dist.all_reduce(shared, op=dist.ReduceOp.MIN)
+    ranks.barrier("the start of training")
+    if ranks.lead:
+        mark.unlink(missing_ok=True)
+    if shared.item() < 1:
+        raise StepFailed(
+            "sharded training needs every rank to see one work folder (each rank writes its shards of a "
+            "checkpoint there): run the ranks on one machine, or give the nodes one store on a shared "
+            "filesystem"
+        )

@@ -35,7 +35,7 @@ from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.record import recorded_state, trace_entry
 from buildtrain.steps.train.schedule import checkpoint_due, learning_rate
 from buildtrain.steps.train.setup import TrainSetup
-from buildtrain.steps.train.sharding import Sharded
+from buildtrain.steps.train.sharding import Sharded, require_shared_folder
 from buildtrain.steps.train.state import load_model, state_tensors
 from buildtrain.store.layout import SHARDS, checkpoint_name
 
@@ -131,7 +131,10 @@ class Training:
         model.to(device)
         model.checkpointing = cfg.activation_checkpointing
         micro_batches = cfg.batch_size // cfg.micro_batch_size
-        sharded = Sharded(model, ranks, device, micro_batches) if cfg.sharding == "fsdp" else None
+        sharded = None
+        if cfg.sharding == "fsdp":
+            sharded = Sharded(model, ranks, device, micro_batches)
+            require_shared_folder(ranks, setup.work)
         optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         splits = setup.index["splits"]
         evaluating = setup.eval is not None and setup.eval.every > 0 and ranks.lead

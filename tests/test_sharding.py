@@ -1,0 +1,126 @@
+"""Sharded training (`train.sharding = "fsdp"`) on gloo, through torchrun.
+
+FSDP2 shards the weights, gradients and AdamW moments; the gradient is still the canonical
+tree's sum, so world sizes 1, 2 and 4 give the same bits, a run killed at one world size resumes
+at another from its sharded checkpoint, and `bt verify` reproduces it. Without clipping, the
+sharded weights are the unsharded ones (the clipping norm is summed in another order).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import MICRO, plan_hash, run_bt, step_digests
+from test_resume import resume, train_hash
+
+from buildtrain.errors import ExitCode
+from buildtrain.store.store import Store
+from buildtrain.store.tensors import combine, safetensors_digests, sharded_digests
+
+# Four micro-batches of one sequence per update: world sizes 1, 2 and 4 all divide them.
+FSDP = ("--set", "train.micro_batch_size=1", "--set", 'train.sharding="fsdp"')
+
+
+def plan(store: Path, *args: str) -> str:
+    return plan_hash(run_bt("plan", str(MICRO), *args, store=store))
+
+
+def build(store: Path, planned: str, *args: str) -> dict[str, str]:
+    """Build the train step (and its data) of a plan; the train step's digests."""
+    return resume(planned, store, store.parent / "experiments", *args)["train:main"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """The sharded plan built on one process: (plan hash, train step digests)."""
+    store = tmp_path_factory.mktemp("one-process") / ".bt"
+    planned = plan(store, *FSDP)
+    return planned, build(store, planned)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sharded_weights_do_not_depend_on_the_world_size(
+    tmp_path: Path, one_process: tuple[str, dict[str, str]], nproc: int
+) -> None:
+    planned, reference = one_process
+    store = tmp_path / ".bt"
+    assert plan(store, *FSDP, "--nproc", str(nproc)) == planned
+    assert build(store, planned, "--nproc", str(nproc)) == reference  # weights, state and trace bits
+    output = Store(store).output(train_hash(store, planned))
+    final = output / "checkpoints" / "step-000012"
+    shards = sorted(p.name for p in (final / "shards").iterdir())
+    assert len(shards) == nproc and not (final / "model.safetensors").exists()  # one file per rank
+    # The whole weights the output serves are the final checkpoint's rows, put back together.
+    whole = combine(safetensors_digests(output / "model.safetensors"))
+    assert whole == combine(sharded_digests(final / "shards", "model.")) == reference["weights"]
+
+
+@pytest.mark.parametrize(("killed_at", "resumed_at"), [(2, 4), (4, 1)])
+def test_a_sharded_run_killed_at_one_world_size_resumes_at_another(
+    tmp_path: Path, one_process: tuple[str, dict[str, str]], killed_at: int, resumed_at: int
+) -> None:
+    planned, reference = one_process
+    store = tmp_path / ".bt"
+    plan(store, *FSDP)
+    killed = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        "--nproc",
+        str(killed_at),
+        store=store,
+        env={"BT_TEST_KILL_RANK": f"{killed_at - 1}:6"},  # after update 6; checkpoints every 4
+    )
+    assert killed.returncode == ExitCode.FAILED, killed.stderr
+    assert f"rank {killed_at - 1} of {killed_at} was killed by SIGKILL" in killed.stderr
+    assert "train:main" not in step_digests(store, planned)
+    saved = Store(store).work_dir(train_hash(store, planned)) / "checkpoints" / "step-000004" / "shards"
+    assert len(list(saved.iterdir())) == killed_at
+
+    assert build(store, planned, "--nproc", str(resumed_at)) == reference
+
+
+def test_without_clipping_sharded_and_unsharded_training_give_the_same_weights(tmp_path: Path) -> None:
+    """What the README claims: the gradient and the AdamW update are the unsharded ones bit for
+    bit; only the clipping norm is summed in another order (so the traces' grad_norm differ)."""
+    unclipped = ("--set", "train.grad_clip=0")
+    sharded, unsharded = tmp_path / "sharded" / ".bt", tmp_path / "unsharded" / ".bt"
+    digests = {}
+    for store, args in (
+        (sharded, (*FSDP, *unclipped)),
+        (unsharded, ("--set", "train.micro_batch_size=1", *unclipped)),
+    ):
+        store.parent.mkdir()
+        digests[store] = build(store, plan(store, *args), "--nproc", "2")
+    assert digests[sharded]["weights"] == digests[unsharded]["weights"]
+    assert digests[sharded]["trace"] != digests[unsharded]["trace"]
+
+
+def test_activation_checkpointing_keeps_the_bits_with_dropout(tmp_path: Path) -> None:
+    """Recomputed blocks draw their dropout again from a rewound generator: the same masks."""
+    dropout = ("--set", "model.dropout=0.1")
+    weights = []
+    for index, extra in enumerate(((), ("--set", "train.activation_checkpointing=true"))):
+        store = tmp_path / str(index) / ".bt"
+        store.parent.mkdir()
+        weights.append(build(store, plan(store, *FSDP, *dropout, *extra), "--nproc", "2")["weights"])
+    assert weights[0] == weights[1]
+
+
+def test_verify_reproduces_a_sharded_plan_on_two_processes_through_a_kill(tmp_path: Path) -> None:
+    store = tmp_path / ".bt"
+    planned = plan(store, *FSDP)
+    build(store, planned, "--nproc", "2")
+    result = run_bt("verify", planned, "--nproc", "2", "--resume-at", "6", store=store)
+    assert result.returncode == ExitCode.OK, result.stderr
+    assert "✓ train:main" in result.stderr and "(killed and resumed at 6)" in result.stderr
+
+
+def test_sharding_refuses_the_allreduce_reduction_naming_the_key_and_the_fix(tmp_path: Path) -> None:
+    store = tmp_path / ".bt"
+    allreduce = run_bt("plan", str(MICRO), *FSDP, "--set", "train.reduction='allreduce'", store=store)
+    assert allreduce.returncode == ExitCode.USAGE
+    assert "train.sharding" in allreduce.stderr and 'train.reduction = "invariant"' in allreduce.stderr
+    assert "Traceback" not in allreduce.stderr
