@@ -111,6 +111,27 @@ def test_memory_estimate_larger_than_the_machine(tmp_path: Path, monkeypatch: py
     assert preflight(loaded)[1] == []
 
 
+def test_the_ranks_of_a_cpu_run_share_the_machine_and_sharding_splits_their_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four unsharded ranks need four whole states; sharded, each holds a quarter of it, and the
+    refusal names the parts and the settings that shrink them."""
+    body = "[model]\ndim = 256\nn_layers = 4\n[train]\nbatch_size = 16\nmicro_batch_size = 4\n"
+    plain = load_preset(write(tmp_path / "plain.toml", body))
+    sharded = load_preset(write(tmp_path / "sharded.toml", body + 'sharding = "fsdp"\n'))
+    model, train = plain.config.model, plain.config.stages[0].train
+    one = memory_estimate(model, train)
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda: 2 * one)
+    assert preflight(plain, world_size=1)[1] == []
+    (problem,) = preflight(plain, world_size=4)[1]
+    assert "per rank x 4 ranks" in problem and "weights " in problem and "AdamW state " in problem
+    assert 'set train.sharding = "fsdp"' in problem and "train.activation_checkpointing = true" in problem
+    quarter = memory_estimate(model, sharded.config.stages[0].train, world_size=4)
+    assert quarter < one / 2
+    monkeypatch.setattr(preflight_module, "machine_memory", lambda: 4 * quarter)
+    assert preflight(sharded, world_size=4)[1] == []
+
+
 def test_machine_memory_is_known() -> None:
     assert machine_memory() > 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from buildtrain.config.loader import LoadedPreset
 from buildtrain.config.problems import KeyPath, Problem
 from buildtrain.config.schema import Stage, TokenizerConfig, world_size_problem
-from buildtrain.config.shape import memory_estimate, planned_vocab_size
+from buildtrain.config.shape import memory_estimate, planned_vocab_size, rank_memory
 from buildtrain.config.vocabulary import Vocabulary, VocabularyError, read_vocabulary
 from buildtrain.store.data_url import ObjectVersion, is_object_url
 from buildtrain.store.sources import StatCache, kind_of
@@ -122,7 +122,7 @@ def preflight(
             problems.append(Problem(loaded.source_of(key), key, f"'{pattern}' matches no file{hint}"))
         problems.extend(Problem(loaded.source_of(key), key, message) for message in refused)
 
-    problems.extend(_memory_problems(loaded, vocabularies, stage_key))
+    problems.extend(_memory_problems(loaded, vocabularies, stage_key, world_size))
     if config.numerics.device == "cuda" and not cuda_available():
         problems.append(
             Problem(
@@ -162,22 +162,26 @@ def _memory_problems(
     loaded: LoadedPreset,
     vocabularies: dict[str, tuple[str, Vocabulary]],
     stage_key: Callable[..., KeyPath],
+    world_size: int = 1,
 ) -> list[Problem]:
     """The first training stage that needs more memory than the machine has, if one does: blamed
-    on a given tokenizer file when its vocabulary is what makes the model large."""
+    on a given tokenizer file when its vocabulary is what makes the model large. On the CPU the
+    ranks share the machine's memory, so each rank's need counts `world_size` times."""
     config = loaded.config
     available = machine_memory()
+    ranks = world_size if config.numerics.device == "cpu" else 1
+
+    def needs(stage: Stage, vocab_size: int) -> int:
+        return memory_estimate(config.model, stage.train, vocab_size, world_size) * ranks
+
     for index, stage in enumerate(config.stages):
         file, given = vocabularies.get(stage.name, ("", None))
         vocab_size = given.size if given is not None else planned_vocab_size(stage.data)
-        needed = memory_estimate(config.model, stage.train, vocab_size)
+        needed = needs(stage, vocab_size)
         if needed <= available:
             continue
         numbers = f"about {needed / GIB:,.1f} GiB but this machine has {available / GIB:.1f} GiB"
-        if (
-            given is not None
-            and memory_estimate(config.model, stage.train, planned_vocab_size(stage.data)) <= available
-        ):
+        if given is not None and needs(stage, planned_vocab_size(stage.data)) <= available:
             key = stage_key(index, "data", "tokenizer", "file")
             fix = "number its ids from 0 without gaps" if given.tokens < given.size else "give a smaller one"
             message = (
@@ -186,9 +190,18 @@ def _memory_problems(
                 f"{numbers}; {fix}"
             )
             return [Problem(loaded.source_of(key), key, message)]
+        parts = rank_memory(config.model, stage.train, vocab_size, world_size)
+        per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
+        fix = (
+            "set train.sharding = \"fsdp\" (state split across ranks) or "
+            if stage.train.sharding == "none" and stage.train.reduction == "invariant"
+            else ""
+        )
+        if not stage.train.activation_checkpointing:
+            fix += "train.activation_checkpointing = true, or "
         message = (
-            f"training stage '{stage.name}' needs {numbers} (weights, gradients, AdamW state, activations; "
-            f"vocabulary {vocab_size:,}); reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len"
+            f"training stage '{stage.name}' needs {numbers} ({parts.describe()} GiB{per_rank}; vocabulary "
+            f"{vocab_size:,}); {fix}reduce model.dim, model.n_layers, train.micro_batch_size or train.seq_len"
         )
         return [Problem(loaded.source_of(("model",)), ("model",), message)]
     return []
