@@ -20,6 +20,8 @@ from buildtrain.store.tensors import combine, safetensors_digests, sharded_diges
 
 # Four micro-batches of one sequence per update: world sizes 1, 2 and 4 all divide them.
 FSDP = ("--set", "train.micro_batch_size=1", "--set", 'train.sharding="fsdp"')
+# The held-out loss during training too: every rank takes part in its forward passes.
+EVALUATED = ("--set", "eval.every=4")
 
 
 def plan(store: Path, *args: str) -> str:
@@ -35,8 +37,11 @@ def build(store: Path, planned: str, *args: str) -> dict[str, str]:
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
     """The sharded plan built on one process: (plan hash, train step digests)."""
     store = tmp_path_factory.mktemp("one-process") / ".bt"
-    planned = plan(store, *FSDP)
-    return planned, build(store, planned)
+    planned = plan(store, *FSDP, *EVALUATED)
+    digests = build(store, planned)
+    trace = (Store(store).output(train_hash(store, planned)) / "trace.jsonl").read_text()
+    assert trace.count('"eval":') == 3  # after updates 4, 8 and 12, recorded in the trace
+    return planned, digests
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -45,7 +50,7 @@ def test_sharded_weights_do_not_depend_on_the_world_size(
 ) -> None:
     planned, reference = one_process
     store = tmp_path / ".bt"
-    assert plan(store, *FSDP, "--nproc", str(nproc)) == planned
+    assert plan(store, *FSDP, *EVALUATED, "--nproc", str(nproc)) == planned
     assert build(store, planned, "--nproc", str(nproc)) == reference  # weights, state and trace bits
     output = Store(store).output(train_hash(store, planned))
     final = output / "checkpoints" / "step-000012"
@@ -62,7 +67,7 @@ def test_a_sharded_run_killed_at_one_world_size_resumes_at_another(
 ) -> None:
     planned, reference = one_process
     store = tmp_path / ".bt"
-    plan(store, *FSDP)
+    plan(store, *FSDP, *EVALUATED)
     killed = run_bt(
         "run",
         planned,

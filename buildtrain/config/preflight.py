@@ -193,7 +193,7 @@ def _memory_problems(
         parts = rank_memory(config.model, stage.train, vocab_size, world_size)
         per_rank = f" per rank x {ranks} ranks" if ranks > 1 else ""
         fix = (
-            "set train.sharding = \"fsdp\" (state split across ranks) or "
+            'set train.sharding = "fsdp" (state split across ranks) or '
             if stage.train.sharding == "none" and stage.train.reduction == "invariant"
             else ""
         )

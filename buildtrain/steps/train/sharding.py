@@ -92,6 +92,12 @@ class Sharded:
         self.trees = [Tree(self.micro_batches) for _ in self.units]
         self.losses = Tree(self.micro_batches)
 
+    def reshard(self) -> None:
+        """Back to shards after forward passes with no backward (an evaluation): FSDP2 keeps the
+        root's weights gathered after a forward pass, for the backward it expects."""
+        for unit in self.units:
+            unit.reshard()
+
     def passes(self) -> range:
         """The micro-batch of this rank in each pass: micro-batch pass * world + rank."""
         return range(self.ranks.rank, self.micro_batches, self.ranks.world)

@@ -108,7 +108,7 @@ class Training:
     model: Transformer
     optimizer: AdamW
     batches: Batches
-    heldout: TokenStream | None  # rank 0 evaluates during training (eval.every > 0)
+    heldout: TokenStream | None  # rank 0 (sharded: every rank) evaluates during training (eval.every > 0)
     heldout_masks: TokenStream | None  # chat records: only completion tokens are scored
     sharded: Sharded | None = None  # train.sharding = "fsdp": this rank holds a shard of the state
     update: int = 0
@@ -137,7 +137,9 @@ class Training:
             require_shared_folder(ranks, setup.work)
         optimizer = AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         splits = setup.index["splits"]
-        evaluating = setup.eval is not None and setup.eval.every > 0 and ranks.lead
+        evaluating = (
+            setup.eval is not None and setup.eval.every > 0 and (ranks.lead or cfg.sharding == "fsdp")
+        )
         training = cls(
             setup=setup,
             log=log,
@@ -206,6 +208,26 @@ class Training:
             return None
         return self.sharded.full_state(self.model, self.optimizer if wanted == "state" else None)
 
+    def evaluation(self) -> dict[str, Any] | None:
+        """The held-out loss when `eval.every` says so (rank 0; sharded, every rank takes part in
+        the forward passes, and rank 0's result is recorded), else None."""
+        setup = self.setup
+        if self.heldout is None or setup.eval is None or self.update % setup.eval.every:
+            return None
+        result = evaluate(
+            self.model,
+            self.heldout,
+            setup.eval,
+            self.device,
+            self.autocast,
+            self.heldout_masks,
+            setup.separate_records,
+        )
+        self.model.train()
+        if self.sharded is not None:
+            self.sharded.reshard()
+        return result
+
     def record(
         self,
         loss: float,
@@ -213,31 +235,17 @@ class Training:
         lr: float,
         started: float,
         gathered: dict[str, torch.Tensor] | None,
+        evaluated: dict[str, Any] | None,
     ) -> bool:
-        """Rank 0's part of an update: trace, evaluate, log, observe. True: the observer says stop."""
+        """Rank 0's part of an update: trace, log, observe. True: the observer says stop."""
         setup, at = self.setup, self.update
         entry, tensors = trace_entry(
             at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, setup.train, gathered
         )
         self.trace.append(entry)
-        if (
-            self.heldout is not None
-            and setup.eval is not None
-            and at % setup.eval.every == 0
-            and not self.sharded
-        ):
-            result = evaluate(
-                self.model,
-                self.heldout,
-                setup.eval,
-                self.device,
-                self.autocast,
-                self.heldout_masks,
-                setup.separate_records,
-            )
-            self.trace.append({"step": at, "eval": result})
-            self.log.info("eval", step=at, **result)
-            self.model.train()
+        if evaluated is not None:
+            self.trace.append({"step": at, "eval": evaluated})
+            self.log.info("eval", step=at, **evaluated)
         self.log.info(
             "train_step",
             step=at,
@@ -347,9 +355,9 @@ def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) ->
             optimizer.zero_grad()
         run.cursor += cfg.batch_size
         ended = observer.updated(run.update, model)
-        gathered = run.gathered()
+        gathered, evaluated = run.gathered(), run.evaluation()
         if ranks.lead:
-            ended = run.record(loss, grad_norm, lr, started, gathered) or ended
+            ended = run.record(loss, grad_norm, lr, started, gathered, evaluated) or ended
         stopping, ended = ranks.any(stop.signal_name is not None, ended)
         if ended:
             return TrainResult(run.update, run.trace)  # a spot check or a divergence ends here
