@@ -364,7 +364,12 @@ def test_a_signal_during_export_leaves_no_partial_copy(micro_built, tmp_path, mo
         os.kill(os.getpid(), number)
 
     monkeypatch.setattr(deliver, "_copy_package", copy_then_signal)
-    code, err = bt_main("--store", str(store), "export", micro_built[1], "package")
+    # As at a terminal: a test session started in the background inherits SIGINT ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, err = bt_main("--store", str(store), "export", micro_built[1], "package")
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert code == ExitCode.INTERRUPTED, err
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == [".bt"]  # no package, no hidden copy

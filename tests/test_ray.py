@@ -164,15 +164,17 @@ def test_a_killed_ray_worker_is_retried_and_resumes(
     assert '"event": "resumed"' in log.read_text()
 
 
-def _start_slow_run(tmp_path: Path, plan: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    """`bt run PLAN` in the background, 0.7 s an update (12 updates: time to act mid-step)."""
+def _start_slow_run(
+    tmp_path: Path, plan: str, env: dict[str, str], delay: str = "0.7"
+) -> subprocess.Popen[str]:
+    """`bt run PLAN` in the background, `delay` seconds an update (12 updates: time to act mid-step)."""
     argv = [sys.executable, "-m", "buildtrain", "run", plan, *ONE_THREAD]
     environment = {
         **os.environ,
         **env,
         "BT_STORE": str(tmp_path / ".bt"),
         "BT_EXPERIMENTS": str(tmp_path / "exp"),
-        "BT_TEST_STEP_DELAY": "0.7",
+        "BT_TEST_STEP_DELAY": delay,
     }
     return subprocess.Popen(argv, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -187,11 +189,12 @@ def _finish(run: subprocess.Popen[str]) -> str:
     return stderr
 
 
-def _wait_for_a_pushed_checkpoint(remote: Path) -> list[Path]:
-    """The train step's job files on the nodes, once the remote holds one of its checkpoints."""
+def _wait_for_a_pushed_checkpoint(remote: Path, pattern: str = "*") -> list[Path]:
+    """The train step's job files on the nodes, once the remote holds one of its checkpoints
+    (one named by `pattern`: `step-000004` is one with updates still to come)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if any(remote.glob("**/work/*/*.json")):
+        if any(remote.glob(f"**/work/*/{pattern}.json")):
             jobs = _train_jobs(lambda job: not job.is_relative_to(remote))
             if jobs:
                 return jobs
@@ -234,9 +237,11 @@ def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
     env = on_ray(ray_cluster, remote)
     plan = plan_hash(run_bt("plan", str(MICRO), store=tmp_path / ".bt"))
     ray_cluster.forget_node_stores()
-    run = _start_slow_run(tmp_path, plan, env)
+    # 1.5 s an update: the signal lands well before the last of the 8 updates after the first
+    # checkpoint, even on a loaded machine (or the step is built and nothing is left to resume).
+    run = _start_slow_run(tmp_path, plan, env, delay="1.5")
     try:
-        assert _wait_for_a_pushed_checkpoint(remote), "no train step was seen training"
+        assert _wait_for_a_pushed_checkpoint(remote, "step-000004"), "no train step was seen training"
         run.send_signal(signal.SIGINT)
     finally:
         stderr = _finish(run)
