@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "buildtrain"
 TINY = REPO / "presets" / "tiny.toml"
 WARM_UPDATES = 3  # updates left out of a run's throughput: the processes are still warming up
+# tiny at width 256 and depth 4: about 3.0M parameters, 12 MB per float32 copy (weights, gradient)
+WIDE = ["model.dim=256", "model.n_layers=4", "model.ffn_hidden=704"]
 
 
 # -- statistics and formatting --------------------------------------------------------------------
@@ -141,14 +143,15 @@ def machine_line() -> str:
 
 
 def git_commit() -> str:
-    """The checked-out commit, read without touching the repository's state."""
+    """The checked-out commit. Asked of git, which only reads here: a worktree's .git is a file
+    and a branch's ref may be packed, so reading .git/HEAD by hand said "unknown" there."""
     try:
-        head = (REPO / ".git" / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            return (REPO / ".git" / head[5:]).read_text().strip()[:12]
-        return head[:12]
-    except OSError:
+        done = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        )
+    except OSError:  # no git on this machine
         return "unknown"
+    return done.stdout.strip()[:12] if done.returncode == 0 else "unknown"
 
 
 def print_header(title: str, args: argparse.Namespace, workspace: Workspace | None = None) -> None:
@@ -340,16 +343,21 @@ def age_files(paths: Sequence[Path], seconds: float = 3600.0) -> None:
 # -- run records ----------------------------------------------------------------------------------
 
 
+def record_events(experiments: Path) -> list[dict[str, Any]]:
+    """The events (train.log, JSON lines) of the one run record under `experiments`."""
+    (record,) = experiments.iterdir()
+    return [json.loads(line) for line in (record / "train.log").read_text().splitlines() if line.strip()]
+
+
 def updates_per_second(experiments: Path) -> float:
     """Median tokens/s over the updates rank 0 logged in a run record, after the first few."""
-    (record,) = experiments.iterdir()
-    rates = []
-    for line in (record / "train.log").read_text().splitlines():
-        event = json.loads(line)
-        if event.get("event") == "train_step" and event["step"] > WARM_UPDATES:
-            rates.append(float(event["tokens_per_s"]))
+    rates = [
+        float(event["tokens_per_s"])
+        for event in record_events(experiments)
+        if event.get("event") == "train_step" and event["step"] > WARM_UPDATES
+    ]
     if not rates:
-        raise RuntimeError(f"no train_step events in {record}")
+        raise RuntimeError(f"no train_step events under {experiments}")
     return median(rates)
 
 

@@ -41,6 +41,7 @@ sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
 from common import (  # noqa: E402
     TINY,
     WARM_UPDATES,
+    WIDE,
     Workspace,
     alternate,
     fmt_ratio,
@@ -59,8 +60,6 @@ from common import (  # noqa: E402
 )
 
 MICRO_BATCHES = ("train.micro_batch_size=4",)
-# tiny at width 256 and depth 4 (about 3.4M parameters, 13 MB of gradient per exchange)
-WIDE = ["model.dim=256", "model.n_layers=4", "model.ffn_hidden=704"]
 
 
 def compare(space: Workspace, n: int, size: str, overrides: list[str], steps: int) -> float:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
 from common import (  # noqa: E402
     TINY,
+    WIDE,
     Workspace,
     alternate,
     fmt_ratio,
@@ -53,7 +54,6 @@ from common import (  # noqa: E402
 
 CENSUS_THREADS = (1, 2, 3, 4, 8, 16)
 MICRO_BATCHES = ("train.micro_batch_size=4",)
-WIDE = ["model.dim=256", "model.n_layers=4", "model.ffn_hidden=704"]
 
 # Runs in a child whose environment holds the portable settings (read when torch loads).
 CENSUS = textwrap.dedent(
