@@ -55,6 +55,27 @@ def test_invariant_weights_do_not_depend_on_the_world_size(
     assert f'"world_size": {nproc}' in record and f'"rank": {nproc - 1}' in record  # every rank logged
 
 
+def kill_the_last_rank(store: Path, planned: str, nproc: int) -> None:
+    """`bt run` the train step on `nproc` processes, the last of which SIGKILLs itself after
+    update 6 (the micro presets checkpoint every 4): it fails, naming the rank and the signal."""
+    last_rank = nproc - 1
+    killed = run_bt(
+        "run",
+        planned,
+        "--target",
+        "train:main",
+        "--nproc",
+        str(nproc),
+        store=store,
+        env={"BT_TEST_KILL_RANK": f"{last_rank}:6"},
+    )
+    assert killed.returncode == ExitCode.FAILED, killed.stderr
+    assert "SIGKILL" in killed.stderr and "resumes from the last checkpoint" in killed.stderr
+    if nproc > 1:
+        assert f"rank {last_rank} of {nproc} was killed by SIGKILL" in killed.stderr
+    assert "Traceback" not in killed.stderr
+
+
 @pytest.mark.parametrize(("killed_at", "resumed_at"), [(2, 1), (1, 2)])
 def test_a_run_killed_at_one_world_size_resumes_at_another(
     tmp_path: Path, one_process: tuple[str, dict[str, str]], killed_at: int, resumed_at: int
@@ -62,22 +83,7 @@ def test_a_run_killed_at_one_world_size_resumes_at_another(
     planned, reference = one_process
     store = tmp_path / ".bt"
     run_bt("plan", str(MICRO), *FOUR_MICRO_BATCHES, store=store)
-    last_rank = killed_at - 1
-    killed = run_bt(
-        "run",
-        planned,
-        "--target",
-        "train:main",
-        "--nproc",
-        str(killed_at),
-        store=store,
-        env={"BT_TEST_KILL_RANK": f"{last_rank}:6"},  # after update 6; checkpoints every 4
-    )
-    assert killed.returncode == ExitCode.FAILED, killed.stderr
-    assert "SIGKILL" in killed.stderr and "resumes from the last checkpoint" in killed.stderr
-    if killed_at > 1:
-        assert f"rank {last_rank} of {killed_at} was killed by SIGKILL" in killed.stderr
-    assert "Traceback" not in killed.stderr
+    kill_the_last_rank(store, planned, killed_at)
     assert "train:main" not in step_digests(store, planned)  # nothing partial was published
     saved = sorted(
         p.name for p in (Store(store).work_dir(train_hash(store, planned)) / "checkpoints").iterdir()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MICRO, plan_hash, run_bt, step_digests
+from test_distributed import kill_the_last_rank
 from test_resume import resume, train_hash
 
 from buildtrain.errors import ExitCode
@@ -68,18 +69,7 @@ def test_a_sharded_run_killed_at_one_world_size_resumes_at_another(
     planned, reference = one_process
     store = tmp_path / ".bt"
     plan(store, *FSDP, *EVALUATED)
-    killed = run_bt(
-        "run",
-        planned,
-        "--target",
-        "train:main",
-        "--nproc",
-        str(killed_at),
-        store=store,
-        env={"BT_TEST_KILL_RANK": f"{killed_at - 1}:6"},  # after update 6; checkpoints every 4
-    )
-    assert killed.returncode == ExitCode.FAILED, killed.stderr
-    assert f"rank {killed_at - 1} of {killed_at} was killed by SIGKILL" in killed.stderr
+    kill_the_last_rank(store, planned, killed_at)
     assert "train:main" not in step_digests(store, planned)
     saved = Store(store).work_dir(train_hash(store, planned)) / "checkpoints" / "step-000004" / "shards"
     assert len(list(saved.iterdir())) == killed_at
