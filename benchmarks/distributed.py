@@ -2,7 +2,7 @@
 
 Each round trains four contenders, alternated, on presets/tiny.toml with four micro-batches of 4
 sequences per update (train.micro_batch_size = 4), and (without --quick) again on a wider model
-(width 256, 4 layers, about 3.4M parameters), where the exchange moves more data:
+(width 256, 4 layers, about 3.0M parameters), where the exchange moves more data:
 
   invariant, 2 processes   the fixed-order tree: micro-batch gradients summed in a tree on each
                            rank, partial sums exchanged by all_to_all, the tree finished shard by

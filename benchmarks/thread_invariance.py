@@ -18,7 +18,7 @@ new plan with `--target train:main`), at T = all cores:
   native, 1 x T      one process with T intra-op threads: the speed intra-op threading would give,
                      but its bits depend on T (the thread count is in a native plan's hash)
 
-on presets/tiny.toml with four micro-batches and on a 3.4M-parameter variant (width 256, 4 layers).
+on presets/tiny.toml with four micro-batches and on a 3.0M-parameter variant (width 256, 4 layers).
 
 Run: python benchmarks/thread_invariance.py [--quick] [--threads T]
 """
@@ -187,7 +187,7 @@ def main() -> int:
     n = rounds(args, quick=2, full=5)
     sizes = [("tiny", [], 20 if args.quick else 40)]
     if not args.quick:
-        sizes.append(("3.4M parameters", WIDE, 40))  # 8e11 FLOP: large enough for ranks
+        sizes.append(("3.0M parameters", WIDE, 40))  # 8e11 FLOP: large enough for ranks
 
     with workspace("thread-invariance", args) as space:
         print_header("thread invariance: one thread per process vs intra-op threads", args, space)
