@@ -184,14 +184,43 @@ class Ranks:
             tensor.copy_(staged.to(tensor.device))
 
     @contextlib.contextmanager
+    def peer_failures(self, during: str) -> Iterator[None]:
+        """Like `peers`, around code that calls collectives it does not own (FSDP2 gathers weights
+        inside the forward and backward passes): only an error that `lost_peer` recognises becomes
+        a step failure; any other error stays what it is."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.world == 1 or not lost_peer(exc):
+                raise
+            raise StepFailed(f"rank {self.rank} lost its peers during {during} ({_reason(exc)})") from None
+
+    @contextlib.contextmanager
     def peers(self, during: str) -> Iterator[None]:
         """A collective fails when another rank died or hangs: that is a step failure that names
         what this rank was doing, not a crash with a traceback."""
         try:
             yield
         except RuntimeError as exc:  # gloo and NCCL errors (DistBackendError is a RuntimeError)
-            reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc)).split(". ")[0]
-            raise StepFailed(f"rank {self.rank} lost its peers during {during} ({reason})") from None
+            raise StepFailed(f"rank {self.rank} lost its peers during {during} ({_reason(exc)})") from None
+
+
+# What gloo and NCCL say when the rank at the other end died or stopped answering.
+PEER_LOST = re.compile(r"gloo|nccl|connection (closed|reset)|broken pipe|timed out", re.IGNORECASE)
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether an error is a collective that failed because another rank died or hangs. Raised
+    inside autograd (FSDP2's gathers in the backward pass), a DistBackendError comes back as a
+    plain RuntimeError, so its message tells."""
+    import torch.distributed as dist
+
+    return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or bool(PEER_LOST.search(str(exc)))
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of a collective's error, without the source location gloo puts first."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", str(exc)).split(". ")[0]
 
 
 def _by_shard(vectors: list[torch.Tensor], world: int, shard: int) -> torch.Tensor:

@@ -308,9 +308,15 @@ class Training:
 
 def train(setup: TrainSetup, log: Any, controls: TrainControls | None = None) -> TrainResult:
     """Train one stage to the end, resuming from its newest checkpoint. With several ranks, every
-    rank runs this loop in step; rank 0 alone reads and writes checkpoints and keeps the trace."""
-    cfg = setup.train
+    rank runs this loop in step; rank 0 alone reads and writes checkpoints and keeps the trace. A
+    rank that dies fails the collectives of the others: a step failure, not a traceback."""
     controls = controls or TrainControls()
+    with controls.ranks.peer_failures("training"):
+        return _train(setup, log, controls)
+
+
+def _train(setup: TrainSetup, log: Any, controls: TrainControls) -> TrainResult:
+    cfg = setup.train
     ranks, observer, stop = controls.ranks, controls.observer, controls.stop
     run = Training.start(setup, log, controls)
     model, optimizer = run.model, run.optimizer
