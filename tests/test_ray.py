@@ -4,7 +4,9 @@ never loads Ray; two ranks placed by Ray; a killed worker retried and resumed; t
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -24,6 +26,7 @@ pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]'
 
 SWEEP = ("--sweep", "train.lr=1e-3,3e-3", "--sweep", "train.steps=8,12")
 ONE_THREAD = ("--threads", "1", "--progress", "off")
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}[platform.machine()]  # the syscall's number
 
 
 @pytest.fixture(scope="session")
@@ -242,17 +245,29 @@ def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
     run = _start_slow_run(tmp_path, plan, env, delay="1.5")
     try:
         assert _wait_for_a_pushed_checkpoint(remote, "step-000004"), "no train step was seen training"
-        run.send_signal(signal.SIGINT)
+        _interrupt_through_another_thread(run.pid)
     finally:
         stderr = _finish(run)
     assert run.returncode == ExitCode.INTERRUPTED, stderr
     assert "Traceback" not in stderr
+    assert "train:main" not in step_digests(tmp_path / ".bt", plan), "Ctrl-C reached bt after the step ended"
     assert not _train_jobs(lambda job: True), "a worker outlived the cancelled run"
     again = run_bt("run", plan, *ONE_THREAD, store=tmp_path / ".bt", env=env)
     assert again.returncode == 0, again.stderr
     assert step_digests(tmp_path / ".bt", plan) == micro_built[2]
     logs = "".join(log.read_text() for log in (tmp_path / "experiments").glob("*/train.log"))
     assert '"event": "resumed"' in logs
+
+
+def _interrupt_through_another_thread(pid: int) -> None:
+    """SIGINT to `bt run`, handed to one of its threads other than the main one (Ray's own, or a
+    step's): what the kernel may do with a Ctrl-C, and what once left the main thread asleep
+    until the step ended. tgkill(2): Python's signal module sends only to its own threads."""
+    others = sorted(int(task.name) for task in Path(f"/proc/{pid}/task").iterdir() if int(task.name) != pid)
+    assert others, "bt run has no thread but its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_TGKILL, pid, others[-1], signal.SIGINT) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill failed")
 
 
 def _kill_the_train_task_after_a_checkpoint(store: Path) -> bool:

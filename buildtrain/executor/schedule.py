@@ -22,6 +22,13 @@ if TYPE_CHECKING:
     from buildtrain.executor.engine import Handle
 
 
+# How long the main thread sleeps at a time while steps run. The kernel hands a process signal
+# (Ctrl-C) to any thread that does not block it, and Ray's threads do not: a main thread asleep on
+# a lock until every step ends would run the handler only then (seen in CI: SIGINT at update 4 of
+# a Ray step, the interruption at its end). Waking up now and then runs it within this long.
+SIGNAL_POLL_S = 0.2
+
+
 class _Skipped(Exception):
     """A step not started because another failed first."""
 
@@ -60,7 +67,8 @@ def build_in_order(
     try:
         for step in steps:
             futures[step.hash] = pool.submit(one, step)
-        wait(futures.values())
+        while wait(futures.values(), timeout=SIGNAL_POLL_S).not_done:
+            pass  # a signal's handler runs here (see SIGNAL_POLL_S)
     except BaseException:
         failed.append(RuntimeError("interrupted"))
         cancel()
