@@ -100,3 +100,27 @@ def test_grouping_tensors_never_changes_a_checksum(sizes: list[int], dtypes, gro
         assert checksums(tensors) == alone
     finally:
         state.GROUP_WORDS = original
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    writes=st.lists(st.tuples(st.sampled_from(["a", "b", "frozen"]), st.integers(0, 99)), max_size=6),
+    through_a_view=st.booleans(),
+)
+def test_frozen_digests_equal_fresh_digests_after_any_in_place_writes(
+    writes: list[tuple[str, int]], through_a_view: bool
+) -> None:
+    """LoRA's frozen weights are hashed once, yet after any sequence of in-place writes (under
+    no_grad, to trained or frozen tensors, directly or through a view) every digest is the one a
+    fresh hash gives."""
+    model = torch.nn.ParameterDict(
+        {name: torch.nn.Parameter(values(100, seed)) for seed, name in enumerate(("a", "b", "frozen"))}
+    )
+    model["frozen"].requires_grad_(False)
+    memo = state.FrozenDigests(model)
+    assert memo.names == {"model.frozen"}
+    for name, index in [*writes, ("a", 0)]:
+        tensors = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+        assert memo.digests(tensors) == state.digests(tensors)
+        with torch.no_grad():
+            (model[name][index : index + 1] if through_a_view else model[name]).add_(1.0)

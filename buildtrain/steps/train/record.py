@@ -10,7 +10,7 @@ import torch
 from buildtrain.config.schema import TrainConfig
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.schedule import checkpoint_due
-from buildtrain.steps.train.state import checksums, digests, state_tensors
+from buildtrain.steps.train.state import FrozenDigests, checksums, digests, state_tensors
 from buildtrain.store.tensors import combine
 
 TENSOR_DIGEST_CHARS = 16
@@ -40,13 +40,15 @@ def trace_entry(
     optimizer: AdamW,
     cfg: TrainConfig,
     gathered: dict[str, torch.Tensor] | None = None,
+    frozen: FrozenDigests | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The record of one update (and the tensors it digested).
 
     Weights are digested every `digest_every` updates, the whole state (weights and AdamW moments)
     at every update the checkpoint cadence names (`recorded_state`); sharded training passes the
     whole tensors it `gathered`. Between checkpoints, weights on a GPU are checksummed where they
-    are (`state.checksums`) instead of copied to the host for blake3.
+    are (`state.checksums`) instead of copied to the host for blake3, and weights that do not
+    train are hashed once (`frozen`).
     """
     entry: dict[str, Any] = {
         "step": update,
@@ -61,7 +63,12 @@ def trace_entry(
     full = wanted == "state"
     tensors = gathered if gathered is not None else state_tensors(model, optimizer if full else None)
     on_host = full or next(iter(tensors.values())).device.type == "cpu"
-    tensor_digests = digests(tensors) if on_host else checksums(tensors)
+    if not on_host:
+        tensor_digests = checksums(tensors)
+    elif full or frozen is None:
+        tensor_digests = digests(tensors)
+    else:
+        tensor_digests = frozen.digests(tensors)
     entry["weights"] = combine({k: v for k, v in tensor_digests.items() if k.startswith("model.")})
     if full:
         entry["state"] = combine(tensor_digests)

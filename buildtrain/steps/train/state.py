@@ -55,6 +55,43 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: digest_tensor(name, tensor) for name, tensor in sorted(tensors.items())}
 
 
+class FrozenDigests:
+    """The per-update digests of weights that do not train (LoRA's base model) taken once, not at
+    every update: hashing 25M frozen parameters cost about 5% of each LoRA update of
+    benchmarks/finetune.py. A digest is reused only while its tensor is the same memory at the
+    same version: torch bumps a tensor's version at every in-place write, through any view and
+    under no_grad, so a write that slipped past the freeze is still seen. (A write through
+    `.data` is not; nothing writes weights that way once training runs.) Checkpoints digest the
+    whole state afresh."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = {f"model.{name}" for name, p in model.named_parameters() if not p.requires_grad}
+        # name -> (the tensor, held so that its memory cannot be reused, its version, its digest)
+        self.known: dict[str, tuple[torch.Tensor, int, str]] = {}
+
+    def digests(self, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+        found = {}
+        for name, tensor in sorted(tensors.items()):
+            held = self.known.get(name)
+            if held is not None and _same(held[0], tensor) and held[1] == tensor._version:
+                found[name] = held[2]
+                continue
+            found[name] = digest_tensor(name, tensor)
+            if name in self.names:
+                self.known[name] = (tensor, tensor._version, found[name])
+        return found
+
+
+def _same(held: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether two tensors view the same elements of the same memory."""
+    return (held.data_ptr(), held.dtype, held.shape, held.stride()) == (
+        tensor.data_ptr(),
+        tensor.dtype,
+        tensor.shape,
+        tensor.stride(),
+    )
+
+
 # The per-update checksum of a tensor: four exact sums of its 32-bit words, each word split into
 # 16-bit halves and weighted by its position (low and high 15 bits, plus one). Every product is
 # below 2**31, so sums over fewer than 2**32 words are exact in int64, in any order, on any device

@@ -36,7 +36,7 @@ from buildtrain.steps.train.record import recorded_state, trace_entry
 from buildtrain.steps.train.schedule import checkpoint_due, learning_rate
 from buildtrain.steps.train.setup import TrainSetup
 from buildtrain.steps.train.sharding import Sharded, require_shared_folder
-from buildtrain.steps.train.state import load_model, state_tensors
+from buildtrain.steps.train.state import FrozenDigests, load_model, state_tensors
 from buildtrain.store.layout import SHARDS, checkpoint_name
 
 
@@ -114,6 +114,7 @@ class Training:
     update: int = 0
     cursor: int = 0
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
+    frozen: FrozenDigests = attrs.Factory(lambda self: FrozenDigests(self.model), takes_self=True)
 
     @classmethod
     def start(cls, setup: TrainSetup, log: Any, controls: TrainControls) -> Training:
@@ -240,7 +241,16 @@ class Training:
         """Rank 0's part of an update: trace, log, observe. True: the observer says stop."""
         setup, at = self.setup, self.update
         entry, tensors = trace_entry(
-            at, loss, grad_norm, lr, self.cursor, self.model, self.optimizer, setup.train, gathered
+            at,
+            loss,
+            grad_norm,
+            lr,
+            self.cursor,
+            self.model,
+            self.optimizer,
+            setup.train,
+            gathered,
+            self.frozen,
         )
         self.trace.append(entry)
         if evaluated is not None:
