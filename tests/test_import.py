@@ -245,3 +245,35 @@ def test_computations_buildtrain_does_not_implement_are_refused(
     config = tmp_path / "checkpoint" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), **edit}))
     assert expected in _refused(tmp_path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    cut=st.integers(0, 10_000),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), max_size=3),
+)
+def test_the_import_reads_what_safetensors_reads_and_refuses_any_damage_in_one_line(
+    shapes: list[list[int]], dtype: torch.dtype, cut: int, flips: list[tuple[int, int]]
+) -> None:
+    """Law: the import's own header parser gives the safetensors library's tensors, bit for bit,
+    as views of the bytes; the same file truncated or with bytes changed either still parses or
+    is a StepFailed naming the file in one line, never another error."""
+    from buildtrain.errors import StepFailed
+    from buildtrain.steps.import_hf import raw_tensors
+
+    tensors = {f"t{i}": torch.randn(shape).to(dtype) for i, shape in enumerate(shapes)}
+    good = safetensors.torch.save(tensors)
+    found = raw_tensors(memoryview(good), "x.safetensors")
+    assert {name: bytes(values.tobytes()) for name, (_, values) in found.items()} == {
+        name: bytes(raw["data"]) for name, raw in safetensors.deserialize(good)
+    }
+    damaged = bytearray(good[: cut % (len(good) + 1)])
+    for at, xor in flips:
+        if damaged:
+            damaged[at % len(damaged)] ^= xor
+    try:
+        raw_tensors(memoryview(bytes(damaged)), "x.safetensors")
+    except StepFailed as exc:
+        assert str(exc).startswith("x.safetensors: ") and "\n" not in str(exc)

@@ -10,6 +10,8 @@ found: another object copied, renamed or linked into that place does not verify.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import shutil
@@ -64,8 +66,13 @@ def write_bytes_durably(path: Path, data: bytes | Iterable[bytes], *, durable: b
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(temporary, "wb") as handle:
+            pending = 0  # bytes written since writeback last started
             for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
-                handle.write(chunk)
+                pending += handle.write(chunk)
+                if durable and pending >= WRITEBACK_BYTES:
+                    handle.flush()
+                    _start_writeback(handle.fileno())
+                    pending = 0
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -75,6 +82,28 @@ def write_bytes_durably(path: Path, data: bytes | Iterable[bytes], *, durable: b
     os.replace(temporary, path)
     if durable:
         fsync_dir(path.parent)
+
+
+# A large durable file asks the kernel to start writing it to disk every this many bytes, so the
+# disk works while the rest is written and the final fsync waits only for the tail: an import's
+# 320 MB fsync alone took 0.25 to 0.9 s here. sync_file_range(2), Linux only; elsewhere a no-op.
+WRITEBACK_BYTES = 32 << 20
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to disk without waiting for them."""
+    sync_file_range = _libc_sync_file_range()
+    if sync_file_range is not None:
+        sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
+
+
+@functools.cache
+def _libc_sync_file_range() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux (or no such symbol): writeback starts at fsync
+        return None
 
 
 def append_flushed(handle: IO[Any], data: str | bytes) -> None:
