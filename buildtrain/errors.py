@@ -7,6 +7,7 @@ and is allowed to show a traceback.
 from __future__ import annotations
 
 import enum
+import signal
 
 
 class ExitCode(enum.IntEnum):
@@ -21,6 +22,18 @@ class ExitCode(enum.IntEnum):
     TOOLCHAIN_MISMATCH = 6  # the plan was compiled for another machine or torch build
     LOCKED = 7  # another `bt` holds a lock and --no-wait was given
     ENGINE_UNAVAILABLE = 8  # --executor names an engine that is not installed, not reachable, or too small
+
+
+# The signals that stop a run as an interruption (exit 3).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def accept_stop_signals() -> None:
+    """Unblock SIGINT and SIGTERM in this thread (call it first, in the main thread: threads
+    started later inherit its mask). A signal mask is inherited across exec: started by a parent
+    that blocked them (Ray blocks SIGINT in the processes it starts), bt would leave a Ctrl-C
+    pending until some thread happened to unblock it, for example when a step ended."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 class BuildtrainError(Exception):

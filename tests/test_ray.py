@@ -21,6 +21,8 @@ from conftest import MICRO, plan_hash, run_bt, step_digests
 from seaweed import free_ports
 
 from buildtrain.errors import ExitCode
+from buildtrain.plan.stored import load_plan
+from buildtrain.store.store import Store
 
 pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
 
@@ -168,9 +170,10 @@ def test_a_killed_ray_worker_is_retried_and_resumes(
 
 
 def _start_slow_run(
-    tmp_path: Path, plan: str, env: dict[str, str], delay: str = "0.7"
+    tmp_path: Path, plan: str, env: dict[str, str], delay: str = "0.7", blocked: frozenset[int] = frozenset()
 ) -> subprocess.Popen[str]:
-    """`bt run PLAN` in the background, `delay` seconds an update (12 updates: time to act mid-step)."""
+    """`bt run PLAN` in the background, `delay` seconds an update (12 updates: time to act
+    mid-step), started with the signals `blocked` (as a parent's mask would be inherited)."""
     argv = [sys.executable, "-m", "buildtrain", "run", plan, *ONE_THREAD]
     environment = {
         **os.environ,
@@ -179,7 +182,14 @@ def _start_slow_run(
         "BT_EXPERIMENTS": str(tmp_path / "exp"),
         "BT_TEST_STEP_DELAY": delay,
     }
-    return subprocess.Popen(argv, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked)) if blocked else None,
+    )
 
 
 def _finish(run: subprocess.Popen[str]) -> str:
@@ -242,15 +252,23 @@ def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
     ray_cluster.forget_node_stores()
     # 1.5 s an update: the signal lands well before the last of the 8 updates after the first
     # checkpoint, even on a loaded machine (or the step is built and nothing is left to resume).
-    run = _start_slow_run(tmp_path, plan, env, delay="1.5")
+    # Started with SIGINT blocked (Ray blocks it in the processes it starts, and a mask is
+    # inherited), and the signal handed to a thread other than the main one: either once left
+    # the interruption pending until the step had ended, with nothing left to resume.
+    run = _start_slow_run(tmp_path, plan, env, delay="1.5", blocked=frozenset({signal.SIGINT}))
     try:
         assert _wait_for_a_pushed_checkpoint(remote, "step-000004"), "no train step was seen training"
-        _interrupt_through_another_thread(run.pid)
+        masks = _interrupt_through_another_thread(run.pid)
     finally:
         stderr = _finish(run)
     assert run.returncode == ExitCode.INTERRUPTED, stderr
     assert "Traceback" not in stderr
-    assert "train:main" not in step_digests(tmp_path / ".bt", plan), "Ctrl-C reached bt after the step ended"
+    train = next(
+        step.hash for step in load_plan(Store(tmp_path / ".bt"), plan).steps if step.label == "train:main"
+    )
+    assert not (remote / "steps" / f"{train}.json").exists(), (
+        f"the step ended before bt took the signal; {masks}"
+    )
     assert not _train_jobs(lambda job: True), "a worker outlived the cancelled run"
     again = run_bt("run", plan, *ONE_THREAD, store=tmp_path / ".bt", env=env)
     assert again.returncode == 0, again.stderr
@@ -259,15 +277,25 @@ def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
     assert '"event": "resumed"' in logs
 
 
-def _interrupt_through_another_thread(pid: int) -> None:
-    """SIGINT to `bt run`, handed to one of its threads other than the main one (Ray's own, or a
-    step's): what the kernel may do with a Ctrl-C, and what once left the main thread asleep
-    until the step ended. tgkill(2): Python's signal module sends only to its own threads."""
-    others = sorted(int(task.name) for task in Path(f"/proc/{pid}/task").iterdir() if int(task.name) != pid)
-    assert others, "bt run has no thread but its main one"
+def _interrupt_through_another_thread(pid: int) -> str:
+    """SIGINT to `bt run`, handed to one of its threads that accepts it other than the main one
+    (Ray's own, or a step's), as the kernel may do with a Ctrl-C; the threads' signal masks, for
+    a failure's message. tgkill(2): Python's signal module sends only to its own threads."""
+    masks = {int(task.name): _blocked_signals(task) for task in Path(f"/proc/{pid}/task").iterdir()}
+    accepting = sorted(
+        tid for tid, blocked in masks.items() if tid != pid and not blocked & 1 << signal.SIGINT - 1
+    )
+    assert accepting, f"no thread of bt run but its main one accepts SIGINT: {masks}"
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(SYS_TGKILL, pid, others[-1], signal.SIGINT) != 0:
+    if libc.syscall(SYS_TGKILL, pid, accepting[-1], signal.SIGINT) != 0:
         raise OSError(ctypes.get_errno(), "tgkill failed")
+    return f"blocked signals by thread: { {tid: hex(m) for tid, m in sorted(masks.items())} }"
+
+
+def _blocked_signals(task: Path) -> int:
+    """A thread's blocked signals (bit n - 1 for signal n), from /proc."""
+    line = next(line for line in (task / "status").read_text().splitlines() if line.startswith("SigBlk:"))
+    return int(line.split()[1], 16)
 
 
 def _kill_the_train_task_after_a_checkpoint(store: Path) -> bool:

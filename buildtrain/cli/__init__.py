@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from buildtrain.cli.commands import err
 from buildtrain.cli.parser import build_parser
-from buildtrain.errors import BuildtrainError, ConfigError, ExitCode
+from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, accept_stop_signals
 
 # Exit status after stdout was closed early (`bt show | head`): what a shell reports for SIGPIPE.
 BROKEN_PIPE = 141
@@ -25,6 +25,7 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    accept_stop_signals()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed
+from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed, accept_stop_signals
 from buildtrain.executor import logs, numerics
 from buildtrain.executor.faults import signal_inside_import_for_tests
 from buildtrain.executor.job import Job, JobNumerics
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None, observer: ObserverFactory | None = None)
         "--events-fd", type=int, required=True, help="pipe for JSON event lines (1 under torchrun)"
     )
     args = parser.parse_args(argv)
+    accept_stop_signals()  # whatever mask the engine's process handed down
     parent = os.environ.get(PARENT_PID)
     die_with_parent(int(parent) if parent else None)
     events_fd = args.events_fd
