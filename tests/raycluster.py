@@ -60,6 +60,9 @@ def _ray_start(temp: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # As `nohup ray start ... &` from a script leaves it: SIGINT ignored in every Ray
+            # process, which the workers inherit (ray.cancel must still stop a step).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
             # Each node keeps its own store (with a remote), as separate machines would, and not in
             # the machine's default folder.
             env={**os.environ, **NO_TOKEN, "BT_NODE_STORE": str(log.parent / f"store-{log.stem}")},

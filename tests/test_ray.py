@@ -252,9 +252,10 @@ def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
     ray_cluster.forget_node_stores()
     # 1.5 s an update: the signal lands well before the last of the 8 updates after the first
     # checkpoint, even on a loaded machine (or the step is built and nothing is left to resume).
-    # Started with SIGINT blocked (Ray blocks it in the processes it starts, and a mask is
-    # inherited), and the signal handed to a thread other than the main one: either once left
-    # the interruption pending until the step had ended, with nothing left to resume.
+    # The hard cases at once: the cluster's workers ignore SIGINT (raycluster.py starts it as
+    # `nohup ray start &` leaves it; ray.cancel then did nothing and the step ran to its end),
+    # bt starts with SIGINT blocked (an inherited mask), and the signal goes to a thread other
+    # than the main one.
     run = _start_slow_run(tmp_path, plan, env, delay="1.5", blocked=frozenset({signal.SIGINT}))
     try:
         assert _wait_for_a_pushed_checkpoint(remote, "step-000004"), "no train step was seen training"

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -250,19 +251,36 @@ def _run_worker(
     interrupted = False
     stream = os.fdopen(read_fd, encoding="utf-8", errors="replace")
     try:
-        while True:
-            try:
-                events.extend(_lines(stream))
-                break
-            except KeyboardInterrupt:  # the engine cancelled this task: stop the step as an
-                interrupted = True  # interruption, and keep reading what it says as it checkpoints
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
+        with _cancellable():
+            while True:
+                try:
+                    events.extend(_lines(stream))
+                    break
+                except KeyboardInterrupt:  # the engine cancelled this task: stop the step as an
+                    interrupted = True  # interruption, and keep reading what it says as it checkpoints
+                    if process.poll() is None:
+                        process.send_signal(signal.SIGTERM)
         status = process.wait()
     finally:
         stream.close()
         path.unlink(missing_ok=True)
     return status, interrupted or status == ExitCode.INTERRUPTED
+
+
+@contextlib.contextmanager
+def _cancellable() -> Iterator[None]:
+    """While a step runs, SIGINT raises KeyboardInterrupt in this (the task's) thread. Ray cancels
+    a running task through `_thread.interrupt_main`, which does nothing where SIGINT is ignored,
+    and it is in every worker of a cluster started as `nohup ray start ... &` is: there, Ctrl-C
+    of `bt run` waited for the step to end (seen in CI), and nothing was left to resume."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread takes signals; Ray runs tasks there
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _lines(stream: Any) -> Iterator[dict[str, Any]]:
