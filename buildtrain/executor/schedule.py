@@ -22,10 +22,9 @@ if TYPE_CHECKING:
     from buildtrain.executor.engine import Handle
 
 
-# How long the main thread sleeps at a time while steps run. The kernel hands a process signal
-# (Ctrl-C) to any thread that does not block it, and Ray's threads do not: a main thread asleep on
-# a lock until every step ends would run the handler only then (seen in CI: SIGINT at update 4 of
-# a Ray step, the interruption at its end). Waking up now and then runs it within this long.
+# How long the main thread sleeps at a time while steps run. The kernel may hand a process signal
+# (Ctrl-C) to any thread that does not block it, Ray's included, and Python runs the handler only
+# when the main thread wakes: asleep on a lock until every step ends, it would run it only then.
 SIGNAL_POLL_S = 0.2
 
 

@@ -11,9 +11,9 @@ which file is which comes from the step's config (by digest), never from a path.
 views of the checked bytes (through the header parser of `store/tensors.py`), written back
 renamed in their own dtype (F32, BF16 or F16; training widens them to float32 exactly as it
 loads them): no torch, no pickle, no code from the checkpoint, and half the bytes to write of a
-bf16 checkpoint. The renaming
-is the inverse of `hf_export.py`: q, k and v projections stacked by rows into `wqkv` (nh query
-heads, then nkv key heads, then nkv value heads), gate/up/down into w1/w3/w2.
+bf16 checkpoint. The renaming is the inverse of `hf_export.py`: q, k and v projections stacked by
+rows into `wqkv` (nh query heads, then nkv key heads, then nkv value heads), gate/up/down into
+w1/w3/w2.
 """
 
 from __future__ import annotations

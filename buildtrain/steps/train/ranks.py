@@ -193,7 +193,7 @@ class Ranks:
         except RuntimeError as exc:
             if self.world == 1 or not lost_peer(exc):
                 raise
-            raise StepFailed(f"rank {self.rank} lost its peers during {during} ({_reason(exc)})") from None
+            raise self._lost(during, exc) from None
 
     @contextlib.contextmanager
     def peers(self, during: str) -> Iterator[None]:
@@ -202,7 +202,13 @@ class Ranks:
         try:
             yield
         except RuntimeError as exc:  # gloo and NCCL errors (DistBackendError is a RuntimeError)
-            raise StepFailed(f"rank {self.rank} lost its peers during {during} ({_reason(exc)})") from None
+            raise self._lost(during, exc) from None
+
+    def _lost(self, during: str, exc: BaseException) -> StepFailed:
+        """The step failure of this rank, naming what it did and the first sentence of the error
+        (without the source location gloo puts first)."""
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", str(exc)).split(". ")[0]
+        return StepFailed(f"rank {self.rank} lost its peers during {during} ({reason})")
 
 
 # What gloo and NCCL say when the rank at the other end died or stopped answering.
@@ -216,11 +222,6 @@ def lost_peer(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError)) or bool(PEER_LOST.search(str(exc)))
-
-
-def _reason(exc: BaseException) -> str:
-    """The first sentence of a collective's error, without the source location gloo puts first."""
-    return re.sub(r"^\[[^\]]*\]\s*", "", str(exc)).split(". ")[0]
 
 
 def _by_shard(vectors: list[torch.Tensor], world: int, shard: int) -> torch.Tensor:
