@@ -16,13 +16,15 @@ portable numerics environment and one thread (what a portable train step compute
 
 Import cost, alternated: `bt run --target import_hf` of a plan in a fresh store (planning done
 before, not timed), its wall time and the import step's own duration from the run record (its
-process from start to the sealed output: reading and checking the files, converting, writing,
-digesting), against a fresh process that reads the same safetensors files with the safetensors
-library (`safetensors.deserialize`: every tensor's bytes, no torch; `safetensors.torch.load_file`
-would add torch's import, about a second here, to the reader). The checkpoint is stored in
-bfloat16, as published ones usually are; the import keeps the dtype (training widens it).
-The disk is most of the noise: the import's durable write of the whole checkpoint took 0.2 to
-0.9 s from one run to the next here.
+process from start to the sealed output: reading and checking the files while their tensors are
+written to their places, digesting, sealing), against a fresh process that reads the same
+safetensors files with the safetensors library (`safetensors.deserialize`: every tensor's bytes,
+no torch; `safetensors.torch.load_file` would add torch's import, about a second here, to the
+reader). The checkpoint is stored in bfloat16, as published ones usually are; the import keeps
+the dtype (training widens it). Each round writes into a new store, so the output always takes
+new page-cache pages, as a first import does; on this VM that dominates the noise (320 MB
+written through the page cache took 0.1 s on one day and 0.75 s on the next, the disk itself
+about 0.1 s with O_DIRECT).
 
 Goals: LoRA tokens/s >= 1.0 x peft's; the import step's time <= 2 x the reading process's.
 

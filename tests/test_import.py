@@ -4,13 +4,17 @@ GQA or not, tied or not; and every checkpoint it cannot hold refused in one line
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
+import safetensors.numpy
 import safetensors.torch
 import torch
 from checkpoints import make_checkpoint
@@ -20,9 +24,19 @@ from hypothesis import strategies as st
 
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig
+from buildtrain.errors import StepFailed
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.hf_export import ARCHITECTURES, hf_name, split_qkv
-from buildtrain.steps.import_hf import buildtrain_tensors, expected_shapes
+from buildtrain.steps.hf_export import ARCHITECTURES, hf_name, split_qkv, write_tensors
+from buildtrain.steps.import_hf import (
+    STREAM_CHUNK,
+    buildtrain_layout,
+    copy_weights,
+    expected_shapes,
+    read_header,
+    read_headers,
+    weights_digests,
+)
+from buildtrain.steps.sources import Source, SourceReader
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.state import load_model
 from buildtrain.store.store import Store
@@ -187,18 +201,35 @@ def test_an_unsupported_dtype_is_refused(tmp_path: Path) -> None:
 
 
 @settings(max_examples=40, deadline=None)
+def import_files(paths: list[Path], model: dict, out: Path, chunk: int = STREAM_CHUNK) -> None:
+    """The import step's weights file from checkpoint shards, each read as a planned source."""
+    with contextlib.ExitStack() as opened:
+        readers = [opened.enter_context(SourceReader(planned(path))) for path in paths]
+        copy_weights(readers, buildtrain_layout(read_headers(readers), model), out, chunk)
+
+
+def planned(path: Path) -> Source:
+    raw = path.read_bytes()
+    return Source(path=path, blake3=blake3.blake3(raw).hexdigest(), size=len(raw))
+
+
+@settings(max_examples=40, deadline=None)
 @given(
     layers=st.integers(1, 3),
     heads=st.sampled_from([(2, 1), (2, 2), (4, 2), (4, 1)]),
     tie=st.booleans(),
     bias=st.booleans(),
+    shards=st.integers(1, 3),
+    chunk=st.integers(1, 3000),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_the_import_inverts_the_exports_names(
-    layers: int, heads: tuple[int, int], tie: bool, bias: bool, seed: int
+def test_the_import_inverts_the_export(
+    layers: int, heads: tuple[int, int], tie: bool, bias: bool, shards: int, chunk: int, seed: int
 ) -> None:
-    """Law: buildtrain's weights exported under transformers' names (hf_export) and imported
-    back (import_hf) are the same tensors, bit for bit, fused q/k/v rows included."""
+    """Law: buildtrain's weights exported under transformers' names (hf_export), saved by the
+    safetensors library in one to three shards, and imported back (import_hf, streamed through a
+    buffer of any size) are the file `write_tensors` writes of the same weights, byte for byte,
+    fused q/k/v rows included; its digests, taken from the mapped file, are the store's."""
     model = {
         "dim": 8 * heads[0],
         "n_layers": layers,
@@ -212,16 +243,59 @@ def test_the_import_inverts_the_exports_names(
         "mlp": "swiglu",
     }
     rng = np.random.default_rng(seed)
-    ours = {n: ("F32", rng.standard_normal(s).astype("<f4")) for n, s in expected_shapes(model).items()}
+    ours = {n: rng.standard_normal(s).astype("<f4") for n, s in expected_shapes(model).items()}
     _, _, mlp_names = ARCHITECTURES[("rmsnorm", "swiglu")]
     exported = {}
-    for name, (dtype, values) in ours.items():
-        parts = split_qkv(name, dtype, values, model) if ".wqkv." in name else {name: (dtype, [], values)}
-        exported.update({hf_name(part, mlp_names): (d, v) for part, (d, _, v) in parts.items()})
-    back = buildtrain_tensors(exported, model)
-    assert set(back) == set(ours)
-    for name, (dtype, values) in ours.items():
-        assert back[name][0] == dtype and np.array_equal(back[name][1], values), name
+    for name, values in ours.items():
+        parts = split_qkv(name, "F32", values, model) if ".wqkv." in name else {name: ("F32", [], values)}
+        exported.update({hf_name(part, mlp_names): v for part, (_, _, v) in parts.items()})
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = Path(temporary)
+        paths = [folder / f"model-{i}.safetensors" for i in range(shards)]
+        for i, path in enumerate(paths):  # tensors dealt round robin: a fused tensor spans shards
+            safetensors.numpy.save_file({n: exported[n] for n in sorted(exported)[i::shards]}, path)
+        import_files(paths, model, folder / "imported.safetensors", chunk)
+        write_tensors(
+            folder / "expected.safetensors", {n: ("F32", list(v.shape), v) for n, v in ours.items()}
+        )
+        got = (folder / "imported.safetensors").read_bytes()
+        assert got == (folder / "expected.safetensors").read_bytes()
+        assert weights_digests(folder / "imported.safetensors") == safetensors_digests(
+            folder / "imported.safetensors"
+        )
+
+
+def test_a_shard_changed_while_it_is_imported_is_refused_and_nothing_written(tmp_path: Path) -> None:
+    model = {
+        "dim": 8,
+        "n_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 1,
+        "ffn_hidden": 24,
+        "vocab_size": 11,
+        "tie_embeddings": True,
+        "qkv_bias": False,
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+    }
+    _, _, mlp_names = ARCHITECTURES[("rmsnorm", "swiglu")]
+    exported = {}
+    for name, shape in expected_shapes(model).items():
+        values = np.ones(shape, "<f4")
+        parts = split_qkv(name, "F32", values, model) if ".wqkv." in name else {name: ("F32", [], values)}
+        exported.update({hf_name(part, mlp_names): v for part, (_, _, v) in parts.items()})
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(exported, path)
+    source = planned(path)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1  # the same size, one bit of the last tensor changed
+    path.write_bytes(raw)
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    with SourceReader(source) as reader, pytest.raises(StepFailed) as failed:
+        copy_weights([reader], buildtrain_layout(read_header(reader, 0), model), out)
+    assert str(failed.value).startswith(f"{path}: changed since it was planned")
+    assert not list(out.parent.iterdir()), "no weights file, not even a temporary one"
 
 
 def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
@@ -257,23 +331,39 @@ def test_computations_buildtrain_does_not_implement_are_refused(
 def test_the_import_reads_what_safetensors_reads_and_refuses_any_damage_in_one_line(
     shapes: list[list[int]], dtype: torch.dtype, cut: int, flips: list[tuple[int, int]]
 ) -> None:
-    """Law: the import's own header parser gives the safetensors library's tensors, bit for bit,
-    as views of the bytes; the same file truncated or with bytes changed either still parses or
-    is a StepFailed naming the file in one line, never another error."""
-    from buildtrain.errors import StepFailed
-    from buildtrain.steps.import_hf import raw_tensors
-
+    """Law: the import's own header parser places the safetensors library's tensors, bit for bit;
+    the same file truncated or with bytes changed either still parses or is a StepFailed naming
+    the file in one line, never another error."""
     tensors = {f"t{i}": torch.randn(shape).to(dtype) for i, shape in enumerate(shapes)}
     good = safetensors.torch.save(tensors)
-    found = raw_tensors(memoryview(good), "x.safetensors")
-    assert {name: bytes(values.tobytes()) for name, (_, values) in found.items()} == {
-        name: bytes(raw["data"]) for name, raw in safetensors.deserialize(good)
-    }
     damaged = bytearray(good[: cut % (len(good) + 1)])
     for at, xor in flips:
         if damaged:
             damaged[at % len(damaged)] ^= xor
-    try:
-        raw_tensors(memoryview(bytes(damaged)), "x.safetensors")
-    except StepFailed as exc:
-        assert str(exc).startswith("x.safetensors: ") and "\n" not in str(exc)
+    with tempfile.TemporaryDirectory() as temporary:
+        path = Path(temporary) / "x.safetensors"
+        path.write_bytes(good)
+        with SourceReader(planned(path)) as reader:
+            found = read_header(reader, 0)
+        data = good[8 + int.from_bytes(good[:8], "little") :]
+        assert {name: data[at.begin : at.end] for name, at in found.items()} == {
+            name: bytes(raw["data"]) for name, raw in safetensors.deserialize(good)
+        }
+        path.write_bytes(damaged)
+        try:
+            with SourceReader(planned(path)) as reader:
+                read_header(reader, 0)
+        except StepFailed as exc:
+            assert str(exc).startswith(f"{path}: ") and "\n" not in str(exc)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path: Path) -> None:
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for path in paths:
+        safetensors.numpy.save_file({"model.norm.weight": np.ones(8, "<f4")}, path)
+    with contextlib.ExitStack() as opened:
+        readers = [opened.enter_context(SourceReader(planned(path))) for path in paths]
+        with pytest.raises(
+            StepFailed, match=f"^{paths[1]}: tensor model.norm.weight is in another shard too"
+        ):
+            read_headers(readers)

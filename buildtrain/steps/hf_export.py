@@ -21,7 +21,6 @@ renamed and split by rows, so the weights are bit-identical to `model.safetensor
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from buildtrain.canonical import canonical_bytes
 from buildtrain.store.objects import write_bytes_durably
-from buildtrain.store.tensors import read_safetensors_header
+from buildtrain.store.tensors import encode_header, read_safetensors_header
 
 HF_FOLDER = "hf"
 # (norm, mlp) -> (model_type, architecture class, MLP names: buildtrain -> transformers)
@@ -141,18 +140,12 @@ def read_tensors(path: Path) -> dict[str, tuple[str, list[int], np.ndarray]]:
 
 def write_tensors(path: Path, tensors: dict[str, tuple[str, list[int], np.ndarray]]) -> None:
     """A safetensors file with tensors in name order: the same input gives the same bytes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        dtype, shape, values = tensors[name]
+    blobs = {}
+    for name, (_, _, values) in tensors.items():
         array = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False)
-        blob = memoryview(array.reshape(-1)).cast("B")  # written as it is: no copy of the bytes
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    write_bytes_durably(path, [struct.pack("<Q", len(encoded)) + encoded, *blobs])
+        blobs[name] = memoryview(array.reshape(-1)).cast("B")  # written as it is: no copy of the bytes
+    header, _ = encode_header((name, dtype, shape, len(blobs[name])) for name, (dtype, shape, _) in tensors.items())
+    write_bytes_durably(path, [header, *(blobs[name] for name in sorted(tensors))])
 
 
 def write_hf(

@@ -69,7 +69,7 @@ class SourceReader:
     def close(self) -> None:
         self.handle.close()
 
-    def _seen(self, data: bytes) -> bytes:
+    def _seen(self, data: Any) -> Any:
         self.hasher.update(data)
         self.count += len(data)
         if self.count > self.source.size:
@@ -80,6 +80,11 @@ class SourceReader:
 
     def read(self, size: int = READ_CHUNK) -> bytes:
         return self._seen(self.handle.read(min(size, self.source.size + 1 - self.count)))
+
+    def readinto(self, buffer: bytearray | memoryview) -> memoryview:
+        """Read into `buffer` (reused: no fresh pages per read); the part filled, hashed."""
+        view = memoryview(buffer)[: self.source.size + 1 - self.count]
+        return self._seen(view[: self.handle.readinto(view)])
 
     def readline(self) -> bytes:
         return self._seen(self.handle.readline(self.source.size + 1 - self.count))

@@ -10,12 +10,13 @@ found: another object copied, renamed or linked into that place does not verify.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -63,25 +64,70 @@ def write_bytes_durably(path: Path, data: bytes | Iterable[bytes], *, durable: b
     """Write a file next to its final name, fsync it, rename it into place, fsync the folder.
     `durable=False` (caches, recomputed when lost) keeps the atomic rename and skips the fsyncs.
     `data` may be a sequence of buffers, written in order without joining them (large files)."""
+    with durable_file(path, durable=durable) as handle:
+        for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            handle.write(chunk)
+
+
+@contextlib.contextmanager
+def durable_file(path: Path, *, durable: bool = True) -> Iterator[DurableWriter]:
+    """A file written in place or in order under a temporary name beside `path`, then published
+    as `write_bytes_durably` publishes: fsynced, renamed into place, the folder fsynced. Whatever
+    stops the writing (an error, a signal) removes the temporary file: no name ever shows part
+    of a file."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(temporary, "wb") as handle:
-            pending = 0  # bytes written since writeback last started
-            for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
-                pending += handle.write(chunk)
-                if durable and pending >= WRITEBACK_BYTES:
-                    handle.flush()
-                    _start_writeback(handle.fileno())
-                    pending = 0
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-    except OSError as exc:  # a full disk fails the write, flush or close: no name comes with it
-        temporary.unlink(missing_ok=True)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(path)) from None
+    try:
+        writer = DurableWriter(fd, path, durable)
+        yield writer
+        writer.finish()
+    except BaseException:
+        os.close(fd)
+        temporary.unlink(missing_ok=True)
+        raise
+    os.close(fd)
     os.replace(temporary, path)
     if durable:
         fsync_dir(path.parent)
+
+
+class DurableWriter:
+    """Writes to a file `durable_file` publishes, each error naming the published path (a full
+    disk's error carries no name of its own), with the disk kept busy along the way."""
+
+    def __init__(self, fd: int, path: Path, durable: bool) -> None:
+        self.fd, self.path, self.durable = fd, path, durable
+        self.pending = 0  # bytes written since writeback last started
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append `data` at the file's position."""
+        self._write(data, lambda view, _: os.write(self.fd, view))
+
+    def write_at(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Write `data` at `offset`, leaving the file's position alone."""
+        self._write(data, lambda view, done: os.pwrite(self.fd, view, offset + done))
+
+    def _write(self, data: bytes | bytearray | memoryview, call: Callable[[memoryview, int], int]) -> None:
+        view, done = memoryview(data).cast("B"), 0
+        try:
+            while done < len(view):  # short only when the disk fills (the next call raises)
+                done += call(view[done:], done)
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+        self.pending += done
+        if self.durable and self.pending >= WRITEBACK_BYTES:
+            _start_writeback(self.fd)
+            self.pending = 0
+
+    def finish(self) -> None:
+        if self.durable:
+            try:
+                os.fsync(self.fd)
+            except OSError as exc:
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
 
 # A large durable file asks the kernel to start writing it to disk every this many bytes, so the

@@ -73,6 +73,22 @@ def header_size(prefix: bytes, label: str) -> int:
     return int(size)
 
 
+def encode_header(tensors: Iterable[tuple[str, str, list[int], int]]) -> tuple[bytes, dict[str, int]]:
+    """The start of a safetensors file holding (name, dtype code, shape, byte length) tensors, in
+    name order with no gaps, and where each tensor's bytes start in the file: the same tensors give
+    the same bytes, wherever they came from."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, length in sorted(tensors):
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + length]}
+        offset += length
+    encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    start = 8 + len(encoded)
+    places = {name: start + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+    return struct.pack("<Q", len(encoded)) + encoded, places
+
+
 def decode_header(raw: bytes | memoryview, size: int, label: str) -> dict[str, Any]:
     """The JSON header of `size` bytes, read as `raw`: an object, or a ValueError naming `label`."""
     if len(raw) != size:
