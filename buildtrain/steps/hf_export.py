@@ -144,7 +144,9 @@ def write_tensors(path: Path, tensors: dict[str, tuple[str, list[int], np.ndarra
     for name, (_, _, values) in tensors.items():
         array = np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False)
         blobs[name] = memoryview(array.reshape(-1)).cast("B")  # written as it is: no copy of the bytes
-    header, _ = encode_header((name, dtype, shape, len(blobs[name])) for name, (dtype, shape, _) in tensors.items())
+    header, _ = encode_header(
+        (name, dtype, shape, len(blobs[name])) for name, (dtype, shape, _) in tensors.items()
+    )
     write_bytes_durably(path, [header, *(blobs[name] for name in sorted(tensors))])
 
 

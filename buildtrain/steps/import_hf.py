@@ -44,6 +44,7 @@ from buildtrain.store.tensors import (
     header_size,
     read_safetensors_header,
     tensor_digest,
+    tensor_entries,
 )
 
 if TYPE_CHECKING:
@@ -168,18 +169,18 @@ def copy_weights(readers: list[SourceReader], layout: Layout, path: Path, chunk:
         (name, parts[0].dtype, stacked_shape(parts), sum(p.end - p.begin for p in parts))
         for name, parts in layout.items()
     )
-    # (shard, first byte, end, where it goes in the output): a part's rows follow the parts above it
-    moves = []
+    # Per shard, (first byte, end, where it goes in the output): a part's rows follow those above it
+    moves: list[list[tuple[int, int, int]]] = [[] for _ in readers]
     for name, parts in layout.items():
         to = places[name]
         for part in parts:
-            moves.append((part.shard, part.begin, part.end, to))
+            moves[part.shard].append((part.begin, part.end, to))
             to += part.end - part.begin
     buffer = bytearray(chunk)
     with durable_file(path) as output:
         output.write(header)
-        for shard, reader in enumerate(readers):
-            stream_shard(reader, [m[1:] for m in moves if m[0] == shard], buffer, output)
+        for reader, shard_moves in zip(readers, moves, strict=True):
+            stream_shard(reader, shard_moves, buffer, output)
 
 
 def stream_shard(
@@ -206,18 +207,16 @@ def stacked_shape(parts: tuple[Stored, ...]) -> tuple[int, ...]:
 def weights_digests(path: Path) -> dict[str, str]:
     """What `store.tensors.safetensors_digests` computes, from the file just written: mapped
     rather than read (no fresh pages for its size), tensors digested in parallel."""
-    header, start = read_safetensors_header(path)
-    names = sorted(name for name in header if name != "__metadata__")
+    entries = list(tensor_entries(*read_safetensors_header(path)))
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
 
-        def one(name: str) -> str:
-            entry = header[name]
-            begin, end = entry["data_offsets"]
-            with memoryview(data)[start + begin : start + end] as raw:
-                return tensor_digest(name, entry["dtype"].lower(), entry["shape"], raw)
+        def one(entry: tuple[str, str, list[int], int, int]) -> str:
+            name, dtype, shape, begin, end = entry
+            with memoryview(data)[begin:end] as raw:  # released before the mapping closes
+                return tensor_digest(name, dtype, shape, raw)
 
         with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:  # blake3 lets go of the GIL
-            return dict(zip(names, pool.map(one, names), strict=True))
+            return {entry[0]: found for entry, found in zip(entries, pool.map(one, entries), strict=True)}
 
 
 def expected_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, TypeVar
 
 import attrs
 import blake3
@@ -25,6 +25,8 @@ from buildtrain.errors import StepFailed
 from buildtrain.store.regular import NotRegularFile, open_regular
 
 READ_CHUNK = 1 << 20
+# What a read returns: bytes of its own, or a view of the caller's buffer
+Read = TypeVar("Read", bytes, memoryview)
 
 
 @attrs.frozen(kw_only=True)
@@ -69,7 +71,7 @@ class SourceReader:
     def close(self) -> None:
         self.handle.close()
 
-    def _seen(self, data: Any) -> Any:
+    def _seen(self, data: Read) -> Read:
         self.hasher.update(data)
         self.count += len(data)
         if self.count > self.source.size:

@@ -85,7 +85,9 @@ def encode_header(tensors: Iterable[tuple[str, str, list[int], int]]) -> tuple[b
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     start = 8 + len(encoded)
-    places = {name: start + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"}
+    places = {
+        name: start + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"
+    }
     return struct.pack("<Q", len(encoded)) + encoded, places
 
 
@@ -104,16 +106,23 @@ def decode_header(raw: bytes | memoryview, size: int, label: str) -> dict[str, A
     return header
 
 
+def tensor_entries(header: dict[str, Any], start: int) -> Iterator[tuple[str, str, list[int], int, int]]:
+    """(name, dtype, shape, first byte, end) of each tensor a safetensors header names, by name,
+    the offsets counted from the start of the file (its data starts at `start`)."""
+    for name in sorted(k for k in header if k != "__metadata__"):
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        yield name, entry["dtype"].lower(), list(entry["shape"]), start + begin, start + end
+
+
 def iter_safetensors(path: Path) -> Iterator[tuple[str, str, list[int], memoryview]]:
     """(name, dtype, shape, bytes) of each tensor in a safetensors file, by name."""
     header, start = read_safetensors_header(path)
     data = memoryview(path.read_bytes())
-    for name in sorted(k for k in header if k != "__metadata__"):
-        entry = header[name]
-        begin, end = entry["data_offsets"]
-        if not 0 <= begin <= end <= len(data) - start:
+    for name, dtype, shape, begin, end in tensor_entries(header, start):
+        if not start <= begin <= end <= len(data):
             raise ValueError(f"{path.name}: tensor {name} lies outside the file")
-        yield name, entry["dtype"].lower(), list(entry["shape"]), data[start + begin : start + end]
+        yield name, dtype, shape, data[begin:end]
 
 
 def safetensors_digests(path: Path) -> dict[str, str]:
