@@ -16,6 +16,7 @@ from buildtrain.executor import numerics
 PROFILE_KEYS = (
     set(numerics.PORTABLE_CPU)
     | set(numerics.CUDA_DETERMINISTIC)
+    | set(numerics.KEEP_FREED_MEMORY)
     | {
         "OMP_NUM_THREADS",
         "MKL_NUM_THREADS",
@@ -46,8 +47,12 @@ def test_a_small_portable_step_stays_on_one_process() -> None:
     assert numerics.portable_ranks(16, 8, numerics.RANKS_MIN_FLOP / 2) == 1
 
 
-def test_native_cpu_sets_only_threads() -> None:
-    assert numerics.environment("native", "cpu", 2) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+def test_native_cpu_sets_only_threads_and_the_allocator() -> None:
+    assert numerics.environment("native", "cpu", 2) == {
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        **numerics.KEEP_FREED_MEMORY,
+    }
 
 
 @pytest.mark.parametrize("profile", ["portable", "native"])
