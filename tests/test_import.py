@@ -200,7 +200,6 @@ def test_an_unsupported_dtype_is_refused(tmp_path: Path) -> None:
     assert "model.norm.weight is F64" in line
 
 
-@settings(max_examples=40, deadline=None)
 def import_files(paths: list[Path], model: dict, out: Path, chunk: int = STREAM_CHUNK) -> None:
     """The import step's weights file from checkpoint shards, each read as a planned source."""
     with contextlib.ExitStack() as opened:
