@@ -99,8 +99,8 @@ class RotaryQKV(torch.autograd.Function):
 
     One function so that the backward writes the projection's gradient once, in place: through
     autograd, each of the three slices' gradients would be a zero-filled tensor of the full width,
-    added up. The rotation's gradient is the rotation by the opposite angle: sin negated, which is
-    the table's other half (rope_tables), so the same `rotate_into` with the halves of sin swapped.
+    added up. The rotation's gradient is the rotation by the opposite angle: the same
+    `rotate_into` with sin negated.
     """
 
     @staticmethod
@@ -111,7 +111,6 @@ class RotaryQKV(torch.autograd.Function):
         # float32 copies that attention then casts back (on the CPU in float32, nothing changes).
         cos, sin = cos.to(qkv.dtype), sin.to(qkv.dtype)
         ctx.save_for_backward(cos, sin)
-        ctx.n_heads = n_heads
         qk = n_heads + n_kv_heads
         B, T, _, hs = qkv.shape
         rotated = qkv.new_empty(B, T, qk, hs)  # contiguous
@@ -123,7 +122,7 @@ class RotaryQKV(torch.autograd.Function):
         ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None, None]:
         cos, sin = ctx.saved_tensors
-        unrotate = sin.roll(sin.shape[-1] // 2, -1)  # (T, 1, hs): the halves swapped, [sin, -sin]
+        unrotate = -sin
         nh, qk = grad_q.shape[2], grad_q.shape[2] + grad_k.shape[2]
         grad = grad_v.new_empty(*grad_v.shape[:2], qk + grad_v.shape[2], grad_v.shape[3])
         rotate_into(grad[:, :, :nh], grad_q, cos, unrotate)
