@@ -32,8 +32,9 @@ COMMANDS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "mungeke
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 # A requeued job may start again only once the credentials of its first run expired: Slurm's
-# default of 120 s would stall every requeue test for two minutes.
-CRED_EXPIRE_S = 10
+# default of 120 s would stall every requeue test for two minutes. 5 s is the least it accepts
+# (a smaller value is ignored for the default), and a step's launch needs far less.
+CRED_EXPIRE_S = 5
 # How long a job's processes have between SIGTERM and SIGKILL (a train step checkpoints in it).
 KILL_WAIT_S = 15
 PARTITION = "bt"
@@ -119,6 +120,9 @@ def _conf_text(root: Path, node: str, cpus: int, ports: list[int]) -> str:
             "ReturnToService=2",
             f"KillWait={KILL_WAIT_S}",
             "SchedulerType=sched/backfill",
+            # A job whose begin time passes (a requeued one) waits for the scheduler's next pass:
+            # by default 60 s (30 s for backfill), most of a requeue test's time.
+            "SchedulerParameters=sched_interval=2,bf_interval=1",
             f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
             f"PartitionName={PARTITION} Nodes={node} Default=YES MaxTime=INFINITE State=UP",
             "",
