@@ -4,9 +4,11 @@ A message of at most 64 bytes is one blake3 chunk of one block, so its digest is
 the compression function (7 rounds of the quarter-round G over 16 32-bit words) with the flags
 CHUNK_START | CHUNK_END | ROOT. Evaluating that function over arrays of messages, one array per
 word, gives bit for bit what the blake3 library gives one message at a time, at a fraction of the
-per-call cost (0.3-0.7 us a message in batches of 8,192 here, against 1.2 us for one library call
-and 7.5 us for derive_unit with its canonical JSON; tests check results against the library). Words that are the same in every message of a batch stay
-scalars, so the parts of the first round that see only them are computed once.
+per-call cost: 0.15-0.3 us a message in batches of 32,768 here, against 1.2 us for one library
+call and 7.5 us for derive_unit with its canonical JSON (tests check results against the
+library). Words that are the same in every message of a batch stay scalars through the first
+round, so the parts of it that see only them are computed once; the six other rounds run in
+place on arrays.
 
 Only what the data split needs: messages of one length per call, and only the first 64 bits of
 the output. Needs no torch.
@@ -42,6 +44,7 @@ def _rotate_right(x: Word, bits: int) -> Word:
 
 
 def _g(v: list[Word], a: int, b: int, c: int, d: int, x: Word, y: Word) -> None:
+    """The quarter-round on words that may be scalars: each result is a new value."""
     v[a] = v[a] + v[b] + x
     v[d] = _rotate_right(v[d] ^ v[a], 16)
     v[c] = v[c] + v[d]
@@ -50,6 +53,30 @@ def _g(v: list[Word], a: int, b: int, c: int, d: int, x: Word, y: Word) -> None:
     v[d] = _rotate_right(v[d] ^ v[a], 8)
     v[c] = v[c] + v[d]
     v[b] = _rotate_right(v[b] ^ v[c], 7)
+
+
+class InPlace:
+    """The quarter-round on arrays the caller owns, each operation writing into its operand: no
+    array is allocated per operation (1.3x faster than `_g` on 32,768 messages here)."""
+
+    def __init__(self, count: int) -> None:
+        self.scratch = np.empty(count, dtype=np.uint32)
+
+    def rotate_right(self, x: np.ndarray, bits: int) -> None:
+        np.left_shift(x, np.uint32(32 - bits), out=self.scratch)
+        np.right_shift(x, np.uint32(bits), out=x)
+        np.bitwise_or(x, self.scratch, out=x)
+
+    def g(self, v: list[np.ndarray], a: int, b: int, c: int, d: int, x: Word, y: Word) -> None:
+        va, vb, vc, vd = v[a], v[b], v[c], v[d]
+        for word, bits in ((x, (16, 12)), (y, (8, 7))):
+            np.add(va, vb, out=va)
+            np.add(va, word, out=va)
+            np.bitwise_xor(vd, va, out=vd)
+            self.rotate_right(vd, bits[0])
+            np.add(vc, vd, out=vc)
+            np.bitwise_xor(vb, vc, out=vb)
+            self.rotate_right(vb, bits[1])
 
 
 def _words(messages: np.ndarray) -> list[Word]:
@@ -76,11 +103,14 @@ def digest_prefixes(messages: np.ndarray) -> np.ndarray:
     m = _words(messages)
     v: list[Word] = [np.uint32(w) for w in (*IV, *IV[:4], 0, 0, length, ONE_BLOCK_ROOT)]
     with np.errstate(over="ignore"):  # additions wrap modulo 2**32, as the function defines them
-        for round_index in range(7):
+        for a, b, c, d, x, y in ROUND:  # round 1 on scalars where words are shared
+            _g(v, a, b, c, d, m[x], m[y])
+        state = [np.array(np.broadcast_to(word, (count,)), dtype=np.uint32) for word in v]  # owned
+        rounds = InPlace(count)
+        for _ in range(6):
+            m = [m[i] for i in MESSAGE_PERMUTATION]
             for a, b, c, d, x, y in ROUND:
-                _g(v, a, b, c, d, m[x], m[y])
-            if round_index < 6:
-                m = [m[i] for i in MESSAGE_PERMUTATION]
-        low = np.broadcast_to(v[0] ^ v[8], (count,)).astype(np.uint64)
-        high = np.broadcast_to(v[1] ^ v[9], (count,)).astype(np.uint64)
+                rounds.g(state, a, b, c, d, m[x], m[y])
+    low = (state[0] ^ state[8]).astype(np.uint64)
+    high = (state[1] ^ state[9]).astype(np.uint64)
     return low | (high << np.uint64(32))
