@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import peft
@@ -20,10 +21,13 @@ import transformers
 from checkpoints import make_checkpoint
 from conftest import plan_hash, run_bt, step_digests
 from test_chat import chat_preset
+from test_suites import ARITH, ARITHMETIC
 
 from buildtrain.config.convert import converter
-from buildtrain.config.schema import ModelConfig, TrainConfig
+from buildtrain.config.schema import ModelConfig, NumericsConfig, TrainConfig
+from buildtrain.config.steps import EvalStep
 from buildtrain.plan.stored import load_plan
+from buildtrain.steps import eval as evaluation
 from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.state import load_model
@@ -111,3 +115,38 @@ def test_verify_with_a_kill_and_resume_at_four_threads_reproduces(lora_built: tu
     _, store, plan = lora_built
     checked = run_bt("verify", plan, "--resume-at", "2", "--threads", "4", store=store)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_a_curve_scores_the_kept_checkpoints_with_their_adapters_merged(
+    lora_built: tuple[Path, Path, str],
+) -> None:
+    """eval.eval_every after LoRA: a kept checkpoint holds the frozen weights and the adapters
+    apart, and the eval step scores them merged (the unmerged model's logits within 1e-5, not the
+    base model's); `bt eval --update` finds the point the step scored in the evaluation cache."""
+    root, store, _ = lora_built
+    shutil.copyfile(ARITHMETIC, root / "arithmetic.jsonl")
+    curve = root / "curve.toml"  # the fixture's preset ends with its [eval] table
+    curve.write_text((root / "imported.toml").read_text() + f"suites = [{ARITH}]\neval_every = 2\n")
+    plan = plan_hash(run_bt("plan", str(curve), store=store))
+    built = run_bt("run", plan, store=store)
+    assert built.returncode == 0, built.stderr
+    point = run_bt("eval", plan, "--suite", "arith", "--update", "2", store=store)
+    assert point.returncode == 0, point.stderr
+    assert json.loads(point.stdout)["cached"] is True, point.stdout
+
+    found = outputs(store, plan)
+    (step,) = [s for s in load_plan(Store(store), plan).steps if s.label == "eval"]
+    config = EvalStep.from_config(step.config)
+    assert config.lora is not None
+    kept = found["train:main"] / "checkpoints" / "step-000002"
+    scored = evaluation.load(config, found["data:main"], kept, NumericsConfig()).model.eval()
+    unmerged = Transformer.build(config.model, config.model.vocab_size, torch.Generator())
+    add_adapters(unmerged, config.lora, config.model, torch.Generator())
+    load_model(unmerged, kept / "model.safetensors")
+    base = Transformer.build(config.model, config.model.vocab_size, torch.Generator())
+    load_model(base, found["import_hf"] / "model.safetensors")
+    tokens = torch.randint(0, config.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = unmerged.eval()(tokens)
+        assert (scored(tokens) - expected).abs().max().item() <= MERGED_TOLERANCE
+        assert (base.eval()(tokens) - expected).abs().max().item() > 1e-3  # the adapters trained

@@ -25,6 +25,7 @@ from buildtrain.config.schema import (
     DataConfig,
     EvalConfig,
     ExportConfig,
+    LoraConfig,
     ModelConfig,
     SyntheticConfig,
     TokenizerConfig,
@@ -284,7 +285,8 @@ class EvalStep:
     under; with benchmark suites, also the suites (their files are the step's sources, in this
     order), the subset drawn from each and its seed, and `context`, the tokens the model was
     trained on (a question longer than that is cut from the left, as the `hf/` export's
-    `max_position_embeddings` makes lm-eval cut it)."""
+    `max_position_embeddings` makes lm-eval cut it). After LoRA training, `lora` says how a kept
+    checkpoint's adapters merge into its weights (the final weights are merged already)."""
 
     eval: EvalConfig
     model: ModelConfig
@@ -294,6 +296,7 @@ class EvalStep:
     seed: int = 0
     context: int = 0
     eval_every: int = 0  # a curve of each suite over the kept checkpoints (only when set)
+    lora: LoraConfig | None = None  # only after LoRA training
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> EvalStep:
@@ -309,6 +312,8 @@ class EvalStep:
             config.update(subset=self.subset, seed=self.seed, context=self.context)
             if self.eval_every:
                 config["eval_every"] = self.eval_every
+        if self.lora is not None:
+            config["lora"] = converter.unstructure(self.lora)
         return config
 
 

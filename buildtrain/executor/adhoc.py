@@ -18,7 +18,7 @@ from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.steps.context import read_json
 from buildtrain.steps.eval_cache import SUITE_SOURCES, lookup, record_entry, suite_keys
-from buildtrain.store.layout import RESULT
+from buildtrain.store.layout import CHECKPOINTS, RESULT
 from buildtrain.store.store import Store
 
 
@@ -53,10 +53,12 @@ def suite_step(plan: Plan, reference: str, subset: float | None) -> tuple[Step, 
     raise UsageError(f"--suite {reference}: the plan's suites are {listed}; give one of them ([eval] suites)")
 
 
-def kept_weights(store: Store, train: Step, update: int | None) -> tuple[str | None, str, str]:
-    """(the weights' digest, or None for the train step's final weights; their file inside the
-    train output; how to name them) for `--update N` (a kept checkpoint) or the final weights."""
-    output = store.output(train.hash)
+def kept_weights(store: Store, eval_step: Step, update: int | None) -> tuple[str | None, str, str]:
+    """(the weights' digest, or None for the train step's final weights; where they are inside
+    the train output; how to name them) for `--update N` (a kept checkpoint) or the final weights
+    that `eval_step` scores."""
+    train = eval_step.inputs["weights"]
+    output = store.output(train)
     result = read_json(output / RESULT)
     if update is None:
         return None, result["weights"], "final"
@@ -66,25 +68,24 @@ def kept_weights(store: Store, train: Step, update: int | None) -> tuple[str | N
         raise UsageError(
             f"--update {update}: the train step kept the checkpoints of updates {kept}; give one"
         )
-    from buildtrain.store.tensors import combine, safetensors_digests
+    from buildtrain.steps.eval_cache import checkpoint_weights_digest
 
-    path = f"checkpoints/{name}/model.safetensors"
-    return combine(safetensors_digests(output / path)), path, f"update {update}"
+    path = f"{CHECKPOINTS}/{name}"  # the folder: eval loads either layout, and merges LoRA adapters
+    return checkpoint_weights_digest(output / path, eval_step.config.get("lora")), path, f"update {update}"
 
 
 def evaluate(store: Store, plan: Plan, reference: str, subset: float | None, update: int | None) -> Evaluated:
     """The suite `reference` of a built `plan` on its final weights or kept checkpoint `update`:
     from the store when there, else computed here and stored."""
     step, alone = suite_step(plan, reference, subset)
-    train = plan.step(step.inputs["weights"])
-    if not store.has_output(train.hash) or not store.has_output(step.inputs["data"]):
+    if not store.has_output(step.inputs["weights"]) or not store.has_output(step.inputs["data"]):
         raise UsageError(
             f"plan {plan.hash[:12]}: its weights are not built yet; bt run {plan.hash[:12]} first"
         )
     from buildtrain.executor.inputs import verified_inputs
 
     inputs = verified_inputs(store, alone)  # re-hashed against their manifests, as a step's are
-    digest, path, named = kept_weights(store, train, update)
+    digest, path, named = kept_weights(store, alone, update)
     ((key, identity),) = suite_keys(alone, inputs, digest)
     name = identity["name"]
     found = lookup(store, key)

@@ -65,6 +65,7 @@ class EvalKind(StepKind):
             seed=config.eval.seed,
             context=config.final_stage.train.seq_len,
             eval_every=config.eval.eval_every,
+            lora=config.final_stage.train.lora,
         ).to_config()
         inputs: dict[str, Any] = {
             "weights": planning.required("train", final).hash,

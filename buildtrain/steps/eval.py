@@ -138,12 +138,17 @@ def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) 
 
     from buildtrain.steps.data_index import DATA_INDEX, embedding_rows
     from buildtrain.steps.train.model import Transformer
-    from buildtrain.steps.train.state import load_model
+    from buildtrain.steps.train.state import checkpoint_weights, load_model, load_weights
 
     device = torch.device(numerics.device)
     index = read_json(data / DATA_INDEX)
     model = Transformer.build(config.model, embedding_rows(config.model, index), torch.Generator())
-    load_model(model, weights)  # every weight is replaced
+    if weights.is_dir() and config.lora is not None:  # a LoRA checkpoint: frozen weights and adapters
+        from buildtrain.steps.train.lora import merged
+
+        load_weights(model, merged(checkpoint_weights(weights), config.lora, config.model), weights.name)
+    else:
+        load_model(model, weights)  # every weight is replaced
     model.to(device)
     bf16 = numerics.dtype == "bfloat16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

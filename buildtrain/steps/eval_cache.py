@@ -111,8 +111,6 @@ def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, s
     every = step.config.get("eval_every", 0)
     if not every:
         return []
-    from buildtrain.store.tensors import combine, safetensors_digests, sharded_digests
-
     output = inputs["weights"]
     trained = json.loads((output / RESULT).read_bytes())
     points = []
@@ -120,14 +118,23 @@ def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, s
         update = int(name.rsplit("-", 1)[1])
         if update % every or update == trained["steps"]:
             continue
-        folder = output / CHECKPOINTS / name
-        sharded = (folder / SHARDS).is_dir()
-        weights = combine(
-            sharded_digests(folder / SHARDS, "model.") if sharded else safetensors_digests(folder / MODEL)
-        )
+        weights = checkpoint_weights_digest(output / CHECKPOINTS / name, step.config.get("lora"))
         for index, (key, identity) in enumerate(suite_keys(step, inputs, weights)):
             points.append((update, index, key, identity))
     return sorted(points, key=lambda p: (p[0], p[1]))
+
+
+def checkpoint_weights_digest(folder: Path, lora: Mapping[str, Any] | None) -> str:
+    """The digest a kept checkpoint's weights are cached under, either layout. A LoRA
+    checkpoint holds its frozen weights and its adapters apart; what eval scores is them merged
+    by `lora` (the eval step's config), so that enters too. Torch-free."""
+    from buildtrain.store.tensors import combine, safetensors_digests, sharded_digests
+
+    if (folder / SHARDS).is_dir():
+        weights = combine(sharded_digests(folder / SHARDS, "model."))
+    else:
+        weights = combine(safetensors_digests(folder / MODEL))
+    return weights if lora is None else digest("lora-merged", {"weights": weights, "lora": dict(lora)})
 
 
 def assemble(

@@ -178,11 +178,17 @@ def load_model(model: torch.nn.Module, path: Path) -> None:
     """Load weights by name, from a safetensors file or a checkpoint folder (either layout);
     every parameter must be present and nothing else."""
     loaded = checkpoint_weights(path) if path.is_dir() else safetensors.torch.load_file(str(path))
+    load_weights(model, loaded, path.name)
+
+
+def load_weights(model: torch.nn.Module, loaded: dict[str, torch.Tensor], where: str) -> None:
+    """Copy weights by name into the model; `where` names them in the error when the names are
+    not exactly the model's parameters."""
     expected = set(model_tensors(model))
     if set(loaded) != expected:
         missing, extra = sorted(expected - set(loaded)), sorted(set(loaded) - expected)
         raise ValueError(
-            f"{path.name}: tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})"
+            f"{where}: tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})"
         )
     with torch.no_grad():
         for name, parameter in model.named_parameters():
