@@ -22,6 +22,11 @@ run record: each checkpoint's duration is the time from the train_step event of 
 checkpoint_saved event; the share is their sum over the training loop's time (first train_step to
 the last checkpoint_saved). Goal: <= 5%.
 
+Part 3, LoRA: a model of about 140 MB with rank-8 adapters on q, k, v and o (0.8 MB), five
+checkpoints in a row, alternated: the frozen weights linked from the first checkpoint (what the
+trainer does) against written again by every checkpoint (what a checkpoint holding the whole
+model costs). Medians of the checkpoints after the first.
+
 Run: python benchmarks/checkpoint_cost.py [--quick]
 """
 
@@ -230,6 +235,57 @@ def checkpoint_share(space: Workspace, index: int, overrides: tuple[str, ...]) -
     }
 
 
+# -- part 3: LoRA checkpoints, frozen weights linked or written ----------------------------------
+
+
+def lora_state() -> tuple[Any, Any]:
+    """A 140 MB model whose weights are frozen, with adapters that have AdamW moments."""
+    import torch
+
+    from buildtrain.config.schema import LoraConfig, ModelConfig
+    from buildtrain.steps.train.lora import add_adapters
+    from buildtrain.steps.train.model import Transformer
+    from buildtrain.steps.train.optimizer import AdamW
+    from buildtrain.steps.train.trainer import param_groups
+
+    config = ModelConfig(dim=512, n_layers=6, n_heads=8, n_kv_heads=8, ffn_hidden=1376)
+    model = Transformer.build(config, 32_000, torch.Generator().manual_seed(0))
+    add_adapters(model, LoraConfig(rank=8), config, torch.Generator().manual_seed(1))
+    optimizer = AdamW(param_groups(model, 0.0), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.full_like(parameter, 1e-3)
+    optimizer.update()
+    return model, optimizer
+
+
+def lora_checkpoints(space: Workspace, n: int) -> tuple[int, dict[str, list[float]]]:
+    from buildtrain.steps.train import checkpoint
+
+    model, optimizer = lora_state()
+    frozen_bytes = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    counter = iter(range(1_000_000))
+    per_checkpoint: dict[str, list[float]] = {"frozen weights linked": [], "frozen weights written": []}
+
+    def five(name: str) -> float:
+        folder = space.path(f"lora-{next(counter)}", "checkpoints")
+        frozen = checkpoint.FrozenFile() if name.endswith("linked") else None
+        history = checkpoint.Trace(folder)
+        for update in range(1, 6):
+            history.append({"step": update})
+            started = time.perf_counter()
+            state = {"step_hash": "benchmark", "step": update}
+            checkpoint.save(folder, update, model, optimizer, state, history, frozen=frozen)
+            if update > 1:
+                per_checkpoint[name].append(time.perf_counter() - started)
+            checkpoint.prune(folder, 2)
+        shutil.rmtree(folder.parent)
+        return 0.0
+
+    alternate([(name, lambda name=name: five(name)) for name in per_checkpoint], n)
+    return frozen_bytes, per_checkpoint
+
+
 def main() -> int:
     parser = make_parser(__doc__)
     args = parser.parse_args()
@@ -300,6 +356,19 @@ def main() -> int:
                     f"checkpointing <= {GOAL_SHARE:.0%} of training time", share <= GOAL_SHARE, f"{share:.1%}"
                 )
             ]
+        )
+        n = rounds(args, quick=2, full=4)
+        note(f"part 3: LoRA checkpoints, {n} alternating rounds of five")
+        frozen_bytes, lora = lora_checkpoints(space, n)
+        written = median(lora["frozen weights written"])
+        print_table(
+            f"LoRA checkpoints after the first, frozen weights of {fmt_bytes(frozen_bytes)} "
+            f"(median of {4 * n})",
+            ["contender", "median", "min..max", "vs written"],
+            [
+                [name, fmt_seconds(median(v)), fmt_spread(v), fmt_ratio(ratio(median(v), written))]
+                for name, v in lora.items()
+            ],
         )
     return 0
 

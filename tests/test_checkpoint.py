@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
-from buildtrain.errors import StepFailed
+from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.state import (
+    FROZEN,
     MODEL,
     OPTIMIZER,
     TRACE,
@@ -375,3 +378,61 @@ def test_a_checkpoint_taken_at_an_interruption_is_no_boundary_of_the_trace(tmp_p
     with pytest.raises(StepFailed, match="damaged"):  # the segment of updates 1-2 was removed above
         resumed.trace.whole()
     assert checkpoint.candidates(interrupted) == []  # moved aside: the next build starts afresh
+
+
+# -- weights that do not train (LoRA's base model) --------------------------------------------
+
+
+def partly_frozen(seed: int = 0) -> tuple[Transformer, AdamW]:
+    """A tiny model of which only the attention projections train, as adapters do under LoRA."""
+    model, _ = fresh(seed)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.endswith("wqkv.weight"))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, AdamW([{"params": trained, "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+
+
+class PartlyFrozenRun:
+    """Checkpoints of a partly frozen model, as the trainer takes them (one `FrozenFile`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.model, self.optimizer = partly_frozen()
+        self.frozen, self.history = checkpoint.FrozenFile(), checkpoint.Trace(folder)
+
+    def update_and_save(self, step: int) -> Path:
+        train_step(self.model, self.optimizer, step)
+        self.history.append(trace_to(step)[-1])
+        return checkpoint.save(
+            self.folder, step, self.model, self.optimizer, state_at(step), self.history, frozen=self.frozen
+        )
+
+
+def test_frozen_weights_are_written_once_then_linked_and_resume_exactly(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    run = PartlyFrozenRun(folder)
+    first, second = run.update_and_save(1), run.update_and_save(2)
+    model, optimizer, frozen = run.model, run.optimizer, run.frozen
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert set(safetensors.torch.load_file(str(second / MODEL))) == trained
+    assert (first / FROZEN).stat().st_ino == (second / FROZEN).stat().st_ino  # one file, linked
+    assert checkpoint.frozen_file(second) == frozen and frozen.path == second / FROZEN
+
+    other, other_optimizer = partly_frozen(seed=99)  # other weights, frozen ones included
+    resumed = checkpoint.load_newest(folder, other, other_optimizer, IDENTITY, Skips())
+    assert resumed is not None and resumed.update == 2
+    assert_same_tensors(snapshot(other, other_optimizer), snapshot(model, optimizer))
+
+
+def test_a_frozen_file_changed_on_disk_is_never_linked_into_a_new_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    run = PartlyFrozenRun(folder)
+    first = run.update_and_save(1)
+    with open(first / FROZEN, "r+b") as handle:  # the same file, changed in place
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last ^ 1]))
+    with pytest.raises(CorruptObject, match="frozen weights changed on disk"):
+        run.update_and_save(2)
+    assert not (folder / "step-000002").exists()  # refused before it was committed

@@ -62,18 +62,24 @@ def outputs(store: Path, plan: str) -> dict[str, Path]:
 
 
 def test_only_the_adapters_train_and_hold_optimizer_state(lora_built: tuple[Path, Path, str]) -> None:
+    """A checkpoint holds the adapters (model.safetensors) apart from the frozen weights
+    (frozen.safetensors), which one process writes once and links from its later checkpoints."""
     _, store, plan = lora_built
     found = outputs(store, plan)
     result = json.loads((found["train:main"] / "result.json").read_text())
-    final = found["train:main"] / "checkpoints" / result["checkpoints"][0]
+    kept = [found["train:main"] / "checkpoints" / name for name in result["checkpoints"]]
+    final = kept[0]
     moments = safetensors.torch.load_file(str(final / "optimizer.safetensors"))
     assert moments and all(".lora_" in name for name in moments)
-    weights = safetensors.torch.load_file(str(final / "model.safetensors"))
-    imported = safetensors.torch.load_file(str(found["import_hf"] / "model.safetensors"))
-    for name, tensor in imported.items():  # the frozen weights are the checkpoint's, bit for bit
-        assert torch.equal(weights[name], tensor), name
-    adapters = {k: v for k, v in weights.items() if ".lora_" in k}
+    adapters = safetensors.torch.load_file(str(final / "model.safetensors"))
+    assert adapters and all(".lora_" in name for name in adapters)
     assert any(name.endswith(".B") and v.abs().sum() > 0 for name, v in adapters.items())
+    frozen = safetensors.torch.load_file(str(final / "frozen.safetensors"))
+    imported = safetensors.torch.load_file(str(found["import_hf"] / "model.safetensors"))
+    assert set(frozen) == set(imported)
+    for name, tensor in imported.items():  # the frozen weights are the imported ones, bit for bit
+        assert torch.equal(frozen[name], tensor), name
+    assert len(kept) == 2 and len({(p / "frozen.safetensors").stat().st_ino for p in kept}) == 1
 
 
 def test_peft_and_the_merged_export_compute_buildtrains_logits(lora_built: tuple[Path, Path, str]) -> None:
@@ -84,7 +90,7 @@ def test_peft_and_the_merged_export_compute_buildtrains_logits(lora_built: tuple
     lora = converter.structure(loaded.config["stages"][0]["train"], TrainConfig).lora
     assert lora is not None
     result = json.loads((found["train:main"] / "result.json").read_text())
-    final = found["train:main"] / "checkpoints" / result["checkpoints"][0] / "model.safetensors"
+    final = found["train:main"] / "checkpoints" / result["checkpoints"][0]
     ours = Transformer.build(settings, settings.vocab_size, torch.Generator())
     add_adapters(ours, lora, settings, torch.Generator())
     load_model(ours, final)  # unmerged: the frozen weights and the adapters as trained
@@ -142,7 +148,7 @@ def test_a_curve_scores_the_kept_checkpoints_with_their_adapters_merged(
     scored = evaluation.load(config, found["data:main"], kept, NumericsConfig()).model.eval()
     unmerged = Transformer.build(config.model, config.model.vocab_size, torch.Generator())
     add_adapters(unmerged, config.lora, config.model, torch.Generator())
-    load_model(unmerged, kept / "model.safetensors")
+    load_model(unmerged, kept)  # the folder: its adapters and its frozen weights
     base = Transformer.build(config.model, config.model.vocab_size, torch.Generator())
     load_model(base, found["import_hf"] / "model.safetensors")
     tokens = torch.randint(0, config.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(7))

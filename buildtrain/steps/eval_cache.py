@@ -19,7 +19,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, MODEL, RESULT, SHARDS
+from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, FROZEN, MODEL, RESULT, SHARDS
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -133,7 +133,10 @@ def checkpoint_weights_digest(folder: Path, lora: Mapping[str, Any] | None) -> s
     if (folder / SHARDS).is_dir():
         weights = combine(sharded_digests(folder / SHARDS, "model."))
     else:
-        weights = combine(safetensors_digests(folder / MODEL))
+        found = safetensors_digests(folder / MODEL)
+        if (folder / FROZEN).is_file():  # LoRA: the frozen weights, in a file of their own
+            found.update(safetensors_digests(folder / FROZEN))
+        weights = combine(found)
     return weights if lora is None else digest("lora-merged", {"weights": weights, "lora": dict(lora)})
 
 

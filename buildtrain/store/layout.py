@@ -78,6 +78,9 @@ CHECKPOINT = re.compile(r"^step-(\d{6,})$")
 # A checkpoint's files (resume, verify, export and fsck read them).
 MODEL = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
+# Weights that do not train (LoRA's base model), apart from those that do (`MODEL`): written by
+# the first checkpoint of a process, hard-linked by the later ones (the same bytes every time).
+FROZEN = "frozen.safetensors"
 # A sharded checkpoint (train.sharding = "fsdp") holds, instead of those two, one safetensors file
 # per rank of the weights' and AdamW state's rows it owned (torch.distributed.checkpoint's layout).
 SHARDS = "shards"

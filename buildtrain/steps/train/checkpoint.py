@@ -11,6 +11,10 @@ skipped; a temporary one is ignored.
 A checkpoint holds one segment of the trace, the updates since the scheduled checkpoint before it,
 linked to that one's segment by its blake3 (`store/trace.py`): saving and resuming cost the same at update 20,000 as at
 update 200, and the whole trace is read once, when the output is assembled.
+
+Weights that do not train (LoRA's base model) are kept apart from those that do, in
+`frozen.safetensors`: a process writes that file once and links it into its later checkpoints,
+after checking, when the new checkpoint is sealed, that it still holds what was written.
 """
 
 from __future__ import annotations
@@ -31,15 +35,16 @@ from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.ranks import Ranks
 from buildtrain.steps.train.state import (
+    FROZEN,
     MODEL,
     OPTIMIZER,
     TRACE,
     TRAIN_STATE,
     load_model,
     load_optimizer,
-    model_tensors,
     optimizer_tensors,
     save_tensors,
+    trained_and_frozen,
 )
 from buildtrain.store import objects, trace
 from buildtrain.store.checkpoints import checkpoint_problems
@@ -115,6 +120,16 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
 
+@attrs.define
+class FrozenFile:
+    """The frozen weights' file (LoRA's base model) in the newest checkpoint that holds it, and
+    its blake3 when it was written or verified: the next checkpoint links that file rather than
+    writing the same bytes again (a 7B base is 28 GB in float32; the adapters are megabytes)."""
+
+    path: Path | None = None
+    blake3: str | None = None
+
+
 def save(
     folder: Path,
     update: int,
@@ -125,16 +140,58 @@ def save(
     midway: Callable[[int], None] | None = None,
     *,
     boundary: bool = True,
+    frozen: FrozenFile | None = None,
 ) -> Path:
     """Write a complete checkpoint for `update` atomically, with the trace lines since the newest
     boundary as its segment (`Trace.seal`); returns its folder. `midway` is called with the update
-    once the weights are written and nothing else is (a fault can strike there)."""
+    once the weights are written and nothing else is (a fault can strike there). Weights that do
+    not train go to a file of their own, linked from `frozen` when it names one."""
     final, temporary = _start(folder, update)
-    save_tensors(temporary / MODEL, model_tensors(model))
+    trained, fixed = trained_and_frozen(model)
+    save_tensors(temporary / MODEL, trained)
+    linked = bool(fixed) and frozen is not None and _link_frozen(frozen, temporary / FROZEN)
+    if fixed and not linked:
+        save_tensors(temporary / FROZEN, fixed)
     if midway is not None:
         midway(update)
     save_tensors(temporary / OPTIMIZER, optimizer_tensors(model, optimizer))
-    return _finish(temporary, final, update, state, history, boundary)
+
+    def sealed(body: dict[str, Any]) -> None:
+        if fixed and frozen is not None:
+            _remember_frozen(frozen, final, body["files"][FROZEN]["blake3"], linked)
+
+    return _finish(temporary, final, update, state, history, boundary, sealed)
+
+
+def frozen_file(path: Path) -> FrozenFile:
+    """The frozen weights' file of a checkpoint that verified against its manifest (none: an
+    empty `FrozenFile`)."""
+    listed = objects.read_manifest(path)["files"].get(FROZEN)
+    return FrozenFile() if listed is None else FrozenFile(path=path / FROZEN, blake3=listed["blake3"])
+
+
+def _link_frozen(frozen: FrozenFile, target: Path) -> bool:
+    """Hard-link the frozen weights' file of the newest checkpoint; False where there is none
+    (or links are refused: then the file is written)."""
+    if frozen.path is None or not frozen.path.is_file():
+        return False
+    try:
+        os.link(frozen.path, target)
+    except OSError:
+        return False
+    return True
+
+
+def _remember_frozen(frozen: FrozenFile, final: Path, found: str, linked: bool) -> None:
+    """Note the checkpoint's frozen file (`found`: its blake3, hashed when the checkpoint was
+    sealed) for the next one. A linked file must still hold what was written: a changed one is
+    refused before the checkpoint is committed, never blessed by a new manifest."""
+    if linked and found != frozen.blake3:
+        raise CorruptObject(
+            f"{frozen.path}: the frozen weights changed on disk since they were checkpointed "
+            f"(blake3 {found[:16]}…, written as {str(frozen.blake3)[:16]}…); run bt fsck, then bt run again"
+        )
+    frozen.path, frozen.blake3 = final / FROZEN, found
 
 
 def save_sharded(
@@ -178,15 +235,24 @@ def _start(folder: Path, update: int) -> tuple[Path, Path]:
 
 
 def _finish(
-    temporary: Path, final: Path, update: int, state: dict[str, Any], history: Trace, boundary: bool
+    temporary: Path,
+    final: Path,
+    update: int,
+    state: dict[str, Any],
+    history: Trace,
+    boundary: bool,
+    sealed: Callable[[dict[str, Any]], None] | None = None,
 ) -> Path:
-    """The training state and trace segment, then the manifest, then the rename into place."""
+    """The training state and trace segment, then the manifest, then the rename into place.
+    `sealed` sees the manifest before the rename, and may refuse the checkpoint by raising."""
     (temporary / TRAIN_STATE).write_bytes(canonical_bytes({"format": STATE_FORMAT, **state}))
     raw, segment = history.seal(update, boundary=boundary)
     # Kept by its blake3 first, so that a later checkpoint's link to it holds after this one is pruned.
     trace.keep(history.pool, segment, raw=raw)
     (temporary / TRACE).write_bytes(raw)
-    objects.seal(temporary, name=final.name)  # before removing anything: a crash here costs nothing
+    body = objects.seal(temporary, name=final.name)  # before removing anything: a crash here costs nothing
+    if sealed is not None:
+        sealed(body)
     if final.exists():  # a checkpoint of this step from an earlier attempt: same content by design
         objects.remove_tree(final)
     objects.commit(temporary, final)
@@ -262,7 +328,7 @@ def load_newest(
             continue
         state = json.loads((path / TRAIN_STATE).read_bytes())
         if model is not None:
-            load_model(model, path / MODEL)
+            load_model(model, path)  # its weights, and its frozen ones where they are apart
             load_optimizer(model, optimizer, path / OPTIMIZER)
         history = Trace(folder, objects.sealed_files(path)[TRACE], update)
         trace.keep(history.pool, history.head, source=path / TRACE)  # one pulled from a remote brings it

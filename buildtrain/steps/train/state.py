@@ -19,7 +19,7 @@ import torch
 from buildtrain.steps.train.optimizer import AdamW
 
 # File names inside a checkpoint (resume, verify, export and fsck read them): store/layout.py.
-from buildtrain.store.layout import MODEL, OPTIMIZER, SHARDS, TRACE, TRAIN_STATE  # noqa: F401
+from buildtrain.store.layout import FROZEN, MODEL, OPTIMIZER, SHARDS, TRACE, TRAIN_STATE  # noqa: F401
 from buildtrain.store.tensors import DTYPE_CODES, sharded_tensors, tensor_digest
 
 
@@ -35,6 +35,13 @@ def digest_tensor(name: str, tensor: torch.Tensor) -> str:
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters by name; a tied weight appears once, under its first name."""
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def trained_and_frozen(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The parameters that train and those that do not (LoRA's base model; none otherwise)."""
+    trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
+    return trained, frozen
 
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, torch.Tensor]:
@@ -206,6 +213,10 @@ def checkpoint_tensors(folder: Path, optimizer: bool = False) -> dict[str, torch
     if (folder / SHARDS).is_dir():
         return _read_shards(folder / SHARDS, "" if optimizer else "model.")
     tensors = {f"model.{k}": v for k, v in safetensors.torch.load_file(str(folder / MODEL)).items()}
+    if (folder / FROZEN).is_file():  # LoRA: the frozen weights, in a file of their own
+        tensors.update(
+            {f"model.{k}": v for k, v in safetensors.torch.load_file(str(folder / FROZEN)).items()}
+        )
     if optimizer:
         loaded = safetensors.torch.load_file(str(folder / OPTIMIZER))
         tensors.update({f"optimizer.{k}": v for k, v in loaded.items()})

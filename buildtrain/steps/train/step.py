@@ -99,8 +99,8 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
         save_tensors(out / MODEL, checkpoint_weights(final_path))
         weights = MODEL
     adapters = None
-    if setup.train.lora is not None:
-        weights, adapters = write_merged(setup, out / weights, out)
+    if setup.train.lora is not None:  # its weights and frozen weights, merged
+        weights, adapters = write_merged(setup, out / CHECKPOINTS / final_path.name, out)
     weights_digest = combine(safetensors_digests(out / weights))
     final_entry = next(e for e in reversed(entries) if "state" in e)
     digests = {
@@ -123,15 +123,14 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
 
 
 def write_merged(setup: TrainSetup, final: Path, out: Path) -> tuple[str, str]:
-    """A LoRA stage's output weights: the final checkpoint's adapters merged into its frozen
-    weights (what evaluation, a later stage and the export load), and the adapters alone."""
-    import safetensors.torch
-
+    """A LoRA stage's output weights: the final checkpoint's (folder `final`) adapters merged
+    into its frozen weights (what evaluation, a later stage and the export load), and the
+    adapters alone."""
     from buildtrain.steps.train.lora import is_adapter_tensor, merged
-    from buildtrain.steps.train.state import save_tensors
+    from buildtrain.steps.train.state import checkpoint_weights, save_tensors
 
     assert setup.train.lora is not None
-    tensors = safetensors.torch.load_file(str(final))
+    tensors = checkpoint_weights(final)
     save_tensors(out / MERGED, merged(tensors, setup.train.lora, setup.model))
     save_tensors(out / ADAPTERS, {k: v for k, v in tensors.items() if is_adapter_tensor(k)})
     return MERGED, ADAPTERS

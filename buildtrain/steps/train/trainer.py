@@ -115,6 +115,7 @@ class Training:
     cursor: int = 0
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
     frozen: FrozenDigests = attrs.Factory(lambda self: FrozenDigests(self.model), takes_self=True)
+    frozen_file: checkpoint.FrozenFile = attrs.Factory(checkpoint.FrozenFile)  # LoRA: linked, not rewritten
 
     @classmethod
     def start(cls, setup: TrainSetup, log: Any, controls: TrainControls) -> Training:
@@ -191,6 +192,7 @@ class Training:
         )
         if resumed is not None:
             self.update, self.trace = resumed.update, resumed.trace
+            self.frozen_file = checkpoint.frozen_file(resumed.path)  # verified as it was resumed
             if not checkpoint_due(resumed.update, self.setup.train):  # taken at an interruption
                 self.trace.reopen((resumed.path / checkpoint.TRACE).read_bytes())
             self.cursor = self.controls.observer.resumed(resumed.state["cursor"])
@@ -290,6 +292,7 @@ class Training:
                 self.trace,
                 midway=midway,
                 boundary=checkpoint_due(at, train),
+                frozen=self.frozen_file,
             )
             checkpoint.prune(self.setup.work, train.keep_checkpoints, lambda u: checkpoint_due(u, train))
             self.log.info("checkpoint_saved", step=at, checkpoint=path.name)
