@@ -28,7 +28,7 @@ about 0.1 s with O_DIRECT).
 
 Goals: LoRA tokens/s >= 1.0 x peft's; the import step's time <= 2 x the reading process's.
 
-Run: python benchmarks/finetune.py [--quick]
+Run: python benchmarks/finetune.py [--quick] [--part lora|import]
 """
 
 from __future__ import annotations
@@ -253,48 +253,52 @@ def import_cost(space: Workspace, args: Any, n: int) -> tuple[dict[str, list[flo
     return results, size
 
 
+def report_lora(space: Workspace, args: Any, n: int) -> str:
+    note("LoRA: building the checkpoint and the data step once")
+    lora = lora_throughput(space, args, n)
+    ours, theirs = median(lora["buildtrain LoRA"]), median(lora["peft LoRA (plain loop)"])
+    print_table(
+        f"LoRA tokens/s (portable, one thread, {n} rounds)",
+        ["contender", "median tokens/s", "spread", "ratio"],
+        [
+            [
+                name,
+                f"{median(v):,.0f}",
+                fmt_spread(v, lambda x: f"{x:,.0f}"),
+                fmt_ratio(ratio(median(v), theirs)),
+            ]
+            for name, v in lora.items()
+        ],
+    )
+    return goal_line("LoRA tokens/s >= 1.0x peft's", ours >= theirs, fmt_ratio(ratio(ours, theirs)))
+
+
+def report_import(space: Workspace, args: Any, n: int) -> str:
+    note("import: building a bfloat16 checkpoint")
+    cost, size = import_cost(space, args, n)
+    step = median(cost["import_hf step (run record)"])
+    read = median(cost["reading: safetensors.deserialize"])
+    print_table(
+        f"import of {size / 1e6:.0f} MB of bfloat16 safetensors ({n} rounds, fresh processes)",
+        ["contender", "median", "spread", "ratio"],
+        [
+            [name, fmt_seconds(median(v)), fmt_spread(v), fmt_ratio(ratio(median(v), read))]
+            for name, v in cost.items()
+        ],
+    )
+    return goal_line("import step <= 2x reading the files", step <= 2 * read, fmt_ratio(ratio(step, read)))
+
+
 def main() -> int:
-    args = make_parser(__doc__).parse_args()
+    parser = make_parser(__doc__)
+    parser.add_argument("--part", choices=("lora", "import"), help="measure one part only")
+    args = parser.parse_args()
     n = rounds(args, quick=3, full=5)
+    parts = {"lora": report_lora, "import": report_import}
     with workspace("finetune", args) as space:
         print_header("fine-tuning: LoRA throughput against peft, import against reading", args, space)
         space.import_buildtrain()
-        note("LoRA: building the checkpoint and the data step once")
-        lora = lora_throughput(space, args, n)
-        ours, theirs = median(lora["buildtrain LoRA"]), median(lora["peft LoRA (plain loop)"])
-        print_table(
-            f"LoRA tokens/s (portable, one thread, {n} rounds)",
-            ["contender", "median tokens/s", "spread", "ratio"],
-            [
-                [
-                    name,
-                    f"{median(v):,.0f}",
-                    fmt_spread(v, lambda x: f"{x:,.0f}"),
-                    fmt_ratio(ratio(median(v), theirs)),
-                ]
-                for name, v in lora.items()
-            ],
-        )
-        note("import: building a bfloat16 checkpoint")
-        cost, size = import_cost(space, args, n)
-        step = median(cost["import_hf step (run record)"])
-        read = median(cost["reading: safetensors.deserialize"])
-        print_table(
-            f"import of {size / 1e6:.0f} MB of bfloat16 safetensors ({n} rounds, fresh processes)",
-            ["contender", "median", "spread", "ratio"],
-            [
-                [name, fmt_seconds(median(v)), fmt_spread(v), fmt_ratio(ratio(median(v), read))]
-                for name, v in cost.items()
-            ],
-        )
-        print_goals(
-            [
-                goal_line("LoRA tokens/s >= 1.0x peft's", ours >= theirs, fmt_ratio(ratio(ours, theirs))),
-                goal_line(
-                    "import step <= 2x reading the files", step <= 2 * read, fmt_ratio(ratio(step, read))
-                ),
-            ]
-        )
+        print_goals([report(space, args, n) for name, report in parts.items() if args.part in (None, name)])
     return 0
 
 
