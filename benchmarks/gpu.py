@@ -34,6 +34,13 @@ batch stays the same where W divides it), reporting the tokens/s of all ranks to
 
 Both stay eager with --compile.
 
+With --parts, instead of the contenders, one process times the parts of bt's update apart at the
+same shape, each synchronized, median of 20 after 3 warm-ups: forward+backward with determinism
+off and on (alternated, 3 rounds of 7 each), gradient clipping, buildtrain's AdamW and torch's
+(fused on CUDA), the invariant reduction's gradient vector (to a vector and back), and the
+per-update record (`trace_entry`: the checksum on CUDA, blake3 on the CPU). It says where
+`bt run` loses to the plain loop, in about a minute.
+
 Without CUDA the script says so and exits 0. `--device cpu` runs the same contenders on the CPU
 at a small shape (width 128, 2 layers, sequence 128), to check the script itself anywhere.
 
@@ -41,7 +48,7 @@ Goals (issue 11, H100-class GPU): bt run >= 0.85 x the reference GPT eager; with
 Issue 26: the plain loop >= 1.0 x the previous layout (the layout change must not cost the GPU).
 With --sharding, "bt run, fsdp vs plain FSDP2" is reported as a ratio (the issue sets no goal).
 
-Run: python benchmarks/gpu.py [--quick] [--compile] [--sharding] [--device cpu]
+Run: python benchmarks/gpu.py [--quick] [--compile] [--sharding] [--parts] [--device cpu]
 """
 
 from __future__ import annotations
@@ -198,6 +205,88 @@ def timed_updates(
     return timings
 
 
+def parts_child(spec: dict[str, Any]) -> dict[str, float]:
+    """Milliseconds of each part of buildtrain's update, timed apart (see --parts)."""
+    import torch
+
+    sys.path.insert(0, spec["src"])
+    from buildtrain.config.schema import TrainConfig
+    from buildtrain.executor import numerics
+    from buildtrain.steps.train.gradient import token_loss
+    from buildtrain.steps.train.optimizer import AdamW
+    from buildtrain.steps.train.record import trace_entry
+    from buildtrain.steps.train.reduce import gradients_to_vector, vector_to_gradients
+    from buildtrain.steps.train.trainer import param_groups
+
+    device = torch.device(spec["device"])
+    numerics.apply_after_import(torch, "native", device.type, 1)  # what a CUDA step process sets
+    model = build_model({**spec, "model": "buildtrain"}).to(device)
+    parameters = list(model.parameters())
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    shape = spec["shape"]
+    rows = torch.randint(
+        0, VOCAB, (shape["batch"], shape["seq"] + 1), generator=torch.Generator().manual_seed(1)
+    )
+    rows = rows.to(device)
+
+    def forward_backward() -> None:
+        for parameter in parameters:
+            parameter.grad = None
+        with autocast:
+            loss = token_loss(model(rows[:, :-1]), rows[:, 1:], None)
+        loss.backward()
+
+    ours = AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    theirs = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, **fused)
+    record = TrainConfig(steps=10**6, checkpoint_every=10**6)  # a weights record, no checkpoint due
+    loss = torch.zeros((), device=device)
+    both: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(3):  # alternated, so that neither mode gets the warmer caches
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            both[deterministic] += samples(forward_backward, device, count=7)
+    times = {
+        "forward+backward, determinism off": median(both[False]),
+        "forward+backward, deterministic (bt)": median(both[True]),
+    }
+    times["clip_grad_norm_"] = timed(lambda: torch.nn.utils.clip_grad_norm_(parameters, 1.0), device)
+    times["AdamW, buildtrain (bt)"] = timed(ours.update, device)
+    times["AdamW, torch " + next(iter(fused))] = timed(theirs.step, device)
+    times["gradient vector and back (bt)"] = timed(
+        lambda: vector_to_gradients(gradients_to_vector(parameters, loss), parameters), device
+    )
+    times["per-update record (bt)"] = timed(
+        lambda: trace_entry(1, 1.0, 1.0, 3e-4, 0, model, ours, record), device
+    )
+    return times
+
+
+def timed(work: Callable[[], Any], device: Any) -> float:
+    """Median milliseconds of `work` (see `samples`)."""
+    return median(samples(work, device))
+
+
+def samples(work: Callable[[], Any], device: Any, warmup: int = 3, count: int = 20) -> list[float]:
+    """Milliseconds of each call of `work` after the warm-up, the device synchronized before and
+    after each."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    found = []
+    for index in range(warmup + count):
+        sync()
+        started = time.perf_counter()
+        work()
+        sync()
+        if index >= warmup:
+            found.append(1000 * (time.perf_counter() - started))
+    return found
+
+
 # -- the parent --------------------------------------------------------------------------------------
 
 
@@ -281,11 +370,17 @@ def main() -> int:
         help="also FSDP2 on every GPU here (2 processes with --device cpu): "
         "bt run with train.sharding = 'fsdp' against a plain FSDP2 loop",
     )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="instead of the contenders, time the parts of bt's update apart (about a minute)",
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one loop contender
     args = parser.parse_args()
     if args.child:
-        result = child(json.loads(args.child))
+        spec = json.loads(args.child)
+        result = parts_child(spec) if spec.get("parts") else child(spec)
         if result is not None:  # rank 0's, under torchrun
             print(json.dumps(result))
         return 0
@@ -303,6 +398,9 @@ def main() -> int:
         print_header(f"training throughput on {args.device}: bt run vs eager loops", args, space)
         src = str(space.src or space.root)
         base = {"device": args.device, "shape": SHAPES[args.device], "steps": steps, "warmup": 3, "src": src}
+        if args.parts:
+            report_parts(space, base)
+            return 0
         contenders = eager_contenders(space, base, compiled=False)
         if args.compile:
             contenders += eager_contenders(space, base, compiled=True)
@@ -358,6 +456,49 @@ def sharded_batch(batch: int, world: int) -> int:
     """The sharded contenders' global batch: the others' where the world size divides it, else
     the multiple of the world size below it (at least one sequence per rank)."""
     return max(1, batch // world) * world
+
+
+def report_parts(space: Workspace, base: dict[str, Any]) -> None:
+    """The parts of bt's update timed apart in one fresh process with bt's numerics environment,
+    and what they add up to beyond the plain loop's own parts."""
+    note("timing the parts of bt's update")
+    space.import_buildtrain()
+    environment = numerics_environment(base["device"])
+    spec = json.dumps({**base, "parts": True})
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", spec],
+        env=space.env(**environment),
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the parts process failed:\n{done.stderr[-3000:]}")
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    print_table(
+        f"bt's update, part by part (ms, median of 20; {json.dumps(base['shape'])})",
+        ["part", "ms"],
+        [[name, f"{ms:.2f}"] for name, ms in times.items()],
+    )
+    optimizer = next(name for name in times if name.startswith("AdamW, torch"))
+    extra = {
+        "deterministic mode": times["forward+backward, deterministic (bt)"]
+        - times["forward+backward, determinism off"],
+        "buildtrain's AdamW": times["AdamW, buildtrain (bt)"] - times[optimizer],
+        "gradient vector": times["gradient vector and back (bt)"],
+        "per-update record": times["per-update record (bt)"],
+    }
+    print(
+        "what bt adds to the plain loop's update (ms): "
+        + ", ".join(f"{k} {v:+.2f}" for k, v in extra.items())
+    )
+
+
+def numerics_environment(device: str) -> dict[str, str]:
+    """The environment a step process of this device gets (cuBLAS's workspace, set before CUDA
+    starts), from the buildtrain under test."""
+    from buildtrain.executor import numerics
+
+    return numerics.environment("native", device, 1)
 
 
 def report(results: dict[str, list[float]], base: dict[str, Any], n: int, world: int) -> None:
