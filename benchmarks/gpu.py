@@ -410,7 +410,10 @@ def main() -> int:
         space.run_bt(
             "run", space.plan(TINY, "train.steps=1", "train.warmup_steps=0"), "--target", "data:main"
         )
-        results = alternate(contenders, n)
+        # No warm-up round: every contender times only the updates after its own in-process
+        # warm-up, so start-up, compilation and library loading are outside what it measures (a
+        # discarded round doubled the time of --compile, past a 15-minute GPU lease).
+        results = alternate(contenders, n, warmup=0)
         report(results, base, n, world)
         goals = goal_lines(results, args.compile)
         if world:
