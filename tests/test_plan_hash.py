@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import random
 import tempfile
 import time
@@ -39,11 +40,12 @@ from strategies import (
 from buildtrain.config.checks import choices_of
 from buildtrain.config.convert import converter
 from buildtrain.config.preflight import cuda_available
-from buildtrain.config.schema import SECTIONS, Config, SyntheticConfig
+from buildtrain.config.schema import SECTIONS, Config, NumericsConfig, SyntheticConfig
 from buildtrain.errors import ConfigError
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import Planned, plan_preset
 from buildtrain.plan.stored import load_plan
+from buildtrain.plan.toolchain import Machine, cpu_vendor, fingerprint, portable_target, vendor_name
 from buildtrain.store.store import Store
 
 HYPOTHESIS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -303,6 +305,51 @@ def test_threads_enter_the_hash_only_under_native(tmp_path: Path) -> None:
     native = [hash_with("numerics.profile=native", f"numerics.threads={n}") for n in (1, 2)]
     assert native[0] != native[1]
     assert hash_with("numerics.profile=native", "numerics.threads=1") != hash_with("numerics.threads=1")
+
+
+def machine(target: str, model: str) -> Machine:
+    """A machine that computes portable plans for `target`, its CPU named `model`."""
+    cpu = {"arch": "x86_64", "isa": "avx512", "cpu": model}
+    return Machine(
+        torch="2.13.0+cpu@cf30153c4c13", cpu=cpu, target=target, gpu={}, cores=2, tokenizers="0.22.1"
+    )
+
+
+def test_the_portable_hash_names_the_cpu_vendor_and_not_the_model() -> None:
+    """One portable plan trained to other weights on an Intel Xeon than on an AMD EPYC: the
+    vendor is part of what a portable hash stands for, the CPU model is not (native: both)."""
+    xeon = machine("x86_64-avx2-intel", "Intel(R) Xeon(R) Processor")
+    other_xeon = machine("x86_64-avx2-intel", "Intel(R) Xeon(R) Gold 6338")
+    epyc = machine("x86_64-avx2-amd", "AMD EPYC 9B14")
+    portable, native = NumericsConfig(), NumericsConfig(profile="native", threads=1)
+
+    def facts(numerics: NumericsConfig, on: Machine) -> dict[str, Any]:
+        return fingerprint("train", numerics, torch=True, machine=on)
+
+    assert facts(portable, xeon) == facts(portable, other_xeon)
+    assert facts(portable, xeon) != facts(portable, epyc)
+    assert facts(native, xeon) != facts(native, other_xeon)
+
+
+def test_this_machines_portable_target_names_its_vendor(tmp_path: Path) -> None:
+    planned = plan(write(tmp_path / "p.toml", "")).plan
+    train = next(step for step in planned.steps if step.kind == "train")
+    assert train.toolchain["target"] == portable_target()
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert portable_target() == f"x86_64-avx2-{cpu_vendor()}"
+
+
+@pytest.mark.parametrize(
+    ("line", "name"),
+    [
+        ("vendor_id\t: GenuineIntel", "intel"),
+        ("vendor_id\t: AuthenticAMD", "amd"),
+        ("vendor_id\t: HygonGenuine", "hygongenuine"),
+        ("model name\t: an emulator without a vendor", "unknown"),
+    ],
+)
+def test_the_vendor_is_read_from_cpuinfo(line: str, name: str) -> None:
+    assert vendor_name(f"processor\t: 0\n{line}\nflags\t\t: fpu avx2\n") == name
 
 
 def test_unused_synthetic_settings_do_not_enter_a_files_stage(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def check_toolchain(plan: Plan, threads: int, world_size: int = 1) -> None:
             if line not in lines:
                 lines.append(line)
     portable_cpu = numerics.portable_cpu(settings.profile, settings.device)
-    if portable_cpu and portable_target().endswith("avx2") and cpu_facts()["isa"] == "baseline":
+    if portable_cpu and portable_target().startswith("x86_64-avx2") and cpu_facts()["isa"] == "baseline":
         lines.append("cpu: the portable profile computes with AVX2, which this CPU lacks")
     if lines:
         again = "plan it again on this machine (bt plan PRESET), then run the new hash"

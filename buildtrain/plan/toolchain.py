@@ -3,8 +3,9 @@
 Computed without importing torch (its version is read from `torch/version.py` as text) so that
 `bt plan` stays instant; buildtrain's own code enters per step kind (see `sources_digest.py`).
 What else enters depends on the numerics profile: `portable` promises the same bits at any thread
-count on any x86-64 CPU with AVX2, so it records that target, not this CPU; `native` promises
-nothing beyond this machine, so it records the thread count and the CPU itself.
+count on any x86-64 CPU with AVX2 of one vendor, so it records that target (the vendor included),
+not this CPU; `native` promises nothing beyond this machine, so it records the thread count and the
+CPU itself.
 
 The facts come from the machine that will execute the step: this one, or a worker of a cluster
 (`Machine`, which `bt plan --executor ray|slurm` asks the engine for), so that a plan made on a
@@ -76,10 +77,43 @@ def cpu_facts() -> dict[str, str]:
     return {"arch": platform.machine(), "isa": isa, "cpu": model}
 
 
+# Short names of /proc/cpuinfo's vendor_id in the portable target; another vendor keeps its own.
+VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+
+
 def portable_target() -> str:
-    """The CPU class the portable profile computes for (what its bits are identical across)."""
+    """The CPU class the portable profile computes for (what its bits are identical across): the
+    AVX2 code paths on x86-64 CPUs of one vendor, `x86_64-avx2-intel` or `x86_64-avx2-amd`.
+
+    Not across vendors: one portable plan of presets/tiny.toml trained to weights 36d69612071b on
+    a 2-core Intel Xeon and 1c9481a8b0a8 on a 2-core AMD EPYC (an older tree: 20de5f13c9fc
+    against 862198594c72), each reproducible on its own machine. MKL, pinned to its AVX2 path in
+    strict CNR mode, is the likely cause: each MKL_CBWR branch gave other weights on the Xeon, none
+    of them the EPYC's, and MKL chooses its kernels by vendor.
+    """
     arch = platform.machine()
-    return "x86_64-avx2" if arch in ("x86_64", "AMD64") else arch
+    if arch not in ("x86_64", "AMD64"):
+        return arch
+    return f"x86_64-avx2-{cpu_vendor()}"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor, short (`intel`, `amd`), from /proc/cpuinfo; `unknown` without it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            return vendor_name(cpuinfo.read())
+    except OSError:
+        return "unknown"
+
+
+def vendor_name(cpuinfo: str) -> str:
+    """The short vendor name of a /proc/cpuinfo text (its first vendor_id line)."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "vendor_id" and value.strip():
+            return VENDORS.get(value.strip(), value.strip().lower())
+    return "unknown"
 
 
 @functools.cache
