@@ -27,7 +27,8 @@ import sys
 from typing import Any
 
 # Pin MKL to its AVX2 code path in strict CNR mode and cap ATen's and oneDNN's kernels at AVX2, so
-# that the same kernels run on any AVX2 x86-64 CPU.
+# that the same kernels run on any AVX2 x86-64 CPU of one vendor (across vendors the bits differ:
+# see toolchain.portable_target).
 PORTABLE_CPU = {
     "MKL_CBWR": "AVX2,STRICT",
     "ATEN_CPU_CAPABILITY": "avx2",
