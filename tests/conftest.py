@@ -53,8 +53,11 @@ def run_bt(
     env: dict[str, str] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess:
-    """`bt ARGS` in a fresh process against `store`, the way a user runs it (text output)."""
-    environment = {**os.environ, "BT_STORE": str(store), **(env or {})}
+    """`bt ARGS` in a fresh process against `store`, the way a user runs it (text output). The
+    terminal's size is left out (pytest-xdist's workers set COLUMNS=80): a test that wants a
+    width passes COLUMNS in `env`."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    environment = {**inherited, "BT_STORE": str(store), **(env or {})}
     environment.setdefault("BT_EXPERIMENTS", str(store.parent / "experiments"))
     return subprocess.run(
         [sys.executable, "-m", "buildtrain", *args],
