@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
+import pytest
+from conftest import REPO, run_bt
 
 from buildtrain.config.reference import render
 from buildtrain.errors import ExitCode
+from buildtrain.plan.toolchain import cpu_vendor, torch_build
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
 
@@ -48,3 +50,22 @@ def test_the_readme_says_its_timings_hold_on_a_quiet_machine():
     head = README.split("## A tour", 1)[0]
     assert "Every timing in this README was measured on a quiet machine" in head
     assert "On a loaded one expect up to twice as long" in head
+
+
+def test_the_tours_plan_hashes_are_what_bt_plan_prints_on_an_intel_machine(tmp_path):
+    """The tour's hashes include a digest of buildtrain's source: an edit as small as a comment
+    re-hashes every plan, and the tour went stale that way once. They are an Intel machine's
+    with the pinned torch (the portable target names the vendor), so elsewhere this skips."""
+    if cpu_vendor() != "intel" or not torch_build().startswith("2.13.0+cpu@"):
+        pytest.skip("the tour's hashes are an Intel machine's, planned with torch 2.13.0+cpu")
+    tiny = run_bt("plan", str(REPO / "presets" / "tiny.toml"), store=tmp_path / ".bt")
+    stages = run_bt("plan", "-q", str(REPO / "examples" / "pretrain_finetune.toml"), store=tmp_path / ".bt")
+    assert tiny.returncode == 0 and stages.returncode == 0, tiny.stderr + stages.stderr
+    shown = re.search(r"\$ bt plan presets/tiny\.toml .*\n([0-9a-f]{64})\n", README)
+    shown_stages = re.search(
+        r"\$ bt plan -q examples/pretrain_finetune\.toml +# ([0-9a-f]{12})\.\.\.", README
+    )
+    assert shown and shown_stages, "the tour's first two bt plan commands are not where this test looks"
+    fix = "re-run the tour (README.md, A tour) and update its hashes"
+    assert (shown[1], shown_stages[1]) == (tiny.stdout.strip(), stages.stdout.strip()[:12]), fix
+    assert tiny.stderr.strip() in README, fix  # the summary: the plan's and its steps' hashes
