@@ -337,6 +337,8 @@ def test_this_machines_portable_target_names_its_vendor(tmp_path: Path) -> None:
     assert train.toolchain["target"] == portable_target()
     if platform.machine() in ("x86_64", "AMD64"):
         assert portable_target() == f"x86_64-avx2-{cpu_vendor()}"
+        if os.path.exists("/proc/cpuinfo"):
+            assert cpu_vendor() != "unknown"  # read from this machine, not a fallback
 
 
 @pytest.mark.parametrize(

@@ -55,19 +55,30 @@ def torch_build() -> str:
 
 
 @functools.cache
-def cpu_facts() -> dict[str, str]:
-    flags: set[str] = set()
-    model = platform.processor() or "unknown"
+def cpuinfo() -> str:
+    """/proc/cpuinfo's text, read once per process ("" where there is none)."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                name, _, value = line.partition(":")
-                if name.strip() == "flags" and not flags:
-                    flags = set(value.split())
-                elif name.strip() == "model name":
-                    model = value.strip()
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            return handle.read()
     except OSError:
-        pass
+        return ""
+
+
+def cpuinfo_values(text: str, field: str) -> list[str]:
+    """The values of every `field` line of a /proc/cpuinfo text (one per logical CPU), in order."""
+    values = []
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            values.append(value.strip())
+    return values
+
+
+@functools.cache
+def cpu_facts() -> dict[str, str]:
+    text = cpuinfo()
+    flags = set(next((value for value in cpuinfo_values(text, "flags") if value), "").split())
+    model = (cpuinfo_values(text, "model name") or [platform.processor() or "unknown"])[-1]
     if "avx512f" in flags:
         isa = "avx512"
     elif "avx2" in flags and "fma" in flags:
@@ -100,20 +111,13 @@ def portable_target() -> str:
 @functools.cache
 def cpu_vendor() -> str:
     """This CPU's vendor, short (`intel`, `amd`), from /proc/cpuinfo; `unknown` without it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            return vendor_name(cpuinfo.read())
-    except OSError:
-        return "unknown"
+    return vendor_name(cpuinfo())
 
 
-def vendor_name(cpuinfo: str) -> str:
-    """The short vendor name of a /proc/cpuinfo text (its first vendor_id line)."""
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "vendor_id" and value.strip():
-            return VENDORS.get(value.strip(), value.strip().lower())
-    return "unknown"
+def vendor_name(text: str) -> str:
+    """The short vendor name of a /proc/cpuinfo text (its first non-empty vendor_id)."""
+    vendor = next((value for value in cpuinfo_values(text, "vendor_id") if value), None)
+    return "unknown" if vendor is None else VENDORS.get(vendor, vendor.lower())
 
 
 @functools.cache
