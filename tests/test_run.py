@@ -392,3 +392,31 @@ def test_out_of_memory_fails_cleanly_naming_the_step(tmp_path):
     assert not Store(store).has_output(train.hash)
     result = run_bt("run", planned, "--target", "train:main", store=store)
     assert result.returncode == 0, result.stderr
+
+
+def _report_training(progress: bool | None) -> str:
+    """What the terminal shows of a train step of 20 updates, logged every 10, on a pipe."""
+    import io
+
+    from buildtrain.executor.progress import Reporter
+
+    stream = io.StringIO()
+    reporter = Reporter(progress, log_every=10, stream=stream)
+    reporter.progress_started("train:main")
+    for step in range(1, 21):
+        line = {"loss": 2.5, "lr": 3e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0, "steps": 20}
+        reporter.event({"event": "train_step", "step": step, **line})
+    reporter.progress_finished()
+    reporter.step("train:main", "executed", "1.0s")
+    return stream.getvalue()
+
+
+def test_progress_lines_off_a_terminal_and_a_bar_when_asked():
+    lines = _report_training(None).splitlines()  # not a terminal: lines at steps 1, 10 and 20
+    assert [line.split("  loss")[0].split()[-1] for line in lines[:-1]] == ["1/20", "10/20", "20/20"]
+    assert "1,234 tok/s" in lines[0] and lines[-1].endswith("executed  1.0s")
+    # `--progress on` draws the bar even on a pipe (it once drew nothing and left a blank line)
+    drawn = _report_training(True)
+    assert "20/20" in drawn and "loss 2.5000" in drawn and "1,234 tok/s" in drawn
+    assert "\x1b[" in drawn  # a terminal's drawing, redrawn in place
+    assert drawn.rstrip().endswith("executed  1.0s") and "step 10/20" not in drawn

@@ -42,7 +42,9 @@ class Reporter:
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  {task.fields[speed]} tok/s"),
             TimeRemainingColumn(),
-            console=Console(file=self.stream, force_terminal=self.stream.isatty() or None),
+            # `--progress on` draws the bar whatever the stream is (a pipe to `tee`, a CI log
+            # that renders ANSI); without forcing, rich draws nothing off a terminal.
+            console=Console(file=self.stream, force_terminal=True),
             transient=True,
         )
         self._progress.start()
