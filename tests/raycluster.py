@@ -1,6 +1,8 @@
 """A real local Ray cluster with two logical nodes for tests and benchmarks: `ray start --head`
-and `ray start --address`, each with --block in a process group of its own, with small CPU counts and object stores. Stopped by process group (each `ray start --block` and what it
-started), SIGTERM first, then SIGKILL. Ready in about 10 s here."""
+and `ray start --address`, each with --block in a process group of its own, with small CPU counts
+and object stores. The second node starts as soon as the head's port answers, and one probe (a
+process that imports ray) then waits for both. Stopped by process group (each `ray start --block`
+and what it started), SIGTERM first, then SIGKILL."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -82,6 +85,13 @@ def alive_nodes(address: str) -> int:
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
+def port_answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=1):
+        return True
+    return False
+
+
 def start(root: Path) -> RayCluster:
     # A short folder: Ray's Unix socket paths must fit in 107 bytes.
     temp = Path(tempfile.mkdtemp(prefix="bt-ray-", dir="/tmp"))
@@ -101,15 +111,19 @@ def start(root: Path) -> RayCluster:
     cluster = RayCluster(address, temp, tuple(processes), root)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while alive_nodes(address) < 1:
+        # The head's GCS port answering is enough for a node to join (`ray start --address`
+        # waits for the GCS itself); only the last check needs a process that imports ray.
+        while not port_answers(address):
             if time.monotonic() > deadline or head.poll() is not None:
                 raise RuntimeError(f"the Ray head did not start; see {root / 'ray-head.log'}")
-            time.sleep(1)
+            time.sleep(0.2)
         processes.append(_ray_start(temp, root / "ray-worker.log", "--address", address))
         cluster = RayCluster(address, temp, tuple(processes), root)
         while alive_nodes(address) < 2:
-            if time.monotonic() > deadline or processes[1].poll() is not None:
-                raise RuntimeError(f"the second Ray node did not join; see {root / 'ray-worker.log'}")
+            if time.monotonic() > deadline or head.poll() is not None or processes[1].poll() is not None:
+                raise RuntimeError(
+                    f"the Ray cluster did not start; see {root / 'ray-head.log'} and {root / 'ray-worker.log'}"
+                )
             time.sleep(1)
     except BaseException:
         stop(cluster)
