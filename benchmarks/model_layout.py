@@ -1,0 +1,168 @@
+"""Forward and backward of buildtrain's model against the nanoGPT-shaped one, paired update by update.
+
+What `throughput.py --shape gpt2` measures end to end, narrowed to the model, where 95% of an
+update's time goes, and measured so that a noisy host cancels out: every contender lives in one
+process (started with the `native` numerics environment, so the allocator behaves as in a step
+process), and each round times one update of each, forward and backward over the micro-batches of
+`throughput.py --shape gpt2` (width 256, 4 layers, 4 heads, sequence 128, 2 micro-batches of 8,
+the byte vocabulary), in CPU time, the order reversed every other round. A host that slows down
+for a second slows one round of every contender, so the ratio of each round's pair is steady
+where the times are not (on a shared 2-core VM, single updates here ranged 540-930 ms while
+paired ratios stayed within a few percent).
+
+Contenders: buildtrain's Transformer as the shape derives it (RMSNorm, SwiGLU of hidden 688, RoPE,
+one q/k/v projection), the same with LayerNorm, with a GELU MLP of 4 x width, with both (what is
+left is RoPE and the rest of the layout), and the nanoGPT-shaped GPT of `reference_models.py`.
+Prints each contender's median time per update and the median (and quartiles) of its paired
+ratio to nanoGPT's time; speed is the inverse. Issue 26's goal: buildtrain >= 1.0x nanoGPT's
+speed. It imports the installed buildtrain (one process measures a few seconds of code, so there
+is no snapshot to take: `--live` changes nothing).
+
+Run: python benchmarks/model_layout.py [--quick] [--rounds N] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import goal_line, make_parser, median, note, print_goals, print_header, print_table  # noqa: E402
+
+SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 688}
+BATCH, SEQ, MICRO_BATCHES = 8, 128, 2
+VARIANTS = {  # contender: overrides of SHAPE (None: the nanoGPT-shaped GPT)
+    "buildtrain": {},
+    "buildtrain, LayerNorm": {"norm": "layernorm"},
+    "buildtrain, GELU 4x": {"mlp": "gelu", "ffn_hidden": 4 * SHAPE["dim"]},
+    "buildtrain, LayerNorm + GELU 4x": {"norm": "layernorm", "mlp": "gelu", "ffn_hidden": 4 * SHAPE["dim"]},
+    "nanoGPT-shaped": None,
+}
+REFERENCE = "nanoGPT-shaped"
+GOAL = 1.0
+
+
+def build(overrides: dict[str, Any] | None, vocab: int) -> Any:
+    import torch
+    from reference_models import nanogpt
+
+    from buildtrain.config.schema import ModelConfig
+    from buildtrain.steps.train.model import Transformer
+
+    if overrides is None:
+        torch.manual_seed(0)
+        return nanogpt(SHAPE["dim"], SHAPE["n_layers"], SHAPE["n_heads"], SEQ, vocab)
+    config = ModelConfig(**{**SHAPE, **overrides})
+    return Transformer.build(config, vocab, torch.Generator().manual_seed(0))
+
+
+def child(spec: dict[str, Any]) -> dict[str, list[float]]:
+    """CPU seconds of one update of each contender, round by round."""
+    import torch
+    import torch.nn.functional as F
+
+    from buildtrain.config.schema import BYTE_VOCAB_SIZE
+
+    torch.set_num_threads(spec["threads"])
+    models = {name: build(overrides, BYTE_VOCAB_SIZE) for name, overrides in VARIANTS.items()}
+    tokens = torch.randint(
+        0, BYTE_VOCAB_SIZE, (MICRO_BATCHES, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1)
+    )
+
+    def update(model: Any) -> float:
+        started = time.process_time()
+        for rows in tokens:
+            logits = model(rows[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()) / MICRO_BATCHES
+            loss.backward()
+        for parameter in model.parameters():
+            parameter.grad = None
+        return time.process_time() - started
+
+    names = list(models)
+    for name in names:  # warm-up: first-call allocations and kernel selection
+        for _ in range(2):
+            update(models[name])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(spec["rounds"]):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            times[name].append(update(models[name]))
+    return times
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    low, _, high = statistics.quantiles(values, n=4)
+    return low, high
+
+
+def report(times: dict[str, list[float]], rounds: int, threads: int) -> float:
+    """The table; returns buildtrain's speed against nanoGPT's (median paired ratio, inverted)."""
+    reference = times[REFERENCE]
+    rows, speed = [], float("nan")
+    for name, values in times.items():
+        paired = [ours / theirs for ours, theirs in zip(values, reference, strict=True)]
+        low, high = quartiles(paired)
+        if name == "buildtrain":
+            speed = 1 / median(paired)
+        rows.append(
+            [
+                name,
+                f"{median(values) * 1000:.1f}",
+                f"{min(values) * 1000:.0f}..{max(values) * 1000:.0f}",
+                f"{median(paired):.3f} ({low:.3f}..{high:.3f})",
+                f"{1 / median(paired):.3f}x",
+            ]
+        )
+    print_table(
+        f"forward+backward per update, CPU ms ({rounds} paired rounds, {threads} threads, float32)",
+        ["contender", "median ms", "min..max", "time / nanoGPT's, paired (quartiles)", "speed vs nanoGPT"],
+        rows,
+    )
+    return speed
+
+
+def main() -> int:
+    parser = make_parser(__doc__)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: the measuring process
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    from buildtrain.executor import numerics
+
+    rounds = args.rounds or (10 if args.quick else 40)
+    print_header("model layout: forward+backward of buildtrain's model vs the nanoGPT-shaped one", args)
+    note(f"{rounds} rounds of {len(VARIANTS)} contenders in one process, {args.threads} threads")
+    env = {**os.environ, **numerics.environment("native", "cpu", args.threads)}
+    spec = json.dumps({"threads": args.threads, "rounds": rounds})
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", spec], env=env, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        return 1
+    speed = report(json.loads(done.stdout.splitlines()[-1]), rounds, args.threads)
+    print_goals(
+        [
+            goal_line(
+                f"buildtrain >= {GOAL} x the nanoGPT-shaped model's speed (issue 26)",
+                speed >= GOAL,
+                f"{speed:.3f}x",
+            )
+        ]
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
