@@ -177,6 +177,33 @@ def test_run_reads_plans_from_stdin_and_from_a_stored_sweep(sweep: BuiltSweep, t
     assert result.returncode == 0 and "6 of 6 plans done" in result.stderr, result.stderr
 
 
+def test_each_plan_of_a_sweep_finds_its_record_without_listing_the_experiments(
+    sweep: BuiltSweep, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The records of earlier runs, the same plans' included, are never read or listed: a sweep
+    once listed the experiments folder twice per plan, a cost that grew with every run ever made."""
+    from buildtrain.executor.batch import run_plans
+    from buildtrain.executor.run import RunOptions
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    experiments = tmp_path / "experiments"
+    earlier = [experiments / f"20200101T000000Z-{plan[:12]}" for plan in sweep.plans]
+    for folder in earlier:
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text('{"steps": [{"hash": "x", "action": "executed"}]}')
+    listed: list[Path] = []
+    iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: listed.append(self) or iterdir(self))
+    store = Store(sweep.store)
+    options = RunOptions(experiments=experiments, progress=False)
+    summary = run_plans(store, [(load_plan(store, plan), options) for plan in sweep.plans])
+    assert summary.code == ExitCode.OK and summary.executed == 0
+    assert experiments not in listed
+    assert len(summary.records) == 6 and not set(summary.records) & {str(f) for f in earlier}
+    assert [Path(r).name[-12:] for r in summary.records] == [plan[:12] for plan in sweep.plans]
+
+
 def test_a_sweep_file_with_something_else_is_refused_in_one_line(bt: BtRunner, tmp_path: Path) -> None:
     listing = tmp_path / "sweep.txt"
     listing.write_text("0123abcd\nnot-a-hash\n")

@@ -46,16 +46,22 @@ class BatchSummary:
         return self.step_slots - self.distinct
 
 
-def _record_of(experiments: Path, before: set[str], plan: Plan) -> dict | None:
-    if not experiments.is_dir():
+def _summary(folder: Path | None) -> dict | None:
+    """The summary in a plan's run record (None: no record, or a run that stopped before its
+    summary was written). Each run names its record as it creates it, so a sweep never lists
+    the experiments folder, which grows with every run ever made."""
+    if folder is None:
         return None
-    new = sorted(p for p in experiments.iterdir() if p.name not in before and plan.hash[:12] in p.name)
-    for folder in reversed(new):
-        try:
-            return json.loads((folder / "summary.json").read_bytes()) | {"folder": str(folder)}
-        except (OSError, ValueError):
-            continue
-    return None
+    try:
+        return json.loads((folder / "summary.json").read_bytes()) | {"folder": str(folder)}
+    except (OSError, ValueError):
+        return None
+
+
+def _collect(summary: dict | None, records: list[str], executed: set[str]) -> None:
+    if summary is not None:
+        records.append(summary["folder"])
+        executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
 
 
 def run_plans(
@@ -115,18 +121,14 @@ def _run_each(
     for index, (plan, options) in enumerate(plans):
         if on_plan is not None:
             on_plan(index, plan)
-        experiments = options.experiments
-        before = {p.name for p in experiments.iterdir()} if experiments.is_dir() else set()
+        created: list[Path] = []
         try:
-            code = run_plan(store, plan, options, processes)
+            code = run_plan(store, plan, options, processes, on_record=created.append)
         except BuildtrainError as exc:
             if exc.exit_code == ExitCode.INTERRUPTED:
                 raise
             code, error = int(exc.exit_code), str(exc)
-        summary = _record_of(experiments, before, plan)
-        if summary is not None:
-            records.append(summary["folder"])
-            executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
+        _collect(_summary(created[0] if created else None), records, executed)
         if code != ExitCode.OK:
             stopped = plan.hash
             break
@@ -146,16 +148,16 @@ def _run_together(
     plans share is built once (the others wait for its lock, then find it built). The first plan
     in order that failed is reported; an interruption cancels every started step and is raised."""
     live = LiveSteps()
-    experiments = {options.experiments for _, options in plans}
-    before = {p.name for folder in experiments if folder.is_dir() for p in folder.iterdir()}
 
-    def one(index: int, plan: Plan, options: RunOptions) -> tuple[int, str | None]:
+    def one(index: int, plan: Plan, options: RunOptions) -> tuple[int, str | None, Path | None]:
         if on_plan is not None:
             on_plan(index, plan)
+        created: list[Path] = []
         try:
-            return run_plan(store, plan, options, engine=engine, live=live), None
+            code = run_plan(store, plan, options, engine=engine, live=live, on_record=created.append)
+            return code, None, created[0] if created else None
         except BuildtrainError as exc:
-            return int(exc.exit_code), str(exc)
+            return int(exc.exit_code), str(exc), created[0] if created else None
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(plans)), thread_name_prefix="bt-plan")
     try:
@@ -168,12 +170,9 @@ def _run_together(
     finally:
         pool.shutdown(wait=True)
     code, ran, stopped, error = int(ExitCode.OK), 0, None, None
-    for (plan, options), future in zip(plans, futures, strict=True):
-        plan_code, message = future.result()
-        summary = _record_of(options.experiments, before, plan)
-        if summary is not None:
-            records.append(summary["folder"])
-            executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
+    for (plan, _), future in zip(plans, futures, strict=True):
+        plan_code, message, folder = future.result()
+        _collect(_summary(folder), records, executed)
         if plan_code == ExitCode.INTERRUPTED:
             raise Interrupted(message or f"interrupted; resume with: bt run {plan.hash}")
         if plan_code != ExitCode.OK and stopped is None:

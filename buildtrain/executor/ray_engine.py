@@ -26,7 +26,6 @@ from typing import Any
 
 import attrs
 
-from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import EngineUnavailable, ToolchainMismatch
 from buildtrain.executor.engine import (
     EngineOptions,
@@ -181,7 +180,7 @@ class RayEngine:
         job = job_of(submission, on_event).to_json()
         plan = submission.plan
         request = NodeRequest(
-            plan_body=canonical_bytes(plan.to_body()),
+            plan_body=plan.canonical(),
             plan_hash=plan.hash,
             step_hash=submission.step.hash,
             job=job,

@@ -60,9 +60,7 @@ class RunRecord:
             "overrides": meta.get("overrides", []),
         }
         write_bytes_durably(folder / "config.json", json.dumps(config, indent=2).encode())
-        write_bytes_durably(
-            folder / "plan.json", json.dumps({"hash": plan.hash, **plan.to_body()}, indent=2).encode()
-        )
+        write_bytes_durably(folder / "plan.json", plan.pretty())
         return cls(folder, plan, store_root)
 
     @property

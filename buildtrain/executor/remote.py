@@ -23,7 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.canonical import digest
 from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
@@ -121,7 +121,7 @@ class RemoteCache:
         raises for the remote: a failure comes back in `failed`."""
         try:
             if plan.hash not in self._plans_pushed:
-                self.remote.push_plan(plan.hash, canonical_bytes(plan.to_body()))
+                self.remote.push_plan(plan.hash, plan.canonical())
                 self._plans_pushed.add(plan.hash)
             pushed = self.remote.push_output(store, step.hash)
             for key in evals.keys_of_output(store.output(step.hash)):  # an evaluation's cache entries

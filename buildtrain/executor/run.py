@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,10 +111,12 @@ def run_plan(
     shared: StepProcesses | None = None,
     engine: Engine | None = None,
     live: LiveSteps | None = None,
+    on_record: Callable[[Path], None] | None = None,
 ) -> int:
     """Execute `plan`; `shared`: local workers that outlive this plan (the plans of a sweep share
     them); `engine`: one that outlives it (else `options.executor` is opened for this plan);
-    `live`: the started steps of every plan of a sweep (Ctrl-C cancels them all)."""
+    `live`: the started steps of every plan of a sweep (Ctrl-C cancels them all); `on_record`:
+    told the run record's folder as soon as it exists."""
     started = time.perf_counter()
     launch = options.launch
     steps = steps_for(plan, options.target)
@@ -125,6 +127,8 @@ def run_plan(
     here = (engine.name if engine is not None else options.executor.name) == DEFAULT_ENGINE
     threads = prepare(plan, options.threads, launch, steps, here)
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
+    if on_record is not None:
+        on_record(record.folder)
     reporter = Reporter(options.progress, options.log_every)
     _announce(plan, steps, threads, launch, record, reporter)
     outcome, code = "failed", int(ExitCode.FAILED)

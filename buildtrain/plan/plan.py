@@ -9,12 +9,13 @@ the canonical bytes it was hashed from, so loading re-derives and checks every h
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from buildtrain.canonical import digest, plain
+from buildtrain.canonical import canonical_bytes, digest, plain
 from buildtrain.config.checks import name_problem
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import NumericsConfig
@@ -106,6 +107,16 @@ class Plan:
     def to_body(self) -> dict[str, Any]:
         """A fresh copy: editing it cannot change this (frozen) plan."""
         return copy.deepcopy(self._body(self.name, self.config, self.steps, self.targets))
+
+    def canonical(self) -> bytes:
+        """The plan's canonical bytes, what the store keeps under its hash (no copy of the body
+        is made: a null build of a sweep serializes every plan more than once)."""
+        return canonical_bytes(self._body(self.name, self.config, self.steps, self.targets))
+
+    def pretty(self) -> bytes:
+        """The plan as indented JSON with its hash first, for people (a run record's plan.json)."""
+        body = {"hash": self.hash, **self._body(self.name, self.config, self.steps, self.targets)}
+        return json.dumps(body, indent=2).encode()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Plan:

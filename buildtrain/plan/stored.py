@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import BuildtrainError, CorruptObject
 from buildtrain.plan.plan import Plan
 from buildtrain.store.store import Store
@@ -17,7 +16,7 @@ def save_plan(store: Store, plan: Plan, **meta: Any) -> dict[str, Any]:
     """Store the plan's canonical bytes; returns its metadata record (when and from where).
     Creates the store in a new or empty folder, and refuses a folder that is not a store."""
     claim_store(store)
-    return store.save_plan(plan.hash, canonical_bytes(plan.to_body()), **meta)
+    return store.save_plan(plan.hash, plan.canonical(), **meta)
 
 
 def load_plan(store: Store, ref: str) -> Plan:
@@ -30,7 +29,7 @@ def load_plan(store: Store, ref: str) -> Plan:
             f"plan {plan_hash[:12]} in {store.root} is damaged ({exc}); run bt fsck, "
             "then plan it again from its preset (bt plan PRESET)"
         ) from None
-    if plan.hash != plan_hash or canonical_bytes(plan.to_body()) != raw:
+    if plan.hash != plan_hash or plan.canonical() != raw:
         raise CorruptObject(f"plan {plan_hash[:12]} does not match its hash; run bt fsck")
     return plan
 
