@@ -46,22 +46,18 @@ class BatchSummary:
         return self.step_slots - self.distinct
 
 
-def _summary(folder: Path | None) -> dict | None:
-    """The summary in a plan's run record (None: no record, or a run that stopped before its
-    summary was written). Each run names its record as it creates it, so a sweep never lists
-    the experiments folder, which grows with every run ever made."""
+def _collect(folder: Path | None, records: list[str], executed: set[str]) -> None:
+    """Count the run record a plan's run created (none, or no summary yet: a run that stopped
+    first). Each run names its record as it creates it, so a sweep never lists the experiments
+    folder, which grows with every run ever made."""
     if folder is None:
-        return None
+        return
     try:
-        return json.loads((folder / "summary.json").read_bytes()) | {"folder": str(folder)}
+        summary = json.loads((folder / "summary.json").read_bytes())
     except (OSError, ValueError):
-        return None
-
-
-def _collect(summary: dict | None, records: list[str], executed: set[str]) -> None:
-    if summary is not None:
-        records.append(summary["folder"])
-        executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
+        return
+    records.append(str(folder))
+    executed.update(s["hash"] for s in summary.get("steps", []) if s.get("action") == "executed")
 
 
 def run_plans(
@@ -128,7 +124,7 @@ def _run_each(
             if exc.exit_code == ExitCode.INTERRUPTED:
                 raise
             code, error = int(exc.exit_code), str(exc)
-        _collect(_summary(created[0] if created else None), records, executed)
+        _collect(next(iter(created), None), records, executed)
         if code != ExitCode.OK:
             stopped = plan.hash
             break
@@ -153,11 +149,12 @@ def _run_together(
         if on_plan is not None:
             on_plan(index, plan)
         created: list[Path] = []
+        message: str | None = None
         try:
             code = run_plan(store, plan, options, engine=engine, live=live, on_record=created.append)
-            return code, None, created[0] if created else None
         except BuildtrainError as exc:
-            return int(exc.exit_code), str(exc), created[0] if created else None
+            code, message = int(exc.exit_code), str(exc)
+        return code, message, next(iter(created), None)
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(plans)), thread_name_prefix="bt-plan")
     try:
@@ -172,7 +169,7 @@ def _run_together(
     code, ran, stopped, error = int(ExitCode.OK), 0, None, None
     for (plan, _), future in zip(plans, futures, strict=True):
         plan_code, message, folder = future.result()
-        _collect(_summary(folder), records, executed)
+        _collect(folder, records, executed)
         if plan_code == ExitCode.INTERRUPTED:
             raise Interrupted(message or f"interrupted; resume with: bt run {plan.hash}")
         if plan_code != ExitCode.OK and stopped is None:

@@ -104,19 +104,22 @@ class Plan:
         plan_hash = digest("plan", cls._body(name, config, steps, targets))
         return cls(name=name, config=config, steps=steps, targets=targets, hash=plan_hash)
 
+    def _shared_body(self) -> dict[str, Any]:
+        """The body, sharing this plan's config: only for serializing, never to hand out."""
+        return self._body(self.name, self.config, self.steps, self.targets)
+
     def to_body(self) -> dict[str, Any]:
         """A fresh copy: editing it cannot change this (frozen) plan."""
-        return copy.deepcopy(self._body(self.name, self.config, self.steps, self.targets))
+        return copy.deepcopy(self._shared_body())
 
     def canonical(self) -> bytes:
         """The plan's canonical bytes, what the store keeps under its hash (no copy of the body
         is made: a null build of a sweep serializes every plan more than once)."""
-        return canonical_bytes(self._body(self.name, self.config, self.steps, self.targets))
+        return canonical_bytes(self._shared_body())
 
     def pretty(self) -> bytes:
         """The plan as indented JSON with its hash first, for people (a run record's plan.json)."""
-        body = {"hash": self.hash, **self._body(self.name, self.config, self.steps, self.targets)}
-        return json.dumps(body, indent=2).encode()
+        return json.dumps({"hash": self.hash, **self._shared_body()}, indent=2).encode()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Plan:
