@@ -11,8 +11,10 @@ where the times are not (on a shared 2-core VM, single updates here ranged 540-9
 paired ratios stayed within a few percent).
 
 Contenders: buildtrain's Transformer as the shape derives it (RMSNorm, SwiGLU of hidden 688, RoPE,
-one q/k/v projection), the same with LayerNorm, with a GELU MLP of 4 x width, with both (what is
-left is RoPE and the rest of the layout), and the nanoGPT-shaped GPT of `reference_models.py`.
+one q/k/v projection) with the kernels a plan here would use (fused where there is a C compiler,
+`steps/train/kernels.c`), the same with torch's eager operations instead, with LayerNorm, with a
+GELU MLP of 4 x width, with both (what is left is RoPE and the rest of the layout), and the
+nanoGPT-shaped GPT of `reference_models.py`.
 Prints each contender's median time per update and the median (and quartiles) of its paired
 ratio to nanoGPT's time; speed is the inverse. Issue 26's goal: buildtrain >= 1.0x nanoGPT's
 speed. It imports the installed buildtrain (one process measures a few seconds of code, so there
@@ -42,6 +44,7 @@ SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden":
 BATCH, SEQ, MICRO_BATCHES = 8, 128, 2
 VARIANTS = {  # contender: overrides of SHAPE (None: the nanoGPT-shaped GPT)
     "buildtrain": {},
+    "buildtrain, eager kernels": {"kernels": "eager"},
     "buildtrain, LayerNorm": {"norm": "layernorm"},
     "buildtrain, GELU 4x": {"mlp": "gelu", "ffn_hidden": 4 * SHAPE["dim"]},
     "buildtrain, LayerNorm + GELU 4x": {"norm": "layernorm", "mlp": "gelu", "ffn_hidden": 4 * SHAPE["dim"]},
@@ -61,6 +64,7 @@ def build(overrides: dict[str, Any] | None, vocab: int) -> Any:
     if overrides is None:
         torch.manual_seed(0)
         return nanogpt(SHAPE["dim"], SHAPE["n_layers"], SHAPE["n_heads"], SEQ, vocab)
+    overrides = {key: value for key, value in overrides.items() if key != "kernels"}
     config = ModelConfig(**{**SHAPE, **overrides})
     return Transformer.build(config, vocab, torch.Generator().manual_seed(0))
 
@@ -71,14 +75,18 @@ def child(spec: dict[str, Any]) -> dict[str, list[float]]:
     import torch.nn.functional as F
 
     from buildtrain.config.schema import BYTE_VOCAB_SIZE
+    from buildtrain.steps.train import kernels
 
     torch.set_num_threads(spec["threads"])
     models = {name: build(overrides, BYTE_VOCAB_SIZE) for name, overrides in VARIANTS.items()}
+    fused = kernels.mode()  # what a plan on this machine computes with
     tokens = torch.randint(
         0, BYTE_VOCAB_SIZE, (MICRO_BATCHES, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1)
     )
 
-    def update(model: Any) -> float:
+    def update(name: str) -> float:
+        model = models[name]
+        kernels.select((VARIANTS[name] or {}).get("kernels", fused))
         started = time.process_time()
         for rows in tokens:
             logits = model(rows[:, :-1])
@@ -91,11 +99,11 @@ def child(spec: dict[str, Any]) -> dict[str, list[float]]:
     names = list(models)
     for name in names:  # warm-up: first-call allocations and kernel selection
         for _ in range(2):
-            update(models[name])
+            update(name)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(spec["rounds"]):
         for name in names if round_ % 2 == 0 else reversed(names):
-            times[name].append(update(models[name]))
+            times[name].append(update(name))
     return times
 
 

@@ -368,6 +368,7 @@ def numerics(draw: st.DrawFn, devices: tuple[str, ...] = ("cpu",)) -> dict[str, 
         "device": draw(st.sampled_from(devices)),
         "dtype": draw(_choices(NumericsConfig, "dtype")),
         "compile": draw(st.booleans()),
+        "kernels": draw(_choices(NumericsConfig, "kernels")),
         "threads": draw(st.integers(0, 64)),
     }
 

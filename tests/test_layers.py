@@ -16,7 +16,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "buildtrain"
 
 # Lowest first. A module's layer is the first entry whose prefix its dotted name starts with.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("buildtrain.errors", "buildtrain.canonical", "buildtrain.clock", "buildtrain.__init__")),
+    (
+        "base",
+        (
+            "buildtrain.errors",
+            "buildtrain.canonical",
+            "buildtrain.clock",
+            "buildtrain.native",
+            "buildtrain.__init__",
+        ),
+    ),
     ("store", ("buildtrain.store",)),
     ("config", ("buildtrain.config",)),
     ("plan", ("buildtrain.plan", "buildtrain.kinds")),

@@ -311,7 +311,13 @@ def machine(target: str, model: str) -> Machine:
     """A machine that computes portable plans for `target`, its CPU named `model`."""
     cpu = {"arch": "x86_64", "isa": "avx512", "cpu": model}
     return Machine(
-        torch="2.13.0+cpu@cf30153c4c13", cpu=cpu, target=target, gpu={}, cores=2, tokenizers="0.22.1"
+        torch="2.13.0+cpu@cf30153c4c13",
+        cpu=cpu,
+        target=target,
+        gpu={},
+        cores=2,
+        tokenizers="0.22.1",
+        kernels="fused",
     )
 
 

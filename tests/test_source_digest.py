@@ -352,3 +352,20 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
         cache.write_bytes(framed(json.dumps({"parser": body["parser"], "imports": entries}).encode()))
     assert digests(package) == cold, damage
     assert sources_digest.import_cache().parsed > 0  # parsed again instead
+
+
+def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(package: Path, tmp_path: Path) -> None:
+    """`steps/train/kernels.c` is compiled and called by `kernels.py`: part of that module's code."""
+    store = Store(tmp_path / "store")
+    plan = compiled(package, store)
+    before = {step.label: step.hash for step in plan.steps}
+    source = package / "steps" / "train" / "kernels.c"
+    original = source.read_bytes()
+    source.write_bytes(original + b"\n/* an edit */\n")
+    try:
+        after = step_hashes(package, store)
+    finally:
+        source.write_bytes(original)
+    changed = {label for label in before if before[label] != after[label]}
+    computing = {step.label for step in plan.steps if step.kind in ("train", "eval")}
+    assert computing and changed == downstream(plan, computing)

@@ -508,6 +508,13 @@ class NumericsConfig:
         "run the train step's model through torch.compile: faster on a GPU, deterministic, but not "
         "the bits of eager execution, so it enters the train step's hash",
     )
+    kernels: str = setting(
+        "auto",
+        "the model's element-wise work on the CPU: fused (C kernels, one pass each; built with the "
+        "machine's C compiler, $CC or cc), eager (torch's operations: slower, other bits), or auto "
+        "(fused where a C compiler is found); the plan's hash records which ran",
+        one_of("auto", "fused", "eager"),
+    )
     threads: int = setting(
         0,
         "cores to compute with (0 = all): under native, intra-op threads, pinned in the hash; under "

@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,7 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
     kind = kind_of(step.kind)
     if kind.needs_torch(step.config):
         _import_torch(job.numerics, log)
+        _select_kernels(step.toolchain, log)
 
     controls = None
     lead = True
@@ -132,6 +133,16 @@ def _import_torch(settings: JobNumerics, log: Any) -> None:
     applied = numerics.apply_after_import(torch, *wanted)
     APPLIED["settings"] = wanted
     log.info("numerics_applied", profile=settings.profile, **applied)
+
+
+def _select_kernels(toolchain: Mapping[str, Any], log: Any) -> None:
+    """The CPU kernels the step's hash names (`numerics.kernels`, resolved by the fingerprint on
+    the machine that plans for this one); a GPU step's model never reaches them."""
+    from buildtrain.steps.train import kernels
+
+    mode = toolchain.get("kernels", "eager")
+    kernels.select(mode)
+    log.info("kernels_selected", kernels=mode)
 
 
 def _train_controls(job: Job, log: Any, observer: ObserverFactory | None, stop: StopRequest) -> TrainControls:

@@ -4,9 +4,11 @@ digest of exactly the modules that can change that kind's outputs.
 Those are the kind's computing module, the numerics environment its process runs under, and every
 buildtrain module they import, directly or not (imports are read from the source, function-local
 ones included, without importing anything; imports under `if TYPE_CHECKING:` never run and are not
-followed). Presentation code (the CLI, progress, reports, help texts, verification, the kinds' descriptions), the store and
-its locks are never reached from them, so improving a message keeps every cached step, while a
-change to anything a step computes with changes that kind's hash and no other.
+followed); a module with a C source of the same name beside it (the kernels it builds and calls,
+`buildtrain/native.py`) brings that source in too. Presentation code (the CLI, progress, reports,
+help texts, verification, the kinds' descriptions), the store and its locks are never reached from
+them, so improving a message keeps every cached step, while a change to anything a step computes
+with changes that kind's hash and no other.
 
 Reading each module's imports means parsing it, which cost about 210 ms of a 345 ms `bt plan`
 (154 parses of 51 modules). A module's imports are a function of its bytes, so they are cached on
@@ -231,6 +233,10 @@ def _digest(kind: str, root: Path) -> str:
         name, (content, _) = module.encode(), _source(path)
         hasher.update(len(name).to_bytes(8, "little") + name)
         hasher.update(len(content).to_bytes(8, "little") + content)
+        native_source = path.with_suffix(".c")
+        if native_source.is_file():  # C kernels the module builds and calls (buildtrain/native.py)
+            code = _source(native_source)[0]
+            hasher.update(b"c" + len(code).to_bytes(8, "little") + code)
     import_cache().save()
     return hasher.hexdigest()
 

@@ -5,7 +5,8 @@ Computed without importing torch (its version is read from `torch/version.py` as
 What else enters depends on the numerics profile: `portable` promises the same bits at any thread
 count on any x86-64 CPU with AVX2 of one vendor, so it records that target (the vendor included),
 not this CPU; `native` promises nothing beyond this machine, so it records the thread count and the
-CPU itself.
+CPU itself. A CPU step also records whether its model computes with the fused C kernels
+(`numerics.kernels`; `auto` means: where the executing machine has a C compiler, `native.py`).
 
 The facts come from the machine that will execute the step: this one, or a worker of a cluster
 (`Machine`, which `bt plan --executor ray|slurm` asks the engine for), so that a plan made on a
@@ -27,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from buildtrain import native
 from buildtrain.config.schema import NumericsConfig
 from buildtrain.plan.sources_digest import source_digest
 
@@ -150,6 +152,7 @@ class Machine:
     gpu: Mapping[str, str]  # cuda_facts(), asked only for a CUDA plan ({} otherwise)
     cores: int
     tokenizers: str  # tokenizers_version()
+    kernels: str  # "fused" where a C compiler builds the CPU kernels (native.compiler()), else "eager"
 
     @classmethod
     def here(cls, cuda: bool) -> Machine:
@@ -161,6 +164,7 @@ class Machine:
             gpu=cuda_facts() if cuda else {},
             cores=os.cpu_count() or 1,
             tokenizers=tokenizers_version(),
+            kernels="fused" if native.compiler() is not None else "eager",
         )
 
 
@@ -201,6 +205,8 @@ def fingerprint(
     facts.update(extra or {})
     if numerics.device == "cuda":
         facts.update(machine.gpu)
+    else:
+        facts["kernels"] = machine.kernels if numerics.kernels == "auto" else numerics.kernels
     if numerics.profile == "portable":
         facts["target"] = machine.target
     else:

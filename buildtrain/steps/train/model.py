@@ -2,7 +2,9 @@
 
 One config (`ModelConfig`), five small modules, shapes in comments. `Transformer.build` initializes
 every weight from an explicit generator in parameter order, leaving torch's global RNG as it was;
-dropout draws from a generator the caller passes.
+dropout draws from a generator the caller passes. On the CPU in float32, RMSNorm, SwiGLU and RoPE
+compute with the fused C kernels of `kernels.py` where the process selected them, else with the
+torch operations written here.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from torch import nn
 
 from buildtrain.config.schema import ModelConfig
 from buildtrain.config.shape import head_dim
+from buildtrain.steps.train import kernels
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """x / rms(x) * weight over the last dimension, with its gradient written out.
+    """x / rms(x) * weight over the last dimension, with its gradient written out: the CPU's eager
+    path (`kernels.RMSNorm` is the fused one).
 
     Why by hand: on the CPU `F.rms_norm` is not one kernel but pow, mean, add, rsqrt and two
     multiplications, each with its own autograd node: 3.5 ms per norm forward and backward against
@@ -57,6 +61,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.applies(x, self.weight):
+            return kernels.RMSNorm.apply(x, self.weight, self.eps)
         if x.device.type == "cpu":
             return RMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused kernel on CUDA
@@ -114,7 +120,9 @@ class RotaryQKV(torch.autograd.Function):
         qk = n_heads + n_kv_heads
         B, T, _, hs = qkv.shape
         rotated = qkv.new_empty(B, T, qk, hs)  # contiguous
-        rotate_into(rotated, qkv[:, :, :qk], cos, sin)
+        rotate = kernels.rotate_into if kernels.applies(qkv) else rotate_into
+        ctx.rotate = rotate
+        rotate(rotated, qkv[:, :, :qk], cos, sin)
         return rotated[:, :, :n_heads], rotated[:, :, n_heads:], qkv[:, :, qk:]
 
     @staticmethod
@@ -125,8 +133,8 @@ class RotaryQKV(torch.autograd.Function):
         unrotate = -sin
         nh, qk = grad_q.shape[2], grad_q.shape[2] + grad_k.shape[2]
         grad = grad_v.new_empty(*grad_v.shape[:2], qk + grad_v.shape[2], grad_v.shape[3])
-        rotate_into(grad[:, :, :nh], grad_q, cos, unrotate)
-        rotate_into(grad[:, :, nh:qk], grad_k, cos, unrotate)
+        ctx.rotate(grad[:, :, :nh], grad_q, cos, unrotate)
+        ctx.rotate(grad[:, :, nh:qk], grad_k, cos, unrotate)
         grad[:, :, qk:].copy_(grad_v)
         return grad, None, None, None, None
 
@@ -184,7 +192,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = self.w1(x), self.w3(x)
+            if kernels.applies(gate, up):
+                return self.w2(kernels.SwiGLU.apply(gate, up))
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.gelu(self.w1(x)))
 
 

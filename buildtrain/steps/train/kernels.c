@@ -1,0 +1,152 @@
+/* The model's element-wise work on the CPU, fused: RMSNorm, SwiGLU and RoPE, forward and backward,
+ * float32, contiguous rows (see kernels.py, which builds, loads and calls this file).
+ *
+ * Why: in eager torch each of these is a chain of kernels, each a full pass over the activations
+ * with its own dispatch; here each is one pass (issue 26). Why the bits are a function of this
+ * file alone: every operation is a single IEEE-754 float operation in the order written
+ * (kernels.py compiles with -ffp-contract=off and without -ffast-math, so the compiler may neither
+ * fuse a multiply-add nor reorder a sum), sums run in a fixed order of eight lanes that does not
+ * depend on the vector width, and exp is computed here rather than taken from a maths library.
+ * So the SSE2 and AVX2 clones below, and any conforming compiler, give the same bits; one thread
+ * computes each call, so the thread count cannot change them either.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__linux__) && !defined(BT_BASELINE_ONLY)
+#define VECTORIZED __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTORIZED
+#endif
+
+#define LANES 8
+#define CHUNK 256 /* elements per block of SwiGLU's exp, kept in L1 */
+
+/* The eight lanes of a sum, added pairwise, then its tail: one order, whatever the vector width. */
+static inline float total(const float *lane, float tail) {
+    return (((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) + tail;
+}
+
+/* sum(a[i] * b[i]) in eight lanes (element i in lane i mod 8). */
+static inline float dot(const float *restrict a, const float *restrict b, long n) {
+    float lane[LANES] = {0};
+    long i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lane[l] += a[i + l] * b[i + l];
+    float tail = 0.0f;
+    for (; i < n; i++) tail += a[i] * b[i];
+    return total(lane, tail);
+}
+
+/* out = x * rstd * weight per row, rstd = 1 / sqrt(mean(x^2) + eps); rstd is kept for backward. */
+VECTORIZED void bt_rms_norm_forward(const float *restrict x, const float *restrict weight, float *restrict out,
+                                    float *restrict rstd, long rows, long width, float eps) {
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * width;
+        float *o = out + r * width;
+        float s = 1.0f / __builtin_sqrtf(dot(xr, xr, width) / (float)width + eps);
+        rstd[r] = s;
+        for (long j = 0; j < width; j++) o[j] = (xr[j] * s) * weight[j];
+    }
+}
+
+/* With n = x * rstd and gw = grad * weight: dx = rstd * (gw - n * mean(gw * n)); dweight is the sum
+ * over rows of grad * n, added row after row. Products are recomputed rather than stored: a row is
+ * in L1 by then, and there is no scratch buffer to size. */
+VECTORIZED void bt_rms_norm_backward(const float *restrict grad, const float *restrict x,
+                                     const float *restrict weight, const float *restrict rstd,
+                                     float *restrict dx, float *restrict dweight, long rows, long width) {
+    for (long j = 0; j < width; j++) dweight[j] = 0.0f;
+    for (long r = 0; r < rows; r++) {
+        const float *g = grad + r * width, *xr = x + r * width;
+        float *d = dx + r * width;
+        float s = rstd[r];
+        float lane[LANES] = {0};
+        long j = 0;
+        for (; j + LANES <= width; j += LANES)
+            for (int l = 0; l < LANES; l++) lane[l] += (g[j + l] * weight[j + l]) * (xr[j + l] * s);
+        float tail = 0.0f;
+        for (; j < width; j++) tail += (g[j] * weight[j]) * (xr[j] * s);
+        float mean = total(lane, tail) / (float)width;
+        for (j = 0; j < width; j++) {
+            float n = xr[j] * s;
+            d[j] = s * (g[j] * weight[j] - n * mean);
+            dweight[j] += g[j] * n;
+        }
+    }
+}
+
+/* exp(x) for float32: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-7 Taylor polynomial
+ * (error below 5e-9 relative), 2^k built in the exponent bits. x is clamped to [-87, 89]: below,
+ * 2^k would leave the normal floats (and exp(-87) already vanishes beside 1, all SwiGLU adds it
+ * to); above 88.4, k = 128 builds +inf, as exp overflows there (from 88.72 exactly). A NaN becomes
+ * -87 here; SwiGLU still returns NaN, from its other factor. */
+static inline float exp_clamped(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    x = x < 89.0f ? x : 89.0f;
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float k = (x * 1.44269504f + shift) - shift;
+    float r = (x - k * 0.693145752f) - k * 1.42860677e-6f; /* ln 2 in two parts */
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120
+              + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* exp(-a) for a block, computed apart from its use: fused into one loop, the compiler evaluates
+ * the use for the clamped constants too, and those divisions make denormals that cost 10x. */
+static inline void exp_negated(const float *restrict a, float *restrict e, long m) {
+    for (long i = 0; i < m; i++) e[i] = exp_clamped(-a[i]);
+}
+
+/* out = silu(a) * b, silu(a) = a / (1 + exp(-a)). */
+VECTORIZED void bt_swiglu_forward(const float *restrict a, const float *restrict b, float *restrict out, long n) {
+    float e[CHUNK];
+    for (long start = 0; start < n; start += CHUNK) {
+        long m = n - start < CHUNK ? n - start : CHUNK;
+        const float *ac = a + start, *bc = b + start;
+        float *o = out + start;
+        exp_negated(ac, e, m);
+        for (long i = 0; i < m; i++) o[i] = (ac[i] / (1.0f + e[i])) * bc[i];
+    }
+}
+
+/* With s = sigmoid(a): db = grad * a * s; da = grad * b * s * (1 + a * (1 - s)). */
+VECTORIZED void bt_swiglu_backward(const float *restrict grad, const float *restrict a, const float *restrict b,
+                                   float *restrict da, float *restrict db, long n) {
+    float e[CHUNK];
+    for (long start = 0; start < n; start += CHUNK) {
+        long m = n - start < CHUNK ? n - start : CHUNK;
+        const float *g = grad + start, *ac = a + start, *bc = b + start;
+        float *dac = da + start, *dbc = db + start;
+        exp_negated(ac, e, m);
+        for (long i = 0; i < m; i++) {
+            float s = 1.0f / (1.0f + e[i]);
+            dbc[i] = g[i] * (ac[i] * s);
+            dac[i] = (g[i] * bc[i]) * (s * (1.0f + ac[i] * (1.0f - s)));
+        }
+    }
+}
+
+/* Rotate-half RoPE of x (B, T, H, hs) into out (B, T, H, hs), each in its own strides for b, t and
+ * h (channels contiguous), by tables cos and sin (T, hs): out = x * cos + swap_halves(x) * sin, two
+ * products and one sum per element. */
+VECTORIZED void bt_rope(float *restrict out, const float *restrict x, const float *restrict cos,
+                        const float *restrict sin, long B, long T, long H, long hs, long xb, long xt, long xh,
+                        long ob, long ot, long oh) {
+    long half = hs / 2;
+    for (long b = 0; b < B; b++)
+        for (long t = 0; t < T; t++) {
+            const float *c = cos + t * hs, *s = sin + t * hs;
+            for (long h = 0; h < H; h++) {
+                const float *restrict xi = x + b * xb + t * xt + h * xh;
+                float *restrict o = out + b * ob + t * ot + h * oh;
+                for (long i = 0; i < half; i++) {
+                    o[i] = xi[i] * c[i] + xi[i + half] * s[i];
+                    o[i + half] = xi[i + half] * c[i + half] + xi[i] * s[i + half];
+                }
+            }
+        }
+}
