@@ -306,3 +306,14 @@ def test_fused_kernels_without_a_compiler_fail_the_step_in_one_line(tmp_path: Pa
     failed = run_bt("run", planned, store=store, env={"CC": "no-such-compiler-here"})
     assert failed.returncode == 1, failed.stderr
     assert "no C compiler to build kernels.c" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_mismatched_shapes_are_refused_before_the_c_reads_past_a_tensor() -> None:
+    x = torch.randn(2, 7, 3, 16)
+    cos, sin = eager.rope_tables(16, 6, 100.0)  # one position short
+    with pytest.raises(ValueError, match="RoPE of x"):
+        kernels.rotate_into(torch.empty_like(x), x, cos, sin)
+    with pytest.raises(ValueError, match="RMSNorm weight"):
+        kernels.RMSNorm.apply(torch.randn(4, 8), torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="SwiGLU gate"):
+        kernels.SwiGLU.apply(torch.randn(10), torch.randn(9))

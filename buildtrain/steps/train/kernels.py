@@ -72,12 +72,19 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def _expect(condition: bool, what: str) -> None:
+    """The C reads exactly the sizes it is given: a mismatch would read past a tensor, not fail."""
+    if not condition:
+        raise ValueError(f"{what}: shapes do not match")
+
+
 class RMSNorm(torch.autograd.Function):
     """x / rms(x) * weight over the last dimension; keeps x and one rstd per row for backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x, width = x.contiguous(), x.shape[-1]
+        _expect(weight.shape == x.shape[-1:], f"RMSNorm weight {tuple(weight.shape)} for x {tuple(x.shape)}")
+        x, weight, width = x.contiguous(), weight.contiguous(), x.shape[-1]
         out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])
         library().bt_rms_norm_forward(
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), rstd.numel(), width, eps
@@ -108,6 +115,7 @@ class SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        _expect(a.shape == b.shape, f"SwiGLU gate {tuple(a.shape)} and up {tuple(b.shape)}")
         a, b = a.contiguous(), b.contiguous()
         out = torch.empty_like(a)
         library().bt_swiglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
@@ -129,6 +137,11 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
     """out = x * cos + swap_halves(x) * sin for x and out (B, T, heads, hs) in any strides along
     B, T and heads (out's channels contiguous); cos and sin (T, 1, hs)."""
     B, T, H, hs = x.shape
+    tables = (T, 1, hs)
+    _expect(
+        out.shape == x.shape and out.stride(-1) == 1 and hs % 2 == 0 and cos.shape == sin.shape == tables,
+        f"RoPE of x {tuple(x.shape)} into {tuple(out.shape)} by tables {tuple(cos.shape)}",
+    )
     x = x if x.stride(-1) == 1 else x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     library().bt_rope(
