@@ -5,7 +5,8 @@ update's time goes, and measured so that a noisy host cancels out: every contend
 process (started with the `native` numerics environment, so the allocator behaves as in a step
 process), and each round times one update of each, forward and backward over the micro-batches of
 `throughput.py --shape gpt2` (width 256, 4 layers, 4 heads, sequence 128, 2 micro-batches of 8,
-the byte vocabulary), in CPU time, the order reversed every other round. A host that slows down
+the byte vocabulary), in CPU time on one thread and in wall time on several (CPU time would count
+the OpenMP threads that spin between kernels), the order reversed every other round. A host that slows down
 for a second slows one round of every contender, so the ratio of each round's pair is steady
 where the times are not (on a shared 2-core VM, single updates here ranged 540-930 ms while
 paired ratios stayed within a few percent).
@@ -70,7 +71,7 @@ def build(overrides: dict[str, Any] | None, vocab: int) -> Any:
 
 
 def child(spec: dict[str, Any]) -> dict[str, list[float]]:
-    """CPU seconds of one update of each contender, round by round."""
+    """Seconds (CPU on one thread, wall on more) of one update of each contender, round by round."""
     import torch
     import torch.nn.functional as F
 
@@ -80,6 +81,7 @@ def child(spec: dict[str, Any]) -> dict[str, list[float]]:
     torch.set_num_threads(spec["threads"])
     models = {name: build(overrides, BYTE_VOCAB_SIZE) for name, overrides in VARIANTS.items()}
     fused = kernels.mode()  # what a plan on this machine computes with
+    clock = time.process_time if spec["threads"] == 1 else time.perf_counter
     tokens = torch.randint(
         0, BYTE_VOCAB_SIZE, (MICRO_BATCHES, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1)
     )
@@ -87,14 +89,14 @@ def child(spec: dict[str, Any]) -> dict[str, list[float]]:
     def update(name: str) -> float:
         model = models[name]
         kernels.select((VARIANTS[name] or {}).get("kernels", fused))
-        started = time.process_time()
+        started = clock()
         for rows in tokens:
             logits = model(rows[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()) / MICRO_BATCHES
             loss.backward()
         for parameter in model.parameters():
             parameter.grad = None
-        return time.process_time() - started
+        return clock() - started
 
     names = list(models)
     for name in names:  # warm-up: first-call allocations and kernel selection
@@ -131,7 +133,8 @@ def report(times: dict[str, list[float]], rounds: int, threads: int) -> float:
             ]
         )
     print_table(
-        f"forward+backward per update, CPU ms ({rounds} paired rounds, {threads} threads, float32)",
+        f"forward+backward per update, {'CPU' if threads == 1 else 'wall'} ms ({rounds} paired rounds, "
+        f"{threads} threads, float32)",
         ["contender", "median ms", "min..max", "time / nanoGPT's, paired (quartiles)", "speed vs nanoGPT"],
         rows,
     )

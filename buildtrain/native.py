@@ -12,6 +12,9 @@ one rounding, and leaving out -ffast-math forbids reordering a sum, so every flo
 happens as written and the bits depend on the source alone, not on the compiler or the CPU
 (`kernels.c` says how its sums and exp are written for that). -fno-trapping-math and
 -fno-math-errno change no result; they let the compiler vectorize clamps and a square root.
+-fopenmp lets a kernel split its rows among threads, which changes no result either (`kernels.c`
+says why); where the compiler has no OpenMP, the library is built without it and computes the
+same bits on one thread.
 
 Whether a machine has a compiler is a toolchain fact (`plan/toolchain.py`): a plan records
 whether its steps compute with these kernels or with torch's eager operations, so one hash never
@@ -43,6 +46,7 @@ FLAGS = (
     "-fPIC",
     "-shared",
 )
+THREADED = ("-fopenmp",)  # tried first; a compiler without OpenMP builds the kernels single-threaded
 BUILD_SECONDS = 300  # a compiler that takes longer is stuck, not slow
 
 
@@ -72,7 +76,8 @@ def load(source: Path) -> ctypes.CDLL:
             f"(Debian: apt-get install gcc) or set CC, or plan with numerics.kernels = 'eager'"
         )
     text = source.read_bytes()
-    key = blake3.blake3(b"\0".join((text, " ".join(FLAGS).encode(), cc.encode()))).hexdigest()[:32]
+    flags = " ".join((*FLAGS, *THREADED)).encode()
+    key = blake3.blake3(b"\0".join((text, flags, cc.encode()))).hexdigest()[:32]
     library = cache_folder() / f"{source.stem}-{key}.so"
     if not _intact(library):
         try:
@@ -104,13 +109,16 @@ def _build(cc: str, source: Path, library: Path) -> None:
     handle, temporary = tempfile.mkstemp(dir=library.parent, prefix=f".{library.name}.", suffix=".tmp")
     os.close(handle)
     try:
-        done = subprocess.run(
-            [cc, *FLAGS, "-o", temporary, str(source), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_SECONDS,
-            check=False,
-        )
+        for threaded in (THREADED, ()):
+            done = subprocess.run(
+                [cc, *FLAGS, *threaded, "-o", temporary, str(source), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_SECONDS,
+                check=False,
+            )
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if line.strip()), "no message")
             raise StepFailed(

@@ -125,11 +125,17 @@ def build_variant(tmp_path: Path, *flags: str) -> ctypes.CDLL:
     return loaded
 
 
-def every_kernel(lib: ctypes.CDLL) -> list[torch.Tensor]:
-    """Each kernel's outputs on one set of inputs (widths with and without an eight-lane tail)."""
+# Sizes with and without an eight-lane tail, and sizes large enough to be split among 4 threads.
+NORM_SHAPES = ((33, 256), (17, 75), (301, 257))
+SWIGLU_SIZES = (3 * 256 + 13, 70_001)
+ROPE_SHAPES = ((2, 5, 3, 12), (3, 50, 4, 128))
+
+
+def every_kernel(lib: ctypes.CDLL, threads: int = 1) -> list[torch.Tensor]:
+    """Each kernel's outputs on one set of inputs, computed with up to `threads` threads."""
     g = seeded(5)
     outputs = []
-    for rows, width in ((33, 256), (17, 75)):
+    for rows, width in NORM_SHAPES:
         x, w, grad = (
             torch.randn(rows, width, generator=g),
             torch.rand(width, generator=g),
@@ -137,7 +143,7 @@ def every_kernel(lib: ctypes.CDLL) -> list[torch.Tensor]:
         )
         out, rstd, dx, dw = torch.empty_like(x), torch.empty(rows), torch.empty_like(x), torch.empty_like(w)
         lib.bt_rms_norm_forward(
-            x.data_ptr(), w.data_ptr(), out.data_ptr(), rstd.data_ptr(), rows, width, 1e-5
+            x.data_ptr(), w.data_ptr(), out.data_ptr(), rstd.data_ptr(), rows, width, 1e-5, threads
         )
         lib.bt_rms_norm_backward(
             grad.data_ptr(),
@@ -150,34 +156,53 @@ def every_kernel(lib: ctypes.CDLL) -> list[torch.Tensor]:
             width,
         )
         outputs += [out, rstd, dx, dw]
-    n = 3 * 256 + 13
-    a, b, grad = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g), torch.randn(n, generator=g)
-    out, da, db = torch.empty(n), torch.empty(n), torch.empty(n)
-    lib.bt_swiglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), n)
-    lib.bt_swiglu_backward(grad.data_ptr(), a.data_ptr(), b.data_ptr(), da.data_ptr(), db.data_ptr(), n)
-    x, (cos, sin) = torch.randn(2, 5, 3, 12, generator=g), eager.rope_tables(12, 5, 100.0)
-    rotated = torch.empty_like(x)
-    lib.bt_rope(
-        rotated.data_ptr(),
-        x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        2,
-        5,
-        3,
-        12,
-        *x.stride()[:3],
-        *rotated.stride()[:3],
-    )
-    return [*outputs, out, da, db, rotated]
+    for n in SWIGLU_SIZES:
+        a, b, grad = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g), torch.randn(n, generator=g)
+        out, da, db = torch.empty(n), torch.empty(n), torch.empty(n)
+        lib.bt_swiglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), n, threads)
+        lib.bt_swiglu_backward(grad.data_ptr(), a.data_ptr(), b.data_ptr(), da.data_ptr(), db.data_ptr(), n, threads)
+        outputs += [out, da, db]
+    for B, T, H, hs in ROPE_SHAPES:
+        x, (cos, sin) = torch.randn(B, T, H, hs, generator=g), eager.rope_tables(hs, T, 100.0)
+        rotated = torch.empty_like(x)
+        lib.bt_rope(
+            rotated.data_ptr(),
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            B,
+            T,
+            H,
+            hs,
+            *x.stride()[:3],
+            *rotated.stride()[:3],
+            threads,
+        )
+        outputs.append(rotated)
+    return outputs
+
+
+def test_the_bits_do_not_depend_on_the_thread_count() -> None:
+    """Every kernel at 1, 2, 3, 4 and 8 threads on sizes that are split (checked), bit for bit."""
+    lib = kernels.library()
+    (rows, width), n, (B, T, H, hs) = NORM_SHAPES[-1], SWIGLU_SIZES[-1], ROPE_SHAPES[-1]
+    assert lib.bt_parallel_parts(rows, width, 4) == 4  # the library was built with OpenMP
+    assert lib.bt_parallel_parts(n, 1, 4) == 4
+    assert lib.bt_parallel_parts(B * T, H * hs, 4) == 4
+    assert lib.bt_parallel_parts(NORM_SHAPES[0][0], NORM_SHAPES[0][1], 4) == 1  # too small to split
+    one = every_kernel(lib, threads=1)
+    for threads in (2, 3, 4, 8):
+        for ours, theirs in zip(one, every_kernel(lib, threads), strict=True):
+            assert torch.equal(ours, theirs), threads
 
 
 def test_the_bits_depend_on_the_source_not_on_vector_width_or_optimizer(tmp_path: Path) -> None:
-    """The library steps load (vector clones on x86-64 Linux) against a baseline-only build and an
-    unvectorized one: the same bits, as kernels.c's ordering rules promise."""
-    loaded = every_kernel(kernels.library())
+    """The library steps load (vector clones on x86-64 Linux, OpenMP, 4 threads) against a
+    baseline-only build and an unvectorized one, both without OpenMP: the same bits, as kernels.c's
+    ordering rules promise."""
+    loaded = every_kernel(kernels.library(), threads=4)
     for flags in (("-DBT_BASELINE_ONLY",), ("-O1", "-fno-tree-vectorize", "-DBT_BASELINE_ONLY")):
-        for ours, theirs in zip(loaded, every_kernel(build_variant(tmp_path, *flags)), strict=True):
+        for ours, theirs in zip(loaded, every_kernel(build_variant(tmp_path, *flags), threads=4), strict=True):
             assert torch.equal(ours, theirs), flags
 
 
@@ -213,6 +238,29 @@ def test_a_compiler_that_fails_stops_the_step_with_what_to_do(
         native.load(kernels.SOURCE)
     assert list((tmp_path / "buildtrain" / "kernels").iterdir()) == []  # nothing half-written
     native.load.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_single_threaded_kernels_with_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that refuses -fopenmp (as clang without libomp does) still builds the kernels:
+    one range per call, the same bits as the threaded build."""
+    fresh_cache(monkeypatch, tmp_path)
+    cc = native.compiler()
+    without = tmp_path / "cc-without-openmp"
+    without.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unsupported: $a" >&2; exit 1; }}; done\n'
+        f'exec {cc} "$@"\n'
+    )
+    without.chmod(0o755)
+    monkeypatch.setenv("CC", str(without))
+    single = native.load(kernels.SOURCE)
+    native.load.cache_clear()
+    for name, arguments in kernels.SIGNATURES.items():
+        getattr(single, name).argtypes = arguments
+    assert single.bt_parallel_parts(10**6, 1, 4) == 1
+    for ours, theirs in zip(every_kernel(kernels.library(), 4), every_kernel(single, 4), strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_the_fingerprint_records_which_kernels_a_cpu_step_computes_with() -> None:

@@ -7,8 +7,12 @@
  * (kernels.py compiles with -ffp-contract=off and without -ffast-math, so the compiler may neither
  * fuse a multiply-add nor reorder a sum), sums run in a fixed order of eight lanes that does not
  * depend on the vector width, and exp is computed here rather than taken from a maths library.
- * So the SSE2 and AVX2 clones below, and any conforming compiler, give the same bits; one thread
- * computes each call, so the thread count cannot change them either.
+ * So the SSE2 and AVX2 clones below, and any conforming compiler, give the same bits.
+ *
+ * Why the thread count cannot change them either: a call's work is cut into contiguous ranges of
+ * rows (or elements), one per thread (`parallel`), and every output is computed from its own row
+ * (element) alone, in the same order whoever computes it. The one sum across rows, RMSNorm's weight
+ * gradient, runs on one thread.
  */
 #include <stdint.h>
 #include <string.h>
@@ -20,7 +24,35 @@
 #endif
 
 #define LANES 8
-#define CHUNK 256 /* elements per block of SwiGLU's exp, kept in L1 */
+#define CHUNK 256        /* elements per block of SwiGLU's exp, kept in L1 */
+#define GRAIN 16384      /* elements a thread is worth starting for (tens of microseconds of work) */
+
+/* A range [begin, end) of a call's work, and the function that does it. */
+typedef void (*part_fn)(const void *call, long begin, long end);
+
+/* How many contiguous ranges `parallel` cuts [0, n) into: at most `threads`, and no more than the
+ * work is worth (`cost` elements per unit of n, GRAIN elements a thread); one without OpenMP.
+ * Exported for the tests, which check that their large calls are split. */
+long bt_parallel_parts(long n, long cost, long threads) {
+#ifdef _OPENMP
+    long worth = n * cost / GRAIN;
+    long parts = threads < worth ? threads : worth;
+    return parts < 1 ? 1 : parts > n ? n : parts;
+#else
+    (void)n, (void)cost, (void)threads;
+    return 1;
+#endif
+}
+
+/* fn over [0, n), one range per thread. The threads are OpenMP's: built with -fopenmp, this
+ * library shares the OpenMP runtime torch has loaded (libgomp.so.1), so its team is the one
+ * torch's own kernels just used, still awake (threads of our own would wait for a core while that
+ * team spins). Without OpenMP the one range runs on the calling thread, with the same results. */
+static void parallel(part_fn fn, const void *call, long n, long cost, long threads) {
+    long parts = bt_parallel_parts(n, cost, threads);
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+    for (long i = 0; i < parts; i++) fn(call, n * i / parts, n * (i + 1) / parts);
+}
 
 /* The eight lanes of a sum, added pairwise, then its tail: one order, whatever the vector width. */
 static inline float total(const float *lane, float tail) {
@@ -38,10 +70,10 @@ static inline float dot(const float *restrict a, const float *restrict b, long n
     return total(lane, tail);
 }
 
-/* out = x * rstd * weight per row, rstd = 1 / sqrt(mean(x^2) + eps); rstd is kept for backward. */
-VECTORIZED void bt_rms_norm_forward(const float *restrict x, const float *restrict weight, float *restrict out,
-                                    float *restrict rstd, long rows, long width, float eps) {
-    for (long r = 0; r < rows; r++) {
+/* out = x * rstd * weight for rows [begin, end), rstd = 1 / sqrt(mean(x^2) + eps), kept for backward. */
+VECTORIZED static void norm_forward_rows(const float *restrict x, const float *restrict weight, float *restrict out,
+                                         float *restrict rstd, long width, float eps, long begin, long end) {
+    for (long r = begin; r < end; r++) {
         const float *xr = x + r * width;
         float *o = out + r * width;
         float s = 1.0f / __builtin_sqrtf(dot(xr, xr, width) / (float)width + eps);
@@ -50,9 +82,30 @@ VECTORIZED void bt_rms_norm_forward(const float *restrict x, const float *restri
     }
 }
 
+typedef struct {
+    const float *x, *weight;
+    float *out, *rstd;
+    long width;
+    float eps;
+} norm_t;
+
+static void norm_forward_part(const void *call, long begin, long end) {
+    const norm_t *c = call;
+    norm_forward_rows(c->x, c->weight, c->out, c->rstd, c->width, c->eps, begin, end);
+}
+
+void bt_rms_norm_forward(const float *x, const float *weight, float *out, float *rstd, long rows, long width,
+                         float eps, long threads) {
+    norm_t call = {x, weight, out, rstd, width, eps};
+    parallel(norm_forward_part, &call, rows, width, threads);
+}
+
 /* With n = x * rstd and gw = grad * weight: dx = rstd * (gw - n * mean(gw * n)); dweight is the sum
  * over rows of grad * n, added row after row. Products are recomputed rather than stored: a row is
- * in L1 by then, and there is no scratch buffer to size. */
+ * in L1 by then, and there is no scratch buffer to size. One thread: the sum over rows could be
+ * split by columns without changing a bit, but each thread would then read grad and x again, and
+ * in a memory-bound pass that costs what the second thread saves (2,048 x 256 at two threads: 361
+ * against 396 us on one; at one thread, 649 us). */
 VECTORIZED void bt_rms_norm_backward(const float *restrict grad, const float *restrict x,
                                      const float *restrict weight, const float *restrict rstd,
                                      float *restrict dx, float *restrict dweight, long rows, long width) {
@@ -101,11 +154,12 @@ static inline void exp_negated(const float *restrict a, float *restrict e, long 
     for (long i = 0; i < m; i++) e[i] = exp_clamped(-a[i]);
 }
 
-/* out = silu(a) * b, silu(a) = a / (1 + exp(-a)). */
-VECTORIZED void bt_swiglu_forward(const float *restrict a, const float *restrict b, float *restrict out, long n) {
+/* out = silu(a) * b, silu(a) = a / (1 + exp(-a)), for elements [begin, end). */
+VECTORIZED static void swiglu_forward_range(const float *restrict a, const float *restrict b, float *restrict out,
+                                            long begin, long end) {
     float e[CHUNK];
-    for (long start = 0; start < n; start += CHUNK) {
-        long m = n - start < CHUNK ? n - start : CHUNK;
+    for (long start = begin; start < end; start += CHUNK) {
+        long m = end - start < CHUNK ? end - start : CHUNK;
         const float *ac = a + start, *bc = b + start;
         float *o = out + start;
         exp_negated(ac, e, m);
@@ -114,11 +168,12 @@ VECTORIZED void bt_swiglu_forward(const float *restrict a, const float *restrict
 }
 
 /* With s = sigmoid(a): db = grad * a * s; da = grad * b * s * (1 + a * (1 - s)). */
-VECTORIZED void bt_swiglu_backward(const float *restrict grad, const float *restrict a, const float *restrict b,
-                                   float *restrict da, float *restrict db, long n) {
+VECTORIZED static void swiglu_backward_range(const float *restrict grad, const float *restrict a,
+                                             const float *restrict b, float *restrict da, float *restrict db,
+                                             long begin, long end) {
     float e[CHUNK];
-    for (long start = 0; start < n; start += CHUNK) {
-        long m = n - start < CHUNK ? n - start : CHUNK;
+    for (long start = begin; start < end; start += CHUNK) {
+        long m = end - start < CHUNK ? end - start : CHUNK;
         const float *g = grad + start, *ac = a + start, *bc = b + start;
         float *dac = da + start, *dbc = db + start;
         exp_negated(ac, e, m);
@@ -130,23 +185,67 @@ VECTORIZED void bt_swiglu_backward(const float *restrict grad, const float *rest
     }
 }
 
+typedef struct {
+    const float *a, *b, *grad;
+    float *out, *da, *db;
+} swiglu_t;
+
+static void swiglu_forward_part(const void *call, long begin, long end) {
+    const swiglu_t *c = call;
+    swiglu_forward_range(c->a, c->b, c->out, begin, end);
+}
+
+static void swiglu_backward_part(const void *call, long begin, long end) {
+    const swiglu_t *c = call;
+    swiglu_backward_range(c->grad, c->a, c->b, c->da, c->db, begin, end);
+}
+
+void bt_swiglu_forward(const float *a, const float *b, float *out, long n, long threads) {
+    swiglu_t call = {.a = a, .b = b, .out = out};
+    parallel(swiglu_forward_part, &call, n, 1, threads);
+}
+
+void bt_swiglu_backward(const float *grad, const float *a, const float *b, float *da, float *db, long n,
+                        long threads) {
+    swiglu_t call = {.a = a, .b = b, .grad = grad, .da = da, .db = db};
+    parallel(swiglu_backward_part, &call, n, 1, threads);
+}
+
 /* Rotate-half RoPE of x (B, T, H, hs) into out (B, T, H, hs), each in its own strides for b, t and
- * h (channels contiguous), by tables cos and sin (T, hs): out = x * cos + swap_halves(x) * sin, two
- * products and one sum per element. */
-VECTORIZED void bt_rope(float *restrict out, const float *restrict x, const float *restrict cos,
-                        const float *restrict sin, long B, long T, long H, long hs, long xb, long xt, long xh,
-                        long ob, long ot, long oh) {
-    long half = hs / 2;
-    for (long b = 0; b < B; b++)
-        for (long t = 0; t < T; t++) {
-            const float *c = cos + t * hs, *s = sin + t * hs;
-            for (long h = 0; h < H; h++) {
-                const float *restrict xi = x + b * xb + t * xt + h * xh;
-                float *restrict o = out + b * ob + t * ot + h * oh;
-                for (long i = 0; i < half; i++) {
-                    o[i] = xi[i] * c[i] + xi[i + half] * s[i];
-                    o[i + half] = xi[i + half] * c[i + half] + xi[i] * s[i + half];
-                }
+ * h (channels contiguous), by tables cos and sin (T, hs), for positions [begin, end) of the
+ * flattened (B, T): out = x * cos + swap_halves(x) * sin, two products and one sum per element. */
+VECTORIZED static void rope_positions(float *restrict out, const float *restrict x, const float *restrict cos,
+                                      const float *restrict sin, long T, long H, long hs, const long *stride,
+                                      long begin, long end) {
+    long half = hs / 2, xb = stride[0], xt = stride[1], xh = stride[2], ob = stride[3], ot = stride[4],
+         oh = stride[5];
+    for (long p = begin; p < end; p++) {
+        long b = p / T, t = p % T;
+        const float *c = cos + t * hs, *s = sin + t * hs;
+        for (long h = 0; h < H; h++) {
+            const float *restrict xi = x + b * xb + t * xt + h * xh;
+            float *restrict o = out + b * ob + t * ot + h * oh;
+            for (long i = 0; i < half; i++) {
+                o[i] = xi[i] * c[i] + xi[i + half] * s[i];
+                o[i + half] = xi[i + half] * c[i + half] + xi[i] * s[i + half];
             }
         }
+    }
+}
+
+typedef struct {
+    float *out;
+    const float *x, *cos, *sin;
+    long T, H, hs, stride[6]; /* x's along b, t and h, then out's */
+} rope_t;
+
+static void rope_part(const void *call, long begin, long end) {
+    const rope_t *c = call;
+    rope_positions(c->out, c->x, c->cos, c->sin, c->T, c->H, c->hs, c->stride, begin, end);
+}
+
+void bt_rope(float *out, const float *x, const float *cos, const float *sin, long B, long T, long H, long hs,
+             long xb, long xt, long xh, long ob, long ot, long oh, long threads) {
+    rope_t call = {out, x, cos, sin, T, H, hs, {xb, xt, xh, ob, ot, oh}};
+    parallel(rope_part, &call, B * T, H * hs, threads);
 }

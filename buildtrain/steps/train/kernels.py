@@ -55,12 +55,14 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 _LONG, _POINTER, _FLOAT = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
 SIGNATURES = {
-    "bt_rms_norm_forward": [_POINTER] * 4 + [_LONG, _LONG, _FLOAT],
+    "bt_rms_norm_forward": [_POINTER] * 4 + [_LONG, _LONG, _FLOAT, _LONG],
     "bt_rms_norm_backward": [_POINTER] * 6 + [_LONG, _LONG],
-    "bt_swiglu_forward": [_POINTER] * 3 + [_LONG],
-    "bt_swiglu_backward": [_POINTER] * 5 + [_LONG],
-    "bt_rope": [_POINTER] * 4 + [_LONG] * 10,
+    "bt_swiglu_forward": [_POINTER] * 3 + [_LONG, _LONG],
+    "bt_swiglu_backward": [_POINTER] * 5 + [_LONG, _LONG],
+    "bt_rope": [_POINTER] * 4 + [_LONG] * 11,
+    "bt_parallel_parts": [_LONG] * 3,
 }
+RETURNS = {"bt_parallel_parts": _LONG}  # the others return nothing  # all but the norm's backward end with the threads to compute with (`_threads`)
 
 
 @functools.cache
@@ -68,8 +70,14 @@ def library() -> ctypes.CDLL:
     lib = native.load(SOURCE)
     for name, arguments in SIGNATURES.items():
         function = getattr(lib, name)
-        function.argtypes, function.restype = arguments, None
+        function.argtypes, function.restype = arguments, RETURNS.get(name)
     return lib
+
+
+def _threads() -> int:
+    """The threads a kernel may use: torch's intra-op count, which the step's numerics set. The
+    count changes no bit (kernels.c says why); a call too small to be worth a thread uses fewer."""
+    return torch.get_num_threads()
 
 
 def _expect(condition: bool, what: str) -> None:
@@ -87,7 +95,7 @@ class RMSNorm(torch.autograd.Function):
         x, weight, width = x.contiguous(), weight.contiguous(), x.shape[-1]
         out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])
         library().bt_rms_norm_forward(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), rstd.numel(), width, eps
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), rstd.numel(), width, eps, _threads()
         )
         ctx.save_for_backward(x, weight, rstd)
         return out
@@ -118,7 +126,7 @@ class SwiGLU(torch.autograd.Function):
         _expect(a.shape == b.shape, f"SwiGLU gate {tuple(a.shape)} and up {tuple(b.shape)}")
         a, b = a.contiguous(), b.contiguous()
         out = torch.empty_like(a)
-        library().bt_swiglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel())
+        library().bt_swiglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), _threads())
         ctx.save_for_backward(a, b)
         return out
 
@@ -128,7 +136,7 @@ class SwiGLU(torch.autograd.Function):
         grad = grad.contiguous()
         da, db = torch.empty_like(a), torch.empty_like(b)
         library().bt_swiglu_backward(
-            grad.data_ptr(), a.data_ptr(), b.data_ptr(), da.data_ptr(), db.data_ptr(), a.numel()
+            grad.data_ptr(), a.data_ptr(), b.data_ptr(), da.data_ptr(), db.data_ptr(), a.numel(), _threads()
         )
         return da, db
 
@@ -155,4 +163,5 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
         hs,
         *x.stride()[:3],
         *out.stride()[:3],
+        _threads(),
     )
