@@ -214,8 +214,8 @@ def test_portable_building_block_gives_the_bits_of_one_thread(block: str, data: 
 @pytest.mark.parametrize("threads", [3, 4, 16])
 def test_native_model_differs_with_threads_so_the_sizes_split(threads: int) -> None:
     """Negative control: the same block with that many intra-op threads changes its bits, computed
-    by torch's operations throughout (the fused kernels run on one thread, so with them the model
-    changed at 4 threads but not at 3 or 16)."""
+    by torch's operations throughout (the fused kernels give one thread's bits at any count, so
+    with them the model changed at 4 threads but not at 3 or 16)."""
 
     def compute() -> dict[str, Any]:
         chosen = kernels.mode()
