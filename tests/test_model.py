@@ -244,8 +244,10 @@ def test_rms_norm_function_agrees_with_torch_in_float32() -> None:
 
 
 def rotary(qkv: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """q, k and v (B, T, heads, hs), as the projection (B, T, heads, hs) lays them out."""
     cos, sin = rope_tables(qkv.shape[-1], qkv.shape[1], 100.0)
-    return RotaryQKV.apply(qkv, cos.to(qkv.dtype), sin.to(qkv.dtype), n_heads, n_kv_heads)
+    q, k, v = RotaryQKV.apply(qkv, cos.to(qkv.dtype), sin.to(qkv.dtype), n_heads, n_kv_heads)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def test_rotary_qkv_rotates_channel_i_with_channel_i_plus_half_and_passes_v_through() -> None:

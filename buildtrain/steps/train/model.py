@@ -101,7 +101,8 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 class RotaryQKV(torch.autograd.Function):
-    """Split the fused projection (B, T, nh + 2 nkv, hs) into q, k (rotated) and v.
+    """Split the fused projection (B, T, nh + 2 nkv, hs) into q, k (rotated) and v, each as
+    attention reads them, (B, heads, T, hs).
 
     One function so that the backward writes the projection's gradient once, in place: through
     autograd, each of the three slices' gradients would be a zero-filled tensor of the full width,
@@ -119,11 +120,14 @@ class RotaryQKV(torch.autograd.Function):
         ctx.save_for_backward(cos, sin)
         qk = n_heads + n_kv_heads
         B, T, _, hs = qkv.shape
-        rotated = qkv.new_empty(B, T, qk, hs)  # contiguous
+        # Heads-major: laid out (B, T, heads, hs), one position of a head was 2 KB from the next
+        # at the GPT-2-like shape, a power of two that maps them all to the same cache sets, and
+        # attention read q and k 6% slower.
+        rotated = qkv.new_empty(B, qk, T, hs)
         rotate = kernels.rotate_into if kernels.applies(qkv) else rotate_into
         ctx.rotate = rotate
-        rotate(rotated, qkv[:, :, :qk], cos, sin)
-        return rotated[:, :, :n_heads], rotated[:, :, n_heads:], qkv[:, :, qk:]
+        rotate(rotated.transpose(1, 2), qkv[:, :, :qk], cos, sin)
+        return rotated[:, :n_heads], rotated[:, n_heads:], qkv[:, :, qk:].transpose(1, 2)
 
     @staticmethod
     def backward(
@@ -131,6 +135,7 @@ class RotaryQKV(torch.autograd.Function):
     ) -> tuple[torch.Tensor, None, None, None, None]:
         cos, sin = ctx.saved_tensors
         unrotate = -sin
+        grad_q, grad_k, grad_v = (g.transpose(1, 2) for g in (grad_q, grad_k, grad_v))  # (B, T, heads, hs)
         nh, qk = grad_q.shape[2], grad_q.shape[2] + grad_k.shape[2]
         grad = grad_v.new_empty(*grad_v.shape[:2], qk + grad_v.shape[2], grad_v.shape[3])
         ctx.rotate(grad[:, :, :nh], grad_q, cos, unrotate)
@@ -165,8 +170,7 @@ class Attention(nn.Module):
         """q (B, nh, T, hs), k and v (B, nkv, T, hs) of x (B, T, C), RoPE applied to q and k."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, -1, self.head_dim)  # (B, T, nh + 2 nkv, hs)
-        q, k, v = RotaryQKV.apply(qkv, cos, sin, self.n_heads, self.n_kv_heads)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return RotaryQKV.apply(qkv, cos, sin, self.n_heads, self.n_kv_heads)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
