@@ -69,3 +69,16 @@ def test_the_tours_plan_hashes_are_what_bt_plan_prints_on_an_intel_machine(tmp_p
     fix = "re-run the tour (README.md, A tour) and update its hashes"
     assert (shown[1], shown_stages[1]) == (tiny.stdout.strip(), stages.stdout.strip()[:12]), fix
     assert tiny.stderr.strip() in README, fix  # the summary: the plan's and its steps' hashes
+
+
+def test_the_tours_short_hashes_name_the_plans_it_printed():
+    """`bt run d930` and `bt diff 865a 34b6` in the tour are prefixes of the hashes it printed
+    (the diff's went stale once while the printed hashes were updated)."""
+    tour = README.split("## A tour", 1)[1].split("\n## ", 1)[0]
+    printed = set(re.findall(r"\b[0-9a-f]{12}\b", tour))
+    prefixes = re.findall(r"^\$ bt (?:run|verify) ([0-9a-f]{4,11})\b", tour, re.M)
+    for pair in re.findall(r"^\$ bt diff ([0-9a-f]{4,11}) ([0-9a-f]{4,11})\b", tour, re.M):
+        prefixes += pair
+    assert prefixes, "the tour's bt run, verify and diff commands are not where this test looks"
+    for prefix in prefixes:
+        assert any(full.startswith(prefix) for full in printed), f"the tour's {prefix} names no plan it printed"
