@@ -160,7 +160,9 @@ def every_kernel(lib: ctypes.CDLL, threads: int = 1) -> list[torch.Tensor]:
         a, b, grad = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g), torch.randn(n, generator=g)
         out, da, db = torch.empty(n), torch.empty(n), torch.empty(n)
         lib.bt_swiglu_forward(a.data_ptr(), b.data_ptr(), out.data_ptr(), n, threads)
-        lib.bt_swiglu_backward(grad.data_ptr(), a.data_ptr(), b.data_ptr(), da.data_ptr(), db.data_ptr(), n, threads)
+        lib.bt_swiglu_backward(
+            grad.data_ptr(), a.data_ptr(), b.data_ptr(), da.data_ptr(), db.data_ptr(), n, threads
+        )
         outputs += [out, da, db]
     for B, T, H, hs in ROPE_SHAPES:
         x, (cos, sin) = torch.randn(B, T, H, hs, generator=g), eager.rope_tables(hs, T, 100.0)
@@ -202,7 +204,9 @@ def test_the_bits_depend_on_the_source_not_on_vector_width_or_optimizer(tmp_path
     ordering rules promise."""
     loaded = every_kernel(kernels.library(), threads=4)
     for flags in (("-DBT_BASELINE_ONLY",), ("-O1", "-fno-tree-vectorize", "-DBT_BASELINE_ONLY")):
-        for ours, theirs in zip(loaded, every_kernel(build_variant(tmp_path, *flags), threads=4), strict=True):
+        for ours, theirs in zip(
+            loaded, every_kernel(build_variant(tmp_path, *flags), threads=4), strict=True
+        ):
             assert torch.equal(ours, theirs), flags
 
 

@@ -81,4 +81,6 @@ def test_the_tours_short_hashes_name_the_plans_it_printed():
         prefixes += pair
     assert prefixes, "the tour's bt run, verify and diff commands are not where this test looks"
     for prefix in prefixes:
-        assert any(full.startswith(prefix) for full in printed), f"the tour's {prefix} names no plan it printed"
+        assert any(full.startswith(prefix) for full in printed), (
+            f"the tour's {prefix} names no plan it printed"
+        )

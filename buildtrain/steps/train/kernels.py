@@ -54,6 +54,7 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 
 _LONG, _POINTER, _FLOAT = ctypes.c_long, ctypes.c_void_p, ctypes.c_float
+# Every kernel but the norm's backward takes, last, the threads it may use (`_threads`).
 SIGNATURES = {
     "bt_rms_norm_forward": [_POINTER] * 4 + [_LONG, _LONG, _FLOAT, _LONG],
     "bt_rms_norm_backward": [_POINTER] * 6 + [_LONG, _LONG],
@@ -62,7 +63,7 @@ SIGNATURES = {
     "bt_rope": [_POINTER] * 4 + [_LONG] * 11,
     "bt_parallel_parts": [_LONG] * 3,
 }
-RETURNS = {"bt_parallel_parts": _LONG}  # the others return nothing  # all but the norm's backward end with the threads to compute with (`_threads`)
+RETURNS = {"bt_parallel_parts": _LONG}  # the others return nothing
 
 
 @functools.cache
@@ -95,7 +96,14 @@ class RMSNorm(torch.autograd.Function):
         x, weight, width = x.contiguous(), weight.contiguous(), x.shape[-1]
         out, rstd = torch.empty_like(x), x.new_empty(x.shape[:-1])
         library().bt_rms_norm_forward(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(), rstd.numel(), width, eps, _threads()
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rstd.data_ptr(),
+            rstd.numel(),
+            width,
+            eps,
+            _threads(),
         )
         ctx.save_for_backward(x, weight, rstd)
         return out

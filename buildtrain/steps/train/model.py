@@ -122,7 +122,7 @@ class RotaryQKV(torch.autograd.Function):
         B, T, _, hs = qkv.shape
         # Heads-major: laid out (B, T, heads, hs), one position of a head was 2 KB from the next
         # at the GPT-2-like shape, a power of two that maps them all to the same cache sets, and
-        # attention read q and k 6% slower.
+        # attention took about 10% longer than on nanoGPT's layout.
         rotated = qkv.new_empty(B, qk, T, hs)
         rotate = kernels.rotate_into if kernels.applies(qkv) else rotate_into
         ctx.rotate = rotate
