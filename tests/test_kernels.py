@@ -1,6 +1,7 @@
 """The fused CPU kernels (`steps/train/kernels.c`): what they compute, that their bits depend on
 the source alone (not on the vector width or the optimizer), and how they are built and chosen.
-Every test here needs a C compiler, which the suite's machines have (`.ci/run` installs one)."""
+Every test here needs a C compiler, and the thread tests one with OpenMP (gcc): the suite's
+machines have it (`.ci/run` installs gcc where there is no `cc`)."""
 
 from __future__ import annotations
 
