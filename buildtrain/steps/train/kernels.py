@@ -47,9 +47,9 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass that dispatches els
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether these tensors go through the fused kernels."""
     return (
-        mode() == "fused"
+        not torch.compiler.is_compiling()  # first: torch.compile need not trace the rest
+        and mode() == "fused"
         and all(type(t) in PLAIN and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and not torch.compiler.is_compiling()
     )
 
 

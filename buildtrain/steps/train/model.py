@@ -95,7 +95,12 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
     Each element is one product plus one product-sum, as in x * cos + rolled * sin.
     """
     half = x.shape[-1] // 2
-    torch.mul(x, cos, out=out)
+    if torch.compiler.is_compiling():
+        # torch.compile cannot trace an `out=` that is not contiguous (the heads-major q and k
+        # are not): it would split the graph twice per layer. Compiled, the product is fused anyway.
+        out.copy_(x * cos)
+    else:
+        torch.mul(x, cos, out=out)
     out[..., :half].addcmul_(x[..., half:], sin[..., :half])
     out[..., half:].addcmul_(x[..., :half], sin[..., half:])
 
