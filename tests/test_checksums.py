@@ -34,6 +34,30 @@ def test_changing_one_element_changes_the_checksum(size: int, seed: int, where: 
     assert checksums({"w": changed})["w"] != checksums({"w": tensor})["w"]
 
 
+def defined_sums(tensor: torch.Tensor) -> list[int]:
+    """The four sums as `state` defines them, word by word: each 16-bit half of each 32-bit word
+    (or narrower element) times each of its position's two weights."""
+    bits = state._words(tensor).to(torch.int64)
+    position = torch.arange(bits.numel(), dtype=torch.int64)
+    mask = (1 << state.WEIGHT_BITS) - 1
+    weights = ((position & mask) + 1, ((position >> state.WEIGHT_BITS) & mask) + 1)
+    halves = (bits & 0xFFFF, (bits >> 16) & 0xFFFF)
+    return [int((weight * half).sum()) for weight in weights for half in halves]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 2**16 + 300), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
+)
+def test_the_sums_are_the_defined_sums(sizes: list[int], dtype: torch.dtype) -> None:
+    """Summed by rows for speed, each tensor's sums are still its words' sums by position
+    (sizes reach past 2**15 words, where the high weight first changes)."""
+    tensors = [values(size, i, dtype) for i, size in enumerate(sizes)]
+    summed = state._group_sums([state._words(tensor) for tensor in tensors]).tolist()
+    assert summed == [defined_sums(tensor) for tensor in tensors]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
 def test_every_bit_of_a_wide_element_counts(dtype: torch.dtype) -> None:
     tensor = values(1000, 7).to(dtype)

@@ -112,6 +112,7 @@ NARROW_VIEWS = {1: torch.uint8, 2: torch.int16}  # wider elements are read as 32
 # Tensors are checksummed together in groups of at most this many words (int32 temporaries of
 # 128 MiB each; a larger tensor is a group of its own): a few dozen kernels per group, not per tensor.
 GROUP_WORDS = 1 << 25
+ROW = 128  # words per row in `_group_sums`; divides 2**WEIGHT_BITS
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,27 +136,34 @@ def _groups(words: list[torch.Tensor]) -> list[list[int]]:
 
 
 def _group_sums(words: list[torch.Tensor]) -> torch.Tensor:
-    """(tensors, 4): the four sums of each tensor of a group, from one pass over the group.
+    """(tensors, 4): the four sums of each tensor of a group, from a few passes over the group.
 
-    Measured on an H100 at GPT-2 small: the owner of each word found by `searchsorted` (not
-    `repeat_interleave`, 5 ms), products written straight into one int64 buffer (a reduction with
-    a dtype copies its input first), then one reduction per tensor over its slice.
+    Each tensor is laid out in rows of ROW words, its last row padded with zeros (which add
+    nothing). A word at row r of its tensor, column c, sits at position r * ROW + c: its low
+    weight is (r % (2**15 / ROW)) * ROW + c + 1, its high weight depends on r alone. So per row,
+    the sum of each half and the sum of each half times (c + 1) are enough (in int32: below
+    ROW * ROW * 2**16 = 2**30); row weights combine them in int64, then each tensor sums its rows.
+    Four passes over the group's words after the copy, where weighting every word took a dozen
+    (7 ms an update at GPT-2 small on an H200, issue 26; 6x faster on the CPU).
     """
     device = words[0].device
-    counts = [view.numel() for view in words]
-    total = sum(counts)
-    index = torch.int32 if total < 2**31 else torch.int64
-    bounds = torch.tensor([0, *itertools.accumulate(counts)], dtype=index).to(device)
-    at = torch.arange(total, device=device, dtype=index)
-    position = at - bounds[torch.searchsorted(bounds[1:], at, right=True)]
-    mask = (1 << WEIGHT_BITS) - 1
-    weights = ((position & mask) + 1, ((position >> WEIGHT_BITS) & mask) + 1)
-    bits = torch.cat(words).to(torch.int32)
-    halves = (bits & 0xFFFF, (bits >> 16) & 0xFFFF)
-    products = torch.empty(4, total, dtype=torch.int64, device=device)
-    for row, (weight, half) in enumerate(itertools.product(weights, halves)):
-        torch.mul(weight, half, out=products[row])  # below 2**31: exact before it is widened
-    return torch.stack([piece.sum(dim=1) for piece in products.split(counts, dim=1)])
+    padding = torch.zeros(ROW, dtype=words[0].dtype, device=device)
+    pieces = [piece for view in words for piece in (view, padding[: -view.numel() % ROW])]
+    bits = torch.cat(pieces).to(torch.int32).view(-1, ROW)  # (rows, ROW)
+    halves = torch.empty(2, *bits.shape, dtype=torch.int32, device=device)  # low, high
+    torch.bitwise_and(bits, 0xFFFF, out=halves[0])
+    torch.bitwise_right_shift(bits, 16, out=halves[1]).bitwise_and_(0xFFFF)
+    column = torch.arange(1, ROW + 1, dtype=torch.int32, device=device)
+    plain = halves.sum(dim=2, dtype=torch.int32).long()  # (2, rows)
+    weighted = (halves * column).sum(dim=2, dtype=torch.int32).long()
+    counts = [-(-view.numel() // ROW) for view in words]  # rows per tensor
+    bounds = torch.tensor([0, *itertools.accumulate(counts)]).to(device)
+    at = torch.arange(bits.shape[0], device=device)
+    row = at - bounds[torch.searchsorted(bounds[1:], at, right=True)]  # within its tensor
+    low = (row & ((1 << WEIGHT_BITS) // ROW - 1)) * ROW  # what the row adds to each column's low weight
+    high = ((row * ROW >> WEIGHT_BITS) & ((1 << WEIGHT_BITS) - 1)) + 1
+    sums = torch.cat((weighted + low * plain, high * plain))  # (4, rows): (low, high) x (lo, hi half)
+    return torch.stack([piece.sum(dim=1) for piece in sums.split(counts, dim=1)])
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
