@@ -44,7 +44,7 @@ def test_bt_diff_names_the_compile_setting(tmp_path: Path) -> None:
 def test_the_model_compiles_to_one_graph(n_kv_heads: int, mlp: str) -> None:
     """torch.compile traces the whole forward (causal and packed, under bf16 autocast as on a
     GPU) as one graph: a graph break costs each layer a round trip through eager mode, which made
-    the compiled model slower than the eager one on an H200 (stop 39)."""
+    the compiled model slower than the eager one on an H200 (issue 26)."""
     import torch
     import torch._dynamo
 

@@ -96,8 +96,8 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
     """
     half = x.shape[-1] // 2
     if torch.compiler.is_compiling():
-        # torch.compile cannot trace an `out=` that is not contiguous (the heads-major q and k
-        # are not): it would split the graph twice per layer. Compiled, the product is fused anyway.
+        # torch.compile cannot trace an `out=` that is not contiguous (k, laid out head by head,
+        # is not): it would split the graph in every layer. Compiled, the product is fused anyway.
         out.copy_(x * cos)
     else:
         torch.mul(x, cos, out=out)
