@@ -120,10 +120,7 @@ def build_variant(tmp_path: Path, *flags: str) -> ctypes.CDLL:
     cc = native.compiler()
     assert cc is not None
     subprocess.run([cc, *native.FLAGS, *flags, "-o", str(library), str(kernels.SOURCE), "-lm"], check=True)
-    loaded = ctypes.CDLL(str(library))
-    for name, arguments in kernels.SIGNATURES.items():
-        getattr(loaded, name).argtypes = arguments
-    return loaded
+    return kernels.declare(ctypes.CDLL(str(library)))
 
 
 # Sizes with and without an eight-lane tail, and sizes large enough to be split among 4 threads.
@@ -259,10 +256,8 @@ def test_a_compiler_without_openmp_builds_single_threaded_kernels_with_the_same_
     )
     without.chmod(0o755)
     monkeypatch.setenv("CC", str(without))
-    single = native.load(kernels.SOURCE)
+    single = kernels.declare(native.load(kernels.SOURCE))
     native.load.cache_clear()
-    for name, arguments in kernels.SIGNATURES.items():
-        getattr(single, name).argtypes = arguments
     assert single.bt_parallel_parts(10**6, 1, 4) == 1
     for ours, theirs in zip(every_kernel(kernels.library(), 4), every_kernel(single, 4), strict=True):
         assert torch.equal(ours, theirs)

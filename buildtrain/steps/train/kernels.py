@@ -68,7 +68,11 @@ RETURNS = {"bt_parallel_parts": _LONG}  # the others return nothing
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    lib = native.load(SOURCE)
+    return declare(native.load(SOURCE))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with every kernel's argument and return types set (a build of kernels.c)."""
     for name, arguments in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = arguments, RETURNS.get(name)
