@@ -14,8 +14,10 @@ paired ratios stayed within a few percent).
 Contenders: buildtrain's Transformer as the shape derives it (RMSNorm, SwiGLU of hidden 688, RoPE,
 one q/k/v projection) with the kernels a plan here would use (fused where there is a C compiler,
 `steps/train/kernels.c`), the same with torch's eager operations instead, with LayerNorm, with a
-GELU MLP of 4 x width, with both (what is left is RoPE and the rest of the layout), and the
-nanoGPT-shaped GPT of `reference_models.py`.
+GELU MLP of 4 x width, with both (what is left is RoPE and the rest of the layout), with both and
+no RoPE (q, k and v taken as views of the projection, as nanoGPT takes them: what is left is
+buildtrain's code, its untied output and its lack of learned positions), and the nanoGPT-shaped
+GPT of `reference_models.py`.
 Prints each contender's median time per update and the median (and quartiles) of its paired
 ratio to nanoGPT's time; speed is the inverse. Issue 26's goal: buildtrain >= 1.0x nanoGPT's
 speed. It imports the installed buildtrain (one process measures a few seconds of code, so there
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +52,15 @@ VARIANTS = {  # contender: overrides of SHAPE (None: the nanoGPT-shaped GPT)
     "buildtrain, LayerNorm": {"norm": "layernorm"},
     "buildtrain, GELU 4x": {"mlp": "gelu", "ffn_hidden": 4 * SHAPE["dim"]},
     "buildtrain, LayerNorm + GELU 4x": {"norm": "layernorm", "mlp": "gelu", "ffn_hidden": 4 * SHAPE["dim"]},
+    "buildtrain, LayerNorm + GELU 4x, no RoPE": {
+        "norm": "layernorm",
+        "mlp": "gelu",
+        "ffn_hidden": 4 * SHAPE["dim"],
+        "rope": False,
+    },
     "nanoGPT-shaped": None,
 }
+NOT_CONFIG = ("kernels", "rope")  # overrides of the measurement, not of the model's config
 REFERENCE = "nanoGPT-shaped"
 GOAL = 1.0
 
@@ -65,9 +75,25 @@ def build(overrides: dict[str, Any] | None, vocab: int) -> Any:
     if overrides is None:
         torch.manual_seed(0)
         return nanogpt(SHAPE["dim"], SHAPE["n_layers"], SHAPE["n_heads"], SEQ, vocab)
-    overrides = {key: value for key, value in overrides.items() if key != "kernels"}
-    config = ModelConfig(**{**SHAPE, **overrides})
-    return Transformer.build(config, vocab, torch.Generator().manual_seed(0))
+    settings = {key: value for key, value in overrides.items() if key not in NOT_CONFIG}
+    config = ModelConfig(**{**SHAPE, **settings})
+    model = Transformer.build(config, vocab, torch.Generator().manual_seed(0))
+    return model if overrides.get("rope", True) else without_rope(model)
+
+
+def without_rope(model: Any) -> Any:
+    """`model` with q, k and v taken as views of the fused projection, nanoGPT's way: no rotation
+    (a different model, trained by nobody: here only to price RoPE's passes)."""
+
+    def views(attention: Any, x: Any, cos: Any, sin: Any) -> tuple[Any, Any, Any]:
+        B, T, _ = x.shape
+        heads = (attention.n_heads, attention.n_kv_heads, attention.n_kv_heads)
+        q, k, v = attention.wqkv(x).view(B, T, -1, attention.head_dim).split(heads, dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    for block in model.blocks:
+        block.attention.qkv = types.MethodType(views, block.attention)
+    return model
 
 
 def child(spec: dict[str, Any]) -> dict[str, list[float]]:
