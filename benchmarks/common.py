@@ -194,6 +194,32 @@ def rounds(args: argparse.Namespace, quick: int, full: int) -> int:
     return max(1, args.rounds) if args.rounds else (quick if args.quick else full)
 
 
+def in_process_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The parser of a benchmark whose contenders alternate in one measuring process
+    (`measure_in_child`): the usual options, --threads, and the child's own flag."""
+    parser = make_parser(doc)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: the measuring process
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    return parser
+
+
+def measure_in_child(script: str, threads: int, rounds: int) -> Any:
+    """What `script --child` prints last (JSON: its measurements), run in a process started with
+    the `native` numerics environment for `threads`, which MKL, OpenMP and the allocator read when
+    torch loads; None, after its error output, if it failed."""
+    from buildtrain.executor import numerics
+
+    env = {**os.environ, **numerics.environment("native", "cpu", threads)}
+    spec = json.dumps({"threads": threads, "rounds": rounds})
+    done = subprocess.run(
+        [sys.executable, script, "--child", spec], env=env, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        return None
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 # -- processes ------------------------------------------------------------------------------------
 
 

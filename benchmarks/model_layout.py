@@ -28,11 +28,8 @@ Run: python benchmarks/model_layout.py [--quick] [--rounds N] [--threads N]
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -42,7 +39,16 @@ from typing import Any
 sys.dont_write_bytecode = True  # no benchmarks/__pycache__ in the repository
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import goal_line, make_parser, median, note, print_goals, print_header, print_table  # noqa: E402
+from common import (  # noqa: E402
+    goal_line,
+    in_process_parser,
+    measure_in_child,
+    median,
+    note,
+    print_goals,
+    print_header,
+    print_table,
+)
 
 SHAPE = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_hidden": 688}
 BATCH, SEQ, MICRO_BATCHES = 8, 128, 2
@@ -168,27 +174,18 @@ def report(times: dict[str, list[float]], rounds: int, threads: int) -> float:
 
 
 def main() -> int:
-    parser = make_parser(__doc__)
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: the measuring process
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    parser = in_process_parser(__doc__)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
-    from buildtrain.executor import numerics
-
     rounds = args.rounds or (10 if args.quick else 40)
     print_header("model layout: forward+backward of buildtrain's model vs the nanoGPT-shaped one", args)
     note(f"{rounds} rounds of {len(VARIANTS)} contenders in one process, {args.threads} threads")
-    env = {**os.environ, **numerics.environment("native", "cpu", args.threads)}
-    spec = json.dumps({"threads": args.threads, "rounds": rounds})
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", spec], env=env, capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr)
+    times = measure_in_child(__file__, args.threads, rounds)
+    if times is None:
         return 1
-    speed = report(json.loads(done.stdout.splitlines()[-1]), rounds, args.threads)
+    speed = report(times, rounds, args.threads)
     print_goals(
         [
             goal_line(

@@ -179,6 +179,26 @@ def every_kernel(lib: ctypes.CDLL, threads: int = 1) -> list[torch.Tensor]:
             threads,
         )
         outputs.append(rotated)
+    for n in SWIGLU_SIZES:
+        param, exp_avg, exp_avg_sq = (
+            torch.randn(n, generator=g),
+            torch.randn(n, generator=g),
+            torch.rand(n, generator=g),
+        )
+        grad = torch.randn(n, generator=g)
+        lib.bt_adamw(
+            *(t.data_ptr() for t in (param, grad, exp_avg, exp_avg_sq)),
+            n,
+            0.999,
+            0.1,
+            0.95,
+            0.05,
+            0.3,
+            1e-8,
+            -0.01,
+            threads,
+        )
+        outputs += [param, exp_avg, exp_avg_sq]
     return outputs
 
 

@@ -14,13 +14,17 @@
  * (element) alone, in the same order whoever computes it. The one sum across rows, RMSNorm's weight
  * gradient, runs on one thread.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__linux__) && !defined(BT_BASELINE_ONLY)
 #define VECTORIZED __attribute__((target_clones("avx2", "default")))
+/* AdamW's lerp is a fused multiply-add (torch's, matched bit for bit): a clone with FMA units. */
+#define VECTORIZED_FMA __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define VECTORIZED
+#define VECTORIZED_FMA
 #endif
 
 #define LANES 8
@@ -248,4 +252,43 @@ void bt_rope(float *out, const float *x, const float *cos, const float *sin, lon
              long xb, long xt, long xh, long ob, long ot, long oh, long threads) {
     rope_t call = {out, x, cos, sin, T, H, hs, {xb, xt, xh, ob, ot, oh}};
     parallel(rope_part, &call, B * T, H * hs, threads);
+}
+
+/* One AdamW update of n elements, in the operations and order of torch's single-tensor AdamW on a
+ * float32 CPU tensor (optimizer.py writes them out with torch._foreach_*), so the same bits, in one
+ * pass instead of eight. Every element is computed alike, whatever its position: a shard of a
+ * tensor updates exactly as that part of the whole tensor does. The scalars come in as the float32
+ * values torch would convert them to. Two steps are torch's fused multiply-adds: lerp(m, g, w), from
+ * the nearer end, and addcmul (fmaf is exactly rounded with or without FMA units, so every clone
+ * agrees). */
+typedef struct {
+    float *p, *m, *v;
+    const float *g;
+    float decay, w, beta2, c, correction, eps, step; /* step: minus the step size */
+} adamw_t;
+
+VECTORIZED_FMA static void adamw_range(const adamw_t *a, long begin, long end) {
+    float *restrict p = a->p, *restrict m = a->m, *restrict v = a->v;
+    const float *restrict g = a->g;
+    int near = fabsf(a->w) < 0.5f;
+    float coefficient = near ? a->w : a->w - 1.0f;
+    for (long i = begin; i < end; i++) {
+        float weight = p[i] * a->decay;
+        float moment = fmaf(coefficient, g[i] - m[i], near ? m[i] : g[i]);
+        float square = fmaf(a->c * g[i], g[i], v[i] * a->beta2); /* torch's addcmul: one rounding */
+        float denominator = sqrtf(square) / a->correction + a->eps;
+        m[i] = moment;
+        v[i] = square;
+        p[i] = weight + a->step * moment / denominator;
+    }
+}
+
+static void adamw_part(const void *call, long begin, long end) {
+    adamw_range(call, begin, end);
+}
+
+void bt_adamw(float *p, const float *g, float *m, float *v, long n, float decay, float w, float beta2, float c,
+              float correction, float eps, float step, long threads) {
+    adamw_t call = {p, m, v, g, decay, w, beta2, c, correction, eps, step};
+    parallel(adamw_part, &call, n, 1, threads);
 }

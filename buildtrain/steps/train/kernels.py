@@ -61,6 +61,7 @@ SIGNATURES = {
     "bt_swiglu_forward": [_POINTER] * 3 + [_LONG, _LONG],
     "bt_swiglu_backward": [_POINTER] * 5 + [_LONG, _LONG],
     "bt_rope": [_POINTER] * 4 + [_LONG] * 11,
+    "bt_adamw": [_POINTER] * 4 + [_LONG] + [_FLOAT] * 7 + [_LONG],
     "bt_parallel_parts": [_LONG] * 3,
 }
 RETURNS = {"bt_parallel_parts": _LONG}  # the others return nothing
@@ -175,5 +176,31 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
         hs,
         *x.stride()[:3],
         *out.stride()[:3],
+        _threads(),
+    )
+
+
+def adamw(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    scalars: tuple[float, float, float, float, float, float, float],
+) -> None:
+    """One AdamW update of `param` and its moments, in place, in one pass (`bt_adamw`). `scalars`:
+    the decay factor, the lerp weight, beta2, 1 - beta2, the bias correction of the second moment,
+    eps and minus the step size, each as torch takes it (optimizer.py)."""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    _expect(
+        all(t.shape == param.shape and t.is_contiguous() for t in tensors),
+        f"AdamW of a parameter {tuple(param.shape)}",
+    )
+    library().bt_adamw(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        param.numel(),
+        *scalars,
         _threads(),
     )
