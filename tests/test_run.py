@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -353,8 +354,10 @@ def test_unknown_target_is_a_usage_error(micro_built, tmp_path):
 
 
 def test_out_of_memory_fails_cleanly_naming_the_step(tmp_path):
-    """A virtual-memory limit on `bt run` (inherited by its step process) makes the first AdamW
-    update of a 34M-parameter model fail to allocate; torch's import fits under the limit."""
+    """A virtual-memory limit on `bt run` (inherited by its step process) makes one of the first
+    updates of a 34M-parameter model fail to allocate (which one depends on what the update keeps:
+    the CPU's one-pass AdamW holds no temporaries, and fails at the second, after a checkpoint);
+    torch's import fits under the limit."""
     import resource
 
     store = tmp_path / ".bt"
@@ -386,7 +389,8 @@ def test_out_of_memory_fails_cleanly_naming_the_step(tmp_path):
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
     )
     assert limited.returncode == ExitCode.FAILED, limited.stderr
-    assert "out of memory at step 1" in limited.stderr and "Traceback" not in limited.stderr
+    assert re.search(r"out of memory at step [12] ", limited.stderr), limited.stderr
+    assert "Traceback" not in limited.stderr
     assert "lower train.micro_batch_size" in limited.stderr
     train = load_plan(Store(store), planned).by_label("train:main")
     assert not Store(store).has_output(train.hash)
