@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 from buildtrain import native
 from buildtrain.executor import numerics
 from buildtrain.steps.train import kernels
+from buildtrain.steps.train import optimizer as adamw
 from buildtrain.steps.train.optimizer import AdamW
 
 needs_a_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @contextlib.contextmanager
@@ -153,6 +155,7 @@ PORTABLE_UPDATES = """
 import sys, torch
 from buildtrain.executor import numerics
 from buildtrain.steps.train import kernels
+from buildtrain.steps.train import optimizer as adamw
 from buildtrain.steps.train.optimizer import AdamW
 numerics.apply_after_import(torch, "portable", "cpu", 1)
 results = []
@@ -177,3 +180,55 @@ def test_under_portable_the_fused_kernel_makes_torchs_update_bit_for_bit() -> No
     env = {**os.environ, **numerics.environment("portable", "cpu", 1)}
     done = subprocess.run([sys.executable, "-c", PORTABLE_UPDATES], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_the_fused_update_is_torch_optim_adamws_fused_one_bit_for_bit(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the update is torch's fused kernel; called as torch.optim.AdamW(fused=True) calls
+    it, it gives that optimizer's bits. On the CPU (where a step never takes it, but torch has
+    the kernel too) the test routes the update there, so the call itself is checked anywhere.
+    Two groups, one decayed, and a parameter that joins at the third update: two step counts."""
+    if device == "cpu":  # past the C kernel, to torch's
+        monkeypatch.setattr(kernels, "applies", lambda *tensors: False)
+        monkeypatch.setattr(adamw, "runs_fused", lambda params: True)
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = torch.nn.Linear(8, 4).to(device), torch.nn.Linear(8, 4).to(device)
+    late = [torch.nn.Parameter(torch.randn(4, generator=generator).to(device)) for _ in range(2)]
+    with torch.no_grad():
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            a.copy_(torch.randn(a.shape, generator=generator))
+            b.copy_(a)
+        late[1].copy_(late[0])
+    mine = AdamW(
+        [
+            {"params": [ours.weight, late[0]], "weight_decay": 0.1},
+            {"params": [ours.bias], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    reference = torch.optim.AdamW(
+        [
+            {"params": [theirs.weight, late[1]], "weight_decay": 0.1},
+            {"params": [theirs.bias], "weight_decay": 0.0},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
+    for update in range(5):
+        inputs = torch.randn(5, 8, generator=generator).to(device)
+        for model, extra, step in ((ours, late[0], mine.update), (theirs, late[1], reference.step)):
+            loss = model(inputs).pow(2).mean()
+            if update >= 2:  # until then `extra` has no gradient, and no step count
+                loss = loss + (model.weight.sum(1) * extra).sum()
+            loss.backward()
+            step()
+            for parameter in (*model.parameters(), extra):
+                parameter.grad = None
+        for a, b in zip((*ours.parameters(), late[0]), (*theirs.parameters(), late[1]), strict=True):
+            assert torch.equal(a, b), update
