@@ -124,10 +124,9 @@ class AdamW:
         exp_avgs = [self.state[p]["exp_avg"] for p in params]
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
         beta1, beta2 = self.betas
+        step_size, correction = lr / (1 - beta1**count), math.sqrt(1 - beta2**count)  # bias corrections
         tensors = [[local(t) for t in group] for group in (params, grads, exp_avgs, exp_avg_sqs)]
         if kernels.applies(*tensors[0], *tensors[1]):
-            step_size = lr / (1 - beta1**count)
-            correction = math.sqrt(1 - beta2**count)
             scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, correction, self.eps, -step_size)
             for param, grad, exp_avg, exp_avg_sq in zip(*tensors, strict=True):
                 kernels.adamw(param, grad, exp_avg, exp_avg_sq, scalars)
@@ -139,9 +138,8 @@ class AdamW:
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        step_size = lr / (1 - beta1**count)
         denominators = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denominators, math.sqrt(1 - beta2**count))
+        torch._foreach_div_(denominators, correction)
         torch._foreach_add_(denominators, self.eps)
         torch._foreach_addcdiv_(params, exp_avgs, denominators, value=-step_size)
 
