@@ -1,5 +1,6 @@
 /* The model's element-wise work on the CPU, fused: RMSNorm, SwiGLU and RoPE, forward and backward,
- * float32, contiguous rows (see kernels.py, which builds, loads and calls this file).
+ * and AdamW's update, float32, contiguous rows (see kernels.py, which builds, loads and calls this
+ * file).
  *
  * Why: in eager torch each of these is a chain of kernels, each a full pass over the activations
  * with its own dispatch; here each is one pass (issue 26). Why the bits are a function of this

@@ -1,4 +1,5 @@
-"""The model's fused CPU kernels (`kernels.c`) as autograd functions, and the choice to use them.
+"""The model's fused CPU kernels (`kernels.c`) as autograd functions (and AdamW's update, which
+`optimizer.py` calls), and the choice to use them.
 
 A process computes either with these ("fused") or with torch's eager operations ("eager"), never a
 mix decided case by case: the plan records which (`numerics.kernels`, resolved against the machine
