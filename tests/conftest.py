@@ -46,6 +46,20 @@ def time_bound(seconds: float, what: str = "the call") -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def computing_with(mode: str) -> Iterator[None]:
+    """This process's kernels `mode` ("fused" or "eager") inside the block, the previous one after
+    (a context, not a fixture: hypothesis runs a test's examples within one call of its fixtures)."""
+    from buildtrain.steps.train import kernels  # here: conftest stays free of torch
+
+    previous = kernels.mode()
+    kernels.select(mode)
+    try:
+        yield
+    finally:
+        kernels.select(previous)
+
+
 def run_bt(
     *args: str,
     store: Path,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MICRO, plan_hash, run_bt, step_digests
+from conftest import MICRO, computing_with, plan_hash, run_bt, step_digests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_model import rms_norm_by_definition, seeded
@@ -33,10 +33,8 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler
 
 @pytest.fixture(autouse=True)
 def fused_mode() -> Iterator[None]:
-    previous = kernels.mode()
-    kernels.select("fused")
-    yield
-    kernels.select(previous)
+    with computing_with("fused"):
+        yield
 
 
 def close_to_float64(

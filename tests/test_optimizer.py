@@ -4,16 +4,15 @@ pass, whatever the thread count or the split of a tensor into shards."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import computing_with
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,18 +24,6 @@ from buildtrain.steps.train.optimizer import AdamW
 
 needs_a_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@contextlib.contextmanager
-def computing_with(mode: str) -> Iterator[None]:
-    """This process's kernels `mode` inside the block (a context, not a fixture: hypothesis runs a
-    test's examples within one call of its fixtures)."""
-    previous = kernels.mode()
-    kernels.select(mode)
-    try:
-        yield
-    finally:
-        kernels.select(previous)
 
 
 @settings(max_examples=15, deadline=None)

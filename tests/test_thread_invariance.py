@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, plan_hash, run_bt, step_digests
+from conftest import REPO, computing_with, plan_hash, run_bt, step_digests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,6 @@ from buildtrain.executor.policy import step_launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.heldout import evaluate
-from buildtrain.steps.train import kernels
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.reduce import gradients_to_vector, tree_sum
@@ -218,12 +217,8 @@ def test_native_model_differs_with_threads_so_the_sizes_split(threads: int) -> N
     with them the model changed at 4 threads but not at 3 or 16)."""
 
     def compute() -> dict[str, Any]:
-        chosen = kernels.mode()
-        kernels.select("eager")
-        try:
+        with computing_with("eager"):
             return forward_backward(128, 2, 128, 1)
-        finally:
-            kernels.select(chosen)
 
     assert not same_bits(under("native", threads, compute), under("native", 1, compute))
 
