@@ -1,5 +1,6 @@
 """The train/held-out split decided many blocks at once (steps/split.py) is the per-block rule
-(`derive_unit(seed, "heldout", i) < fraction`), and the numpy blake3 under it is blake3."""
+(`derive_unit(seed, "heldout", i) < fraction`), and the blake3 under it, in C and in numpy, is
+blake3."""
 
 from __future__ import annotations
 
@@ -9,10 +10,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.steps import split
+from buildtrain import native
+from buildtrain.steps import short_blake3, split
 from buildtrain.steps.seeds import MASK_63, derive_unit
 from buildtrain.steps.short_blake3 import digest_prefixes
 from buildtrain.steps.split import held_out
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler to build short_blake3.c")
+
+
+def engines() -> list[tuple[str, object]]:
+    """Each way of computing the digests, by name: numpy always, C where it is built."""
+    compiled = short_blake3._compiled()
+    found: list[tuple[str, object]] = [("numpy", short_blake3.in_numpy)]
+    if compiled is not None:
+        found.append(("c", lambda messages: short_blake3.in_c(compiled, messages)))
+    return found
+
 
 # seeds of every length, up to ones whose message is longer than one blake3 block (the fallback)
 seeds = st.one_of(st.integers(0, 1000), st.integers(0, 2**64), st.integers(10**40, 10**45))
@@ -62,6 +76,35 @@ def test_short_blake3_is_blake3(length: int, count: int, data: st.DataObject) ->
         messages[:, : length // 2] = messages[0, : length // 2]
     expected = [int.from_bytes(blake3.blake3(bytes(row)).digest()[:8], "little") for row in messages]
     assert digest_prefixes(messages).tolist() == expected
+    for name, engine in engines():
+        assert engine(messages).tolist() == expected, name
+
+
+@needs_compiler
+def test_the_c_digests_are_built_where_there_is_a_compiler() -> None:
+    """Where cc exists the split is decided in C: a broken build would fall back to numpy silently
+    (same bits, ten times the time), so a test says it did not."""
+    assert short_blake3._compiled() is not None
+
+
+@needs_compiler
+def test_c_and_numpy_agree_on_a_window_of_whole_groups_and_a_tail() -> None:
+    """32,768 + 5 messages of the split's own shape (16 per vector group, then a short group)."""
+    prefix = np.frombuffer(b'[7,"heldout",[', dtype=np.uint8)
+    count = (1 << 15) + 5
+    digits = np.char.zfill(np.arange(count).astype(str), 6).astype("S6").view(np.uint8).reshape(count, 6)
+    messages = np.concatenate(
+        [np.broadcast_to(prefix, (count, len(prefix))), digits, np.full((count, 2), 93, np.uint8)], axis=1
+    )
+    compiled = short_blake3._compiled()
+    assert short_blake3.in_c(compiled, messages).tolist() == short_blake3.in_numpy(messages).tolist()
+
+
+def test_the_split_in_numpy_is_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no compiler (the numpy fallback), a range across digit counts is still the rule."""
+    monkeypatch.setattr(short_blake3, "_compiled", lambda: None)
+    start, count = 9_990, 40
+    assert held_out(3, 0.3, start, count).tolist() == per_block(3, 0.3, start, count)
 
 
 def test_short_blake3_refuses_what_is_not_one_block() -> None:
