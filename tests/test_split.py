@@ -4,6 +4,9 @@ blake3."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import blake3
 import numpy as np
 import pytest
@@ -98,6 +101,24 @@ def test_c_and_numpy_agree_on_a_window_of_whole_groups_and_a_tail() -> None:
     )
     compiled = short_blake3._compiled()
     assert short_blake3.in_c(compiled, messages).tolist() == short_blake3.in_numpy(messages).tolist()
+
+
+@pytest.fixture
+def no_built_digests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """A compiler that fails every build, an empty kernel cache, and no library loaded yet."""
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    short_blake3._compiled.cache_clear()
+    native.load.cache_clear()
+    yield
+    short_blake3._compiled.cache_clear()  # the next caller builds or loads it again
+    native.load.cache_clear()
+
+
+@pytest.mark.usefixtures("no_built_digests")
+def test_a_failed_build_falls_back_to_numpy_with_the_same_split() -> None:
+    assert short_blake3._compiled() is None
+    assert held_out(5, 0.2, 95, 10).tolist() == per_block(5, 0.2, 95, 10)
 
 
 def test_the_split_in_numpy_is_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -119,13 +119,13 @@ def digest_prefixes(messages: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _compiled() -> Callable[..., None] | None:
-    """`bt_digest_prefixes` from short_blake3.c, or None where there is no compiler or the build
-    fails (numpy then computes the same bits, only slower)."""
+    """`bt_digest_prefixes` from short_blake3.c, or None where there is no compiler, the build
+    fails or the library does not load (numpy then computes the same bits, only slower)."""
     if native.compiler() is None:
         return None
     try:
         library = native.load(SOURCE)
-    except StepFailed:
+    except (StepFailed, OSError):  # OSError: ctypes could not load what was built
         return None
     import ctypes  # only here: `bt plan` imports this module and needs no ctypes
 
