@@ -3,8 +3,8 @@
  * (short_blake3.py builds, loads and calls this file; tests/test_split.py holds both to blake3).
  *
  * Why C: the data step decides the split of every block this way, and in numpy each of the
- * compression's ~1,400 word operations is a pass over an array, 0.5-0.7 us a message; here the
- * 16 messages of a group sit in one vector register per word, a few nanoseconds a message.
+ * compression's ~1,400 word operations is a pass over an array, about 0.4 us a message; here
+ * the 16 messages of a group sit in one vector register per word, about 25 ns a message.
  * Only 32-bit integer additions, xors and rotations: the bits are the same on any CPU, compiler
  * and vector width, so the result needs no place in the plan's numerics.
  */
