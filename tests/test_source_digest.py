@@ -354,12 +354,19 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
     assert sources_digest.import_cache().parsed > 0  # parsed again instead
 
 
-def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(package: Path, tmp_path: Path) -> None:
-    """`steps/train/kernels.c` is compiled and called by `kernels.py`: part of that module's code."""
+@pytest.mark.parametrize(
+    ("c_source", "kinds"),
+    [("steps/train/kernels.c", ("train", "eval")), ("steps/short_blake3.c", ("data",))],
+)
+def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(
+    package: Path, tmp_path: Path, c_source: str, kinds: tuple[str, ...]
+) -> None:
+    """`steps/train/kernels.c` is compiled and called by `kernels.py`, `steps/short_blake3.c` by
+    `short_blake3.py` (the data split): each is part of its module's code."""
     store = Store(tmp_path / "store")
     plan = compiled(package, store)
     before = {step.label: step.hash for step in plan.steps}
-    source = package / "steps" / "train" / "kernels.c"
+    source = package / c_source
     original = source.read_bytes()
     source.write_bytes(original + b"\n/* an edit */\n")
     try:
@@ -367,5 +374,5 @@ def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(package: 
     finally:
         source.write_bytes(original)
     changed = {label for label in before if before[label] != after[label]}
-    computing = {step.label for step in plan.steps if step.kind in ("train", "eval")}
+    computing = {step.label for step in plan.steps if step.kind in kinds}
     assert computing and changed == downstream(plan, computing)
