@@ -86,7 +86,7 @@ def test_short_blake3_is_blake3(length: int, count: int, data: st.DataObject) ->
 @needs_compiler
 def test_the_c_digests_are_built_where_there_is_a_compiler() -> None:
     """Where cc exists the split is decided in C: a broken build would fall back to numpy silently
-    (same bits, ten times the time), so a test says it did not."""
+    (same bits, five times the time), so a test says it did not."""
     assert short_blake3._compiled() is not None
 
 
