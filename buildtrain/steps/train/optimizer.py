@@ -10,8 +10,8 @@ single-tensor path, so the bits are the same. Step counts live on the host: no d
 
 On the CPU, where the process computes with the fused kernels (`kernels.py`), each tensor's update
 is instead one pass of a C kernel (`bt_adamw`) making the same operations in the same order, each
-one exactly rounded: 3.4x faster at the GPT-2-like CPU shape (`benchmarks/optimizer.py`: 8.6
-against 28.8 ms an update, one thread). Under `portable` its bits are torch's: MKL's strict mode
+one exactly rounded: 3.3x faster at the GPT-2-like CPU shape (`benchmarks/optimizer.py`: 8.6
+against 27.2 ms an update, one thread). Under `portable` its bits are torch's: MKL's strict mode
 takes torch's square root exactly rounded too. Under `native`, MKL's default square root is not
 (one element in about 160 is one unit in the last place off), so there the two differ. The kernel's
 bits are the same at any thread count and vector width, and a shard of a tensor updates as that
