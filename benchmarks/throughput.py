@@ -18,8 +18,8 @@ when torch loads:
   buildtrain     buildtrain's real training code path: buildtrain.steps.train.trainer.train() with
                  the TrainSetup that buildtrain.steps.train.step.make_setup builds for the train step of
                  a stored plan, reading the token shards of a real data step output (built once with
-                 buildtrain.steps.data.build), after numerics.check_before_import and
-                 apply_after_import exactly as the step worker does, logging through the worker's
+                 buildtrain.steps.data.build), after numerics.import_torch exactly as the step worker
+                 does, logging through the worker's
                  structlog JSON configuration into an in-memory sink that timestamps each train_step
                  event. train.checkpoint_every = train.steps, so no checkpoint falls inside the
                  timed window (checkpoint cost: see checkpoint_cost.py).
@@ -29,7 +29,9 @@ Both loops time the same window, in the process, excluding start-up: from the en
 buildtrain always digests and checkpoints there). Each profile runs buildtrain twice: with the
 default train.digest_every = 1 (a blake3 digest of every weight and AdamW moment after every
 update, part of buildtrain's cost) and with digest_every = train.steps, so the digest cost is
-visible separately.
+visible separately. Two more portable contenders price MKL's branch (executor/mkl.py): without
+the vendor shim (portable as it was before it: on an AMD CPU MKL then runs AUTO, on an Intel one
+the same AVX2,STRICT), and with the shim but MKL_CBWR=AVX2, not strict.
 
 Phases: the loops time forward+backward, clipping, the optimizer update and (buildtrain only)
 the digest of each update; in buildtrain's process by timers wrapped around the trainer's own
@@ -278,16 +280,33 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
-    import attrs
+def import_torch_as(spec: dict[str, Any]) -> Any:
+    """torch, imported as a step process does (`mkl` "checked"), or for a comparison: the portable
+    environment with MKL left to its vendor's own branch (no shim: the profile before the shim;
+    on an AMD CPU, AUTO), or with MKL_CBWR=AVX2 not strict (shim loaded; the environment asks
+    for it); the branch MKL took is checked either way."""
+    from buildtrain.executor import mkl, numerics
 
-    from buildtrain.executor import numerics
-    from buildtrain.executor.logs import configure
-
-    numerics.check_before_import(spec["profile"], "cpu", spec["threads"])
+    variant = spec.get("mkl", "checked")
+    if variant == "checked":
+        return numerics.import_torch(spec["profile"], "cpu", spec["threads"])[0]
+    if variant == "not-strict":
+        mkl.load_shim()
     import torch
 
     numerics.apply_after_import(torch, spec["profile"], "cpu", spec["threads"])
+    taken, asked = mkl.decoded(mkl.branch_taken(torch)), os.environ["MKL_CBWR"]
+    if variant == "not-strict" and taken != asked:
+        raise RuntimeError(f"MKL computes on {taken}, not {asked}")
+    return torch
+
+
+def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
+    import attrs
+
+    from buildtrain.executor.logs import configure
+
+    torch = import_torch_as(spec)
     from buildtrain.steps.context import StepContext
     from buildtrain.steps.train import trainer
     from buildtrain.steps.train.optimizer import AdamW
@@ -380,12 +399,19 @@ def contenders(
     runs = iter(range(1_000_000))
     steps = spec["steps"]
 
-    def contender(name: str, kind: str, profile: str, digest_every: int) -> tuple[str, Any]:
+    def contender(
+        name: str, kind: str, profile: str, digest_every: int, mkl: str = "checked"
+    ) -> tuple[str, Any]:
+        env = numerics.environment(profile, "cpu", spec["threads"])
+        if mkl == "not-strict":
+            env["MKL_CBWR"] = numerics.PORTABLE_CPU["MKL_CBWR"].removesuffix(",STRICT")
+
         def measure() -> float:
             child = {
                 **spec,
                 "kind": "buildtrain" if kind == "buildtrain" else "plain",
                 "model": kind,
+                "mkl": mkl,
                 "profile": profile,
                 "store": str(space.store),
                 "plan": plans[profile, digest_every],
@@ -394,7 +420,7 @@ def contenders(
             }
             done = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(child)],
-                env=space.env(**numerics.environment(profile, "cpu", spec["threads"])),
+                env=space.env(**env),
                 cwd=space.root,
                 capture_output=True,
                 text=True,
@@ -414,7 +440,15 @@ def contenders(
         contender("plain, portable env", "buildtrain-model", "portable", 1),
         contender("buildtrain portable", "buildtrain", "portable", 1),
         contender(f"buildtrain portable, digest_every={steps}", "buildtrain", "portable", steps),
+        contender(NO_SHIM, "buildtrain", "portable", 1, mkl="no-shim"),
+        contender(NOT_STRICT, "buildtrain", "portable", 1, mkl="not-strict"),
     ]
+
+
+# The portable profile before MKL was made to take the asked branch on any vendor (on Intel the
+# same computation; on AMD, MKL's AUTO branch), and the same with the branch not strict.
+NO_SHIM = "buildtrain portable, MKL's own branch (no shim)"
+NOT_STRICT = "buildtrain portable, MKL_CBWR=AVX2 (not strict)"
 
 
 def print_rates(results: dict[str, list[float]], found: Results, title: str) -> dict[str, float]:
@@ -533,6 +567,18 @@ def goal_lines(medians: dict[str, float], steps: int, shape: str) -> list[str]:
         )
         for profile in ("native", "portable")
     }
+    portable_mkl = {
+        "portable without the shim (MKL's own branch)": medians[NO_SHIM],
+        "portable with AVX2 not strict": medians[NOT_STRICT],
+        "native": medians["buildtrain native"],
+    }
+    print(
+        "\nbuildtrain portable (MKL on AVX2,STRICT, any vendor) as a ratio to buildtrain "
+        + ", ".join(
+            f"{name}: {fmt_ratio(ratio(medians['buildtrain portable'], value))}"
+            for name, value in portable_mkl.items()
+        )
+    )
     print(
         f"\nbuildtrain with a state digest after every update, against digest_every={steps}: "
         + ", ".join(f"{fmt_ratio(value)} ({profile})" for profile, value in with_digests.items())

@@ -65,11 +65,15 @@ def cache_folder() -> Path:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL:
+def load(source: Path, *, threaded: bool = True, shared_symbols: bool = False) -> ctypes.CDLL:
     """The library built from `source`, built now unless the cache holds it. A cached library is
     loaded only if its bytes match the digest recorded when it was built; anything else is built
     again (fail closed: a damaged file costs a build, never a wrong result). ctypes and tempfile
-    are imported only here: `bt plan` imports this module for `compiler()` alone."""
+    are imported only here: `bt plan` imports this module for `compiler()` alone.
+
+    `threaded=False` builds without OpenMP (a library loaded before torch must not bring the
+    system's OpenMP runtime in ahead of torch's own); `shared_symbols` loads it RTLD_GLOBAL, so
+    that libraries loaded after it link to its definitions (`executor/mkl.c`)."""
     cc = compiler()
     if cc is None:
         raise StepFailed(
@@ -77,12 +81,13 @@ def load(source: Path) -> ctypes.CDLL:
             f"(Debian: apt-get install gcc) or set CC, or plan with numerics.kernels = 'eager'"
         )
     text = source.read_bytes()
-    flags = " ".join((*FLAGS, *THREADED)).encode()
+    attempts = (THREADED, ()) if threaded else ((),)
+    flags = " ".join((*FLAGS, *attempts[0])).encode()
     key = blake3.blake3(b"\0".join((text, flags, cc.encode()))).hexdigest()[:32]
     library = cache_folder() / f"{source.stem}-{key}.so"
     if not _intact(library):
         try:
-            _build(cc, source, library)
+            _build(cc, source, library, attempts)
         except OSError as exc:
             raise StepFailed(
                 f"cannot build {source.name} into {library.parent}: {exc.strerror or exc}; set XDG_CACHE_HOME "
@@ -90,7 +95,7 @@ def load(source: Path) -> ctypes.CDLL:
             ) from exc
     import ctypes
 
-    return ctypes.CDLL(str(library))
+    return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL if shared_symbols else ctypes.DEFAULT_MODE)
 
 
 def _intact(library: Path) -> bool:
@@ -101,7 +106,7 @@ def _intact(library: Path) -> bool:
         return False
 
 
-def _build(cc: str, source: Path, library: Path) -> None:
+def _build(cc: str, source: Path, library: Path, attempts: tuple[tuple[str, ...], ...]) -> None:
     """Compile into a temporary file and rename it into place, then record its digest: processes
     building at once each write their own file, and a reader never sees half of one."""
     import tempfile
@@ -110,7 +115,7 @@ def _build(cc: str, source: Path, library: Path) -> None:
     handle, temporary = tempfile.mkstemp(dir=library.parent, prefix=f".{library.name}.", suffix=".tmp")
     os.close(handle)
     try:
-        for threaded in (THREADED, ()):
+        for threaded in attempts:
             done = subprocess.run(
                 [cc, *FLAGS, *threaded, "-o", temporary, str(source), "-lm"],
                 capture_output=True,

@@ -139,12 +139,12 @@ def test_the_fused_kernel_updates_a_shard_as_that_part_of_the_whole() -> None:
 
 
 PORTABLE_UPDATES = """
-import sys, torch
+import sys
 from buildtrain.executor import numerics
+torch, _ = numerics.import_torch("portable", "cpu", 1)
 from buildtrain.steps.train import kernels
 from buildtrain.steps.train import optimizer as adamw
 from buildtrain.steps.train.optimizer import AdamW
-numerics.apply_after_import(torch, "portable", "cpu", 1)
 results = []
 for mode in kernels.MODES:
     kernels.select(mode)

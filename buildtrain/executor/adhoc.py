@@ -98,14 +98,16 @@ def evaluate(store: Store, plan: Plan, reference: str, subset: float | None, upd
 
 def _compute(store: Store, plan: Plan, step: Step, inputs: dict[str, Any], weights: Any) -> dict[str, Any]:
     """Score the one suite of `step` in this process, under the plan's numerics environment (set
-    before torch is imported, on one thread, as a portable step process computes)."""
+    before torch is imported, on one thread, and checked after, as a step process does)."""
     from buildtrain.config.steps import EvalStep
     from buildtrain.executor import numerics
     from buildtrain.executor.spawn import source_paths
     from buildtrain.steps.sources import planned_sources
 
     settings = plan.numerics
-    os.environ.update(numerics.environment(settings.profile, settings.device, 1))
+    wanted = (settings.profile, settings.device, 1)
+    os.environ.update(numerics.environment(*wanted))
+    numerics.import_torch(*wanted)
     from buildtrain.steps.eval import load, score_suite
 
     config = EvalStep.from_config(step.config)

@@ -23,6 +23,16 @@ PR_SET_PDEATHSIG = 1
 PARENT_PID = "BT_PARENT_PID"  # the pid of the bt process that started a worker
 # Seconds torchrun waits for every node to join before it gives up (its own default is 600).
 DEFAULT_RDZV_TIMEOUT = 120
+# A test hook: a command that every step process started here runs under, e.g. `qemu-x86_64 -cpu
+# Haswell`, so that a step computes on an emulated CPU of another vendor (tests/test_vendors.py).
+# torchrun's ranks are its children and start natively: the hook is for single-process steps.
+EMULATOR_HOOK = "BT_TEST_STEP_EMULATOR"
+
+
+def python() -> list[str]:
+    """The command that starts a Python step process: this interpreter (under the test hook's
+    emulator, when set)."""
+    return [*os.environ.get(EMULATOR_HOOK, "").split(), sys.executable]
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -67,7 +77,7 @@ class Launch:
 
     def command(self) -> list[str]:
         """torchrun's command line, up to (not including) the program it starts."""
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc)]
+        command = [*python(), "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc)]
         if self.nnodes == 1:
             return [*command, "--standalone"]
         assert self.rdzv_endpoint is not None

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import attrs
+
+from buildtrain.executor.launch import python
 
 if TYPE_CHECKING:
     import socket
@@ -90,7 +91,7 @@ def start(env: dict[str, str]) -> Worker:
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     read_fd, write_fd = os.pipe()
-    command = [sys.executable, "-m", "buildtrain.executor.worker"]
+    command = [*python(), "-m", "buildtrain.executor.worker"]
     process = subprocess.Popen(
         [*command, "--serve", str(theirs.fileno()), "--events-fd", str(write_fd)],
         env=env,

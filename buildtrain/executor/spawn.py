@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,6 +23,7 @@ from buildtrain.executor.launch import (
     Launch,
     RankFailure,
     die_with_parent,
+    python,
     root_cause,
 )
 from buildtrain.executor.outcome import Outcome
@@ -144,17 +144,17 @@ def spawn(
     # A watched job (bt verify) runs in verify's entry point, which hands this worker its watcher:
     # the executor never imports verification.
     module = "buildtrain.verify.worker" if options.watch else "buildtrain.executor.worker"
-    worker = [sys.executable, "-m", module, "--job", str(job_path)]
+    arguments = ["-m", module, "--job", str(job_path)]
     failure = None
     try:
         if distributed:
-            process, events_fd = _start_torchrun(launch, worker, env, lock_fd, launcher_log)
+            process, events_fd = _start_torchrun(launch, arguments, env, lock_fd, launcher_log)
             running = Running(process, os.fdopen(events_fd, encoding="utf-8", errors="replace"))
         elif processes is not None:
             shared = processes.submit(env, job_path, lock_fd)
             running = Running(shared.process, shared.events, shared)
         else:
-            running = _start_worker(worker, env, lock_fd)
+            running = _start_worker([*python(), *arguments], env, lock_fd)
         status, errors, interrupted = _follow(running, on_event, processes)
         if distributed and status != 0:
             failure = _torchrun_failure(launcher_log, status, on_event, errors, launch)
@@ -245,15 +245,16 @@ def _follow(
 
 
 def _start_torchrun(
-    launch: Launch, worker: list[str], env: dict[str, str], lock_fd: int, log: Path
+    launch: Launch, arguments: list[str], env: dict[str, str], lock_fd: int, log: Path
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """torchrun starting `worker` on each rank; returns it and the read end of the ranks' events."""
+    """torchrun starting Python with `arguments` (`-m MODULE ...`) on each rank; returns it and
+    the read end of the ranks' events."""
     if launch.nnodes == 1:
         # One machine: the ranks talk over loopback, whatever the host name resolves to.
         env = {"GLOO_SOCKET_IFNAME": "lo", **env}
     with open(log, "wb") as stderr:
         process = subprocess.Popen(
-            [*launch.command(), *worker[1:], "--events-fd", "1"],
+            [*launch.command(), *arguments, "--events-fd", "1"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=stderr,

@@ -126,11 +126,8 @@ def _import_torch(settings: JobNumerics, log: Any) -> None:
     wanted = (settings.profile, settings.device, settings.threads)
     if APPLIED.get("settings") == wanted:
         return
-    numerics.check_before_import(*wanted)
     signal_inside_import_for_tests()
-    import torch  # only now: the numerics environment is in place
-
-    applied = numerics.apply_after_import(torch, *wanted)
+    _, applied = numerics.import_torch(*wanted)
     APPLIED["settings"] = wanted
     log.info("numerics_applied", profile=settings.profile, **applied)
 

@@ -3,8 +3,7 @@
 Computed without importing torch (its version is read from `torch/version.py` as text) so that
 `bt plan` stays instant; buildtrain's own code enters per step kind (see `sources_digest.py`).
 What else enters depends on the numerics profile: `portable` promises the same bits at any thread
-count on any x86-64 CPU with AVX2 of one vendor, so it records that target (the vendor included),
-not this CPU; `native` promises nothing beyond this machine, so it records the thread count and the
+count on any x86-64 CPU with AVX2 and FMA, Intel or AMD, so it records that target, not this CPU; `native` promises nothing beyond this machine, so it records the thread count and the
 CPU itself. A CPU step also records whether its model computes with the fused C kernels
 (`numerics.kernels`; `auto` means: where the executing machine has a C compiler, `native.py`).
 
@@ -90,24 +89,23 @@ def cpu_facts() -> dict[str, str]:
     return {"arch": platform.machine(), "isa": isa, "cpu": model}
 
 
-# Short names of /proc/cpuinfo's vendor_id in the portable target; another vendor keeps its own.
+# Short names of /proc/cpuinfo's vendor_id (run records and messages; no hash names the vendor).
 VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
 
 
 def portable_target() -> str:
-    """The CPU class the portable profile computes for (what its bits are identical across): the
-    AVX2 code paths on x86-64 CPUs of one vendor, `x86_64-avx2-intel` or `x86_64-avx2-amd`.
+    """The CPU class the portable profile computes for (what its bits are identical across):
+    `x86_64-avx2`, the AVX2 code paths of any x86-64 CPU with AVX2 and FMA, Intel or AMD.
 
-    Not across vendors: one portable plan of presets/tiny.toml trained to weights 36d69612071b on
-    a 2-core Intel Xeon and 1c9481a8b0a8 on a 2-core AMD EPYC (an older tree: 20de5f13c9fc
-    against 862198594c72), each reproducible on its own machine. MKL, pinned to its AVX2 path in
-    strict CNR mode, is the likely cause: each MKL_CBWR branch gave other weights on the Xeon, none
-    of them the EPYC's, and MKL chooses its kernels by vendor.
+    The vendor is not part of it. It was, while MKL ignored the asked branch on AMD CPUs and one
+    portable plan of presets/tiny.toml trained to other weights on an EPYC than on a Xeon; a
+    portable step process now makes MKL take that branch on any vendor and refuses to compute
+    when it does not (`executor/mkl.py`), and the same plan trains to the same weights on both.
     """
     arch = platform.machine()
     if arch not in ("x86_64", "AMD64"):
         return arch
-    return f"x86_64-avx2-{cpu_vendor()}"
+    return "x86_64-avx2"
 
 
 @functools.cache
