@@ -496,7 +496,7 @@ class NumericsConfig:
 
     profile: str = setting(
         "portable",
-        "portable: same bits at any thread count on any AVX2 x86-64 of one vendor; native: fastest, pinned to this machine",
+        "portable: same bits at any thread count on any x86-64 CPU with AVX2 and FMA, Intel or AMD; native: fastest, pinned to this machine",
         one_of("portable", "native"),
     )
     device: str = setting("cpu", "cpu or cuda", one_of("cpu", "cuda"))
