@@ -81,10 +81,8 @@ OPTIMIZER = "optimizer.safetensors"
 # Weights that do not train (LoRA's base model), apart from those that do (`MODEL`): written by
 # the first checkpoint of a process, hard-linked by the later ones (the same bytes every time).
 FROZEN = "frozen.safetensors"
-# A sharded checkpoint (train.sharding = "fsdp") in a work folder holds, instead of those two, one
-# safetensors file per rank of the weights' and AdamW state's rows it owned (torch.distributed.
-# checkpoint's layout); in the step's output, those two, whole (an output of an earlier buildtrain
-# may still hold the shards: its readers take either layout).
+# A sharded checkpoint (train.sharding = "fsdp") holds, instead of those two, one safetensors file
+# per rank of the weights' and AdamW state's rows it owned (torch.distributed.checkpoint's layout).
 SHARDS = "shards"
 TRAIN_STATE = "train_state.json"
 TRACE = "trace.jsonl"  # in an output: the whole trace; in a checkpoint: its segment (store/trace.py)
