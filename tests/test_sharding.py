@@ -114,18 +114,23 @@ def test_a_sharded_run_killed_at_one_world_size_resumes_at_another(
 
 def test_without_clipping_sharded_and_unsharded_training_give_the_same_weights(tmp_path: Path) -> None:
     """What the README claims: the gradient and the AdamW update are the unsharded ones bit for
-    bit; only the clipping norm is summed in another order (so the traces' grad_norm differ)."""
+    bit; only the clipping norm is summed in another order (so the traces' grad_norm differ). The
+    sharded output's kept checkpoints are the files the unsharded run writes, to the byte."""
     unclipped = ("--set", "train.grad_clip=0")
     sharded, unsharded = tmp_path / "sharded" / ".bt", tmp_path / "unsharded" / ".bt"
-    digests = {}
+    digests, kept = {}, {}
     for store, args in (
         (sharded, (*FSDP, *unclipped)),
         (unsharded, ("--set", "train.micro_batch_size=1", *unclipped)),
     ):
         store.parent.mkdir()
-        digests[store] = build(store, plan(store, *args), "--nproc", "2")
+        planned = plan(store, *args)
+        digests[store] = build(store, planned, "--nproc", "2")
+        final = Store(store).output(train_hash(store, planned)) / "checkpoints" / "step-000012"
+        kept[store] = [(final / name).read_bytes() for name in ("model.safetensors", "optimizer.safetensors")]
     assert digests[sharded]["weights"] == digests[unsharded]["weights"]
     assert digests[sharded]["trace"] != digests[unsharded]["trace"]
+    assert kept[sharded] == kept[unsharded]
 
 
 def test_activation_checkpointing_keeps_the_bits_with_dropout(tmp_path: Path) -> None:
