@@ -277,6 +277,34 @@ def test_a_recorded_output_edited_and_resealed_does_not_reproduce(micro_built, t
     assert name in result.stderr and "reproduced:" not in result.stderr
 
 
+def _header_laid_out_otherwise(data: bytes) -> bytes:
+    """The same tensors, their header written in another layout (as another safetensors release may)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + size]), indent=1).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[8 + size :]
+
+
+def test_a_recorded_output_with_the_same_tensors_in_other_bytes_is_told_from_an_edit(micro_built, tmp_path):
+    """A kept checkpoint's weights file laid out otherwise, its checkpoint and the output sealed again:
+    still no reproduction (the bytes differ), but the report says what differs, not "edited"."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    output = store / "steps" / load_plan(Store(store), micro_built[1]).by_label("train:main").hash
+    kept = output / "checkpoints" / "step-000012"
+    for path in (kept / "model.safetensors", kept / objects.MANIFEST):
+        path.chmod(0o644)
+    _edit_and_reseal(kept, "model.safetensors", _header_laid_out_otherwise)
+    _edit_and_reseal(output, "result.json", lambda data: data)
+    shutil.rmtree(store / "cache" / "verified", ignore_errors=True)
+    assert not objects.verify(output) and not objects.verify(kept)
+    result, report = verify(store, micro_built[1])
+    assert result.returncode == ExitCode.NOT_REPRODUCED, result.stderr
+    detail = by_label(report)["train:main"]["detail"]
+    assert detail.startswith("files hold the same tensors") and "re-sealed" not in detail
+    assert "checkpoints/step-000012/MANIFEST.json, checkpoints/step-000012/model.safetensors" in detail
+
+
 @pytest.mark.parametrize(
     ("options", "said"),
     [

@@ -15,6 +15,9 @@ update 200, and the whole trace is read once, when the output is assembled.
 Weights that do not train (LoRA's base model) are kept apart from those that do, in
 `frozen.safetensors`: a process writes that file once and links it into its later checkpoints,
 after checking, when the new checkpoint is sealed, that it still holds what was written.
+
+A sharded checkpoint (one file per rank) stays so while the step trains, for every rank to write
+and read its own rows; the output gets it whole (`publish`), in the files an unsharded one holds.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from buildtrain.steps.train.state import (
     FROZEN,
     MODEL,
     OPTIMIZER,
+    SHARDS,
     TRACE,
     TRAIN_STATE,
+    checkpoint_tensors,
     load_model,
     load_optimizer,
     optimizer_tensors,
@@ -218,6 +223,29 @@ def save_sharded(
     if midway is not None:
         midway(update)
     return _finish(temporary, final, update, state, history, boundary)
+
+
+def publish(path: Path, target: Path) -> None:
+    """Put the verified checkpoint `path` into an output as `target` (the same name).
+
+    An unsharded one is linked as it is. A sharded one holds one file per rank, cut where the
+    ranks' rows fall, so its bytes depend on the world size although its tensors do not: it is
+    written again as whole tensors, in the files and by the names of an unsharded checkpoint
+    (`save`), and sealed under its name. The output is then one function of the step hash at any
+    world size (the same bytes from 1, 2 or 4 ranks), and every reader of a kept checkpoint finds
+    the layout it knows.
+    """
+    if not (path / SHARDS).is_dir():
+        objects.link_tree(path, target)  # the work copy stays valid until commit
+        return
+    tensors = checkpoint_tensors(path, optimizer=True)
+    target.mkdir(parents=True)
+    for file, prefix in ((MODEL, "model."), (OPTIMIZER, "optimizer.")):
+        named = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+        save_tensors(target / file, named)
+    for file in (TRAIN_STATE, TRACE):  # the same bytes at any world size (rank 0 wrote them)
+        (target / file).write_bytes((path / file).read_bytes())
+    objects.seal(target, name=path.name)
 
 
 def _paths(folder: Path, update: int) -> tuple[Path, Path]:

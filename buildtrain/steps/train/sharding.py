@@ -15,8 +15,9 @@ unsharded run's in its last bits (README, "Sharded training").
 
 Checkpoints are torch.distributed.checkpoint's: every rank writes its shards as one safetensors
 file (no pickle on any path) with the offsets of its rows, and a load at another world size
-reads the rows it now owns (`state.checkpoint_tensors` reads whole tensors back without
-torch.distributed, for the output's weights and whatever reads a kept checkpoint).
+reads the rows it now owns. Those files are the work folder's, for resume; the step's output
+gets each kept checkpoint whole (`checkpoint.publish`, reading the rows back without
+torch.distributed), so its bytes do not depend on the world size.
 """
 
 from __future__ import annotations

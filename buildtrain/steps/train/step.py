@@ -4,8 +4,8 @@ Output layout (sealed by MANIFEST.json):
 
     result.json              final step, weights path, digests
     trace.jsonl              one line per update: loss and grad-norm bits, lr, state digests
-    checkpoints/step-N/      the retained checkpoints, the last one being the final state
-    model.safetensors        sharded training only: the final weights, whole (result.json's weights)
+    checkpoints/step-N/      the retained checkpoints, the last one being the final state (sharded
+                             training too: whole tensors, the files of an unsharded checkpoint)
     merged.safetensors       LoRA only: the final weights with the adapters added in (result.json's weights)
     adapters.safetensors     LoRA only: the adapters alone (the export writes them for peft)
 """
@@ -26,9 +26,8 @@ from buildtrain.steps.train.schedule import checkpoint_due
 from buildtrain.steps.train.setup import TrainSetup
 from buildtrain.steps.train.state import MODEL, TRACE
 from buildtrain.steps.train.trainer import TrainResult, train
-from buildtrain.store import objects
 from buildtrain.store.checkpoints import checkpoint_problems
-from buildtrain.store.layout import CHECKPOINTS, SHARDS
+from buildtrain.store.layout import CHECKPOINTS
 from buildtrain.store.tensors import combine, safetensors_digests
 
 RESULT_FORMAT = 1
@@ -89,15 +88,10 @@ def assemble_output(setup: TrainSetup, result: TrainResult, out: Path, log: Any 
         )
     final_update, final_path = retained[0]
     for _, path in retained:
-        objects.link_tree(path, out / CHECKPOINTS / path.name)  # the work copy stays valid until commit
+        checkpoint.publish(path, out / CHECKPOINTS / path.name)  # sharded: whole, at any world size
     entries = result.trace.whole()  # read once, here: checkpoints hold only their segments
     (out / TRACE).write_bytes(b"".join(canonical_bytes(entry) + b"\n" for entry in entries))
     weights = f"checkpoints/{final_path.name}/{MODEL}"
-    if (final_path / SHARDS).is_dir():  # sharded: the whole weights, gathered once, for what reads them
-        from buildtrain.steps.train.state import checkpoint_weights, save_tensors
-
-        save_tensors(out / MODEL, checkpoint_weights(final_path))
-        weights = MODEL
     adapters = None
     if setup.train.lora is not None:  # its weights and frozen weights, merged
         weights, adapters = write_merged(setup, out / CHECKPOINTS / final_path.name, out)
