@@ -252,19 +252,36 @@ def time_process(
 
 
 def alternate(
-    contenders: Sequence[tuple[str, Callable[[], float]]], rounds: int, warmup: int = 1
+    contenders: Sequence[tuple[str, Callable[[], float]]],
+    rounds: int,
+    warmup: int = 1,
+    *,
+    on_value: Callable[[str, int, float], None] | None = None,
+    deadline: float | None = None,
 ) -> dict[str, list[float]]:
     """Call each contender once per round, in turn (A B A B ...); the first `warmup` rounds are
-    discarded. A contender returns its own measurement (seconds, or a rate)."""
+    discarded. A contender returns its own measurement (seconds, or a rate).
+
+    `on_value(name, round, value)` hears each kept measurement the moment it exists (a short GPU
+    lease must not end with nothing printed). With a `deadline` (time.monotonic()), a round
+    starts only if the slowest round so far would still end before it; the first always runs."""
     results: dict[str, list[float]] = {name: [] for name, _ in contenders}
     total = warmup + rounds
+    slowest = 0.0
     for index in range(total):
+        if deadline is not None and index > 0 and time.monotonic() + slowest > deadline:
+            note(f"  the budget leaves no time for another round: stopping after {index - warmup}")
+            break
+        started = time.monotonic()
         label = "warm-up" if index < warmup else f"round {index - warmup + 1}/{rounds}"
         note(f"  {label}: " + ", ".join(name for name, _ in contenders))
         for name, measure in contenders:
             value = measure()
             if index >= warmup:
                 results[name].append(value)
+                if on_value is not None:
+                    on_value(name, index - warmup + 1, value)
+        slowest = max(slowest, time.monotonic() - started)
     return results
 
 

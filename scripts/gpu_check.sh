@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Turn a short GPU lease into figures: one command, about 8 minutes on one H100 or H200.
+#
+#   scripts/gpu_check.sh OUTDIR [--device cpu]
+#
+# In priority order, each part under its own time limit so that a slow one cannot eat the next:
+#   machine   the GPU, driver, torch build, CUDA, cuDNN            -> OUTDIR/machine.txt
+#   tests     the CUDA tests (tests/test_cuda.py, test_optimizer.py)  -> OUTDIR/tests.log
+#   parts     benchmarks/gpu.py --parts: bt's update part by part   -> OUTDIR/parts.log
+#   eager     bt run and the eager loops, rounds fitted to a budget  -> OUTDIR/eager.log
+#   compiled  the torch.compile contenders and the eager reference   -> OUTDIR/compiled.log
+# Every figure is printed as it comes and appended to OUTDIR/figures.jsonl, so whatever the
+# lease cuts short, what was measured before is kept. `--device cpu` runs the same sequence on
+# the CPU at a small shape, to check the script anywhere. The exit status is the first failing
+# part's (a part that runs out of time exits 124), after every part has had its turn.
+set -uo pipefail
+
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [--device cpu]}
+device=cuda
+if [ "${2:-}" = "--device" ]; then
+    device=${3:?--device needs cuda or cpu}
+fi
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+figures="$out/figures.jsonl"
+status=0
+
+part() {  # part NAME SECONDS COMMAND...: run it, print and keep its output, remember a failure
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name (at most ${seconds} s): $*"
+    timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$out/$name.log"
+    local code=${PIPESTATUS[0]}
+    echo "== $name: exit $code"
+    if [ "$status" -eq 0 ] && [ "$code" -ne 0 ]; then
+        status=$code
+    fi
+}
+
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    git rev-parse --short=12 HEAD 2>/dev/null
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+    python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
+} 2>&1 | tee "$out/machine.txt"
+
+part tests 75 python -m pytest -q -n 0 -p no:cacheprovider tests/test_cuda.py tests/test_optimizer.py
+part parts 75 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
+part eager 150 python benchmarks/gpu.py --device "$device" --budget 130 --jsonl "$figures"
+part compiled 170 python benchmarks/gpu.py --device "$device" --only-compiled --budget 150 --jsonl "$figures"
+echo "figures: $figures ($(wc -l < "$figures" 2>/dev/null || echo 0) lines)"
+exit "$status"
