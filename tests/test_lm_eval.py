@@ -133,3 +133,98 @@ def test_an_lm_eval_suite_runs_a_harness_task_on_buildtrains_model(bt, tmp_path)
     shutil.copyfile(SUITES / "sums_gen.yaml", task / "sums_gen.yaml")
     shutil.copyfile(tmp_path / "planted.jsonl", task / "sums.jsonl")
     assert harness(tmp_path / "package" / "hf", task, "bt_sums_gen")["exact_match"] == 0.5
+
+
+# -- task files are data, never code (issue 45, R3) -------------------------------------------
+
+EXPLOIT = "{{{{ cycler.__init__.__globals__.os.system('id > {out}') }}}}{{{{context}}}}"
+# The same escape with no '_' name written out: only the sandbox, at render time, can refuse it.
+SPELLED = "{{{{ cycler['_' ~ '_init__']['_' ~ '_globals__']['os'].system('id > {out}') }}}}{{{{context}}}}"
+
+
+def hostile_task(folder: Path, template: str) -> Path:
+    text = (
+        (SUITES / "arithmetic_mc.yaml")
+        .read_text()
+        .replace('doc_to_text: "{{context}}"', "doc_to_text: PLACE")
+    )
+    path = folder / "hostile.yaml"
+    path.write_text(text.replace("PLACE", json.dumps(template.format(out=folder / "PWNED"))))
+    return path
+
+
+def test_a_task_template_that_reaches_code_is_refused_at_plan_time(bt, tmp_path):
+    from test_suites import suite_preset
+
+    task = hostile_task(tmp_path, EXPLOIT)
+    suites = f'{{ name = "h", kind = "lm_eval", task = "{task.name}", file = "arithmetic.jsonl" }}'
+    result = bt("plan", str(suite_preset(tmp_path, suites)))
+    assert result.returncode == 2, result.stderr  # ExitCode.USAGE: nothing was run
+    problems = [line for line in result.stderr.splitlines() if not line.startswith("bt plan:")]  # + a summary
+    assert "Traceback" not in result.stderr and len(problems) == 1, result.stderr
+    assert "hostile.yaml: doc_to_text: the template names" in result.stderr and "__globals__" in result.stderr
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_harness_renders_task_templates_in_the_sandbox(bt, tmp_path):
+    """An escape the plan-time check cannot see runs nothing under `bt run`: the harness's
+    templates render in buildtrain's sandbox, and the step fails with one line."""
+    from test_suites import suite_preset
+
+    task = hostile_task(tmp_path, SPELLED)
+    suites = f'{{ name = "h", kind = "lm_eval", task = "{task.name}", file = "arithmetic.jsonl" }}'
+    result = bt("run", str(suite_preset(tmp_path, suites)))
+    assert result.returncode == 1, result.stderr  # ExitCode.FAILED
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "hostile.yaml: a template of the task: SecurityError" in result.stderr, result.stderr
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_the_sandboxed_harness_renders_honest_templates_as_lm_eval_does():
+    from lm_eval import utils
+
+    from buildtrain.steps.harness import sandbox_templates
+
+    theirs = utils.apply_template
+    doc = {"context": "1 + 1 =", "choices": [" 2", " 3"], "answer": 0}
+    templates = ["{{context}}", "{{choices}}", "{{answer}}\n", "{{ context | regex_replace('1', 'one') }}"]
+    expected = [theirs(t, doc) for t in templates]
+    sandbox_templates("task.yaml")
+    assert [utils.apply_template(t, doc) for t in templates] == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("task: t\ndoc_to_text: !function utils.f\n", "not a plain task YAML"),
+        ("task: t\nclass: !!python/name:os.system\n", "not a plain task YAML"),
+        ("task: t\ninclude: other.yaml\n", "include: not a key buildtrain runs"),
+        ("task: t\nuse_prompt: promptsource:x\n", "use_prompt: not a key"),
+        ("task: t\ndataset_path: ./folder\n", "dataset_path: an lm_eval suite reads its file as json"),
+        ("task: t\ndoc_to_choice: \"{{ x['__class__'] }}\"\n", "doc_to_choice: the template names __class__"),
+        ("[" * 100000, "not a plain task YAML"),
+    ],
+    ids=["function", "python-tag", "include", "use_prompt", "dataset_path", "dunder", "nested"],
+)
+def test_a_task_yaml_is_data(text, fragment):
+    from buildtrain.config.suite_files import check_task
+    from buildtrain.errors import StepFailed
+
+    with pytest.raises(StepFailed) as raised:
+        check_task(text.encode(), "task.yaml")
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_dataset_that_does_not_load_is_named_as_such(tmp_path):
+    """R14: a dataset that fails to load is the task's problem, not a full disk."""
+    from buildtrain.errors import StepFailed
+    from buildtrain.steps.harness import load_tasks, task_config
+
+    config = task_config((SUITES / "sums_gen.yaml").read_bytes(), "sums_gen.yaml", tmp_path / "missing.jsonl")
+    with pytest.raises(StepFailed) as raised:
+        load_tasks(config, "sums_gen.yaml")
+    message = str(raised.value)
+    assert (
+        "sums_gen.yaml: the harness cannot load the task or its data" in message
+        and "free space" not in message
+    )

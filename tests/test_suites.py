@@ -141,12 +141,13 @@ def test_a_bad_suite_is_a_one_line_preset_error(bt, tmp_path, suites, expected):
     assert f"bench.toml: {expected}" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_a_bad_question_fails_the_step_naming_file_line_and_key(bt, tmp_path):
+def test_a_bad_question_stops_the_plan_naming_file_line_and_key(bt, tmp_path):
+    """Found when planning (issue 45, R10), not by the eval step after training."""
     preset = suite_preset(tmp_path, ARITH)
     with (tmp_path / "arithmetic.jsonl").open("a") as handle:
         handle.write('{"context": "1+1=", "choices": ["2", "3"], "answer": 2}\n')
     result = bt("run", str(preset))
-    assert result.returncode == ExitCode.FAILED
+    assert result.returncode == ExitCode.USAGE  # nothing was run
     assert "arithmetic.jsonl:25: answer: expected the index of a choice, 0 to 1" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -202,6 +203,28 @@ def test_accuracy_takes_the_first_of_tied_choices_and_normalizes_by_characters()
 def test_a_malformed_question_names_its_line_and_key(line, message):
     with pytest.raises(StepFailed, match=message.replace("(", r"\(")):
         read_multiple_choice(line + b"\n", "x.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        pytest.param(b'{"context": "' + b"x" * (64 << 20) + b'"}', "more than 1048576", id="64MB-line"),
+        pytest.param(b"[" * 100000 + b"]" * 100000, "x.jsonl:1: not JSON (RecursionError", id="deep"),
+        pytest.param(
+            b'{"context": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}', "nests more than 16", id="nesting"
+        ),
+        pytest.param(
+            json.dumps({"context": "a", "choices": ["a"] * 5000, "answer": 0}).encode(),
+            "choices: 5000 choices, more than 100",
+            id="5000-choices",  # 200k choices pass the line bound too
+        ),
+    ],
+)
+def test_a_suite_file_is_read_within_bounds(line, message):
+    """Issue 45, R10: each gives one line, at once, never a traceback or minutes of scoring."""
+    with pytest.raises(StepFailed) as raised:
+        read_multiple_choice(line + b"\n", "x.jsonl")
+    assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
 def test_the_shipped_suite_reads():

@@ -15,7 +15,8 @@ from buildtrain.config.preflight import preflight
 from buildtrain.config.pretrained import Checkpoint
 from buildtrain.config.schema import TokenizerConfig
 from buildtrain.config.steps import SUITE_PATHS
-from buildtrain.errors import ConfigError
+from buildtrain.config.suite_files import check_data, check_task, read_exact_match, read_multiple_choice
+from buildtrain.errors import ConfigError, StepFailed
 from buildtrain.kinds.planning import CheckpointFiles
 from buildtrain.plan.card import save_card
 from buildtrain.plan.compile import compile_plan
@@ -182,4 +183,26 @@ def _suite_digests(
             if str(path.absolute()) not in known:
                 known.append(str(path.absolute()))
         found.append(tuple(files))
+        _check_suite(loaded, index)
     return found
+
+
+def _check_suite(loaded: LoadedPreset, index: int) -> None:
+    """Read a suite's files as the eval step will (`config/suite_files.py`), so that a malformed
+    line or a task that is more than data stops the plan, not the eval step after training."""
+    suite = loaded.config.eval.suites[index]
+    try:
+        raw = Path(suite.file).read_bytes() if suite.file is not None else b""
+        if suite.kind == "multiple_choice":
+            read_multiple_choice(raw, suite.file)
+        elif suite.kind == "exact_match":
+            read_exact_match(raw, suite.file)
+        elif suite.kind == "lm_eval" and suite.task is not None:
+            check_data(raw, suite.file)
+            check_task(Path(suite.task).read_bytes(), suite.task)
+    except StepFailed as exc:
+        where = loaded.source_of(("eval", "suites", index))
+        raise ConfigError([f"{where}: eval.suites[{index}]: {exc}"]) from None
+    except OSError as exc:
+        where = loaded.source_of(("eval", "suites", index))
+        raise ConfigError([f"{where}: eval.suites[{index}]: cannot read: {exc.strerror}"]) from None

@@ -2,11 +2,18 @@
 API (`simple_evaluate`) with buildtrain's model behind the harness's `LM` interface.
 
 The task YAML and its data are the suite's two sources, checked against the plan: the YAML is
-read as plain YAML (a `!function` tag, code, is refused) and its `dataset_kwargs.data_files` is
+data (`config/suite_files.check_task`: plain YAML, data keys only, at plan time and here) and its `dataset_kwargs.data_files` is
 pointed at a private copy of the data file for the split it evaluates, so the harness reads the
 bytes the plan names and nothing else. Nothing is downloaded: the offline switches of
 `datasets` and the Hub are set, and the datasets cache lives in the step's work folder (inside
 the store), before the harness is imported.
+
+The harness renders `doc_to_text`, `doc_to_choice`, `doc_to_target` and its other templates with
+a Jinja environment that is not sandboxed (`lm_eval.utils.env`): a template reaching
+`cycler.__init__.__globals__.os` ran commands during `bt run`. Here its `apply_template` is
+replaced, before any task is built, by a render in buildtrain's bounded sandbox
+(`config/templates.py`, with the harness's own settings and filter), and a probe checks that the
+replacement holds: an lm-eval release that renders elsewhere is refused, not trusted.
 
 The model answers the harness as buildtrain's own suites score: `loglikelihood` by the token rule
 of `suites.py` (so a multiple-choice task gives the numbers of the harness's HF back end on the
@@ -23,7 +30,9 @@ from typing import Any
 
 import attrs
 
-from buildtrain.errors import StepFailed
+from buildtrain.config.suite_files import check_task
+from buildtrain.config.templates import TemplateRefused, compile_template, render
+from buildtrain.errors import BuildtrainError, StepFailed
 from buildtrain.steps.suites import Codec, pair_ids, scored_sequence, subset_indices
 
 
@@ -41,22 +50,66 @@ class Scorer:
 
 def task_config(raw: bytes, where: str, data: Path) -> dict[str, Any]:
     """The task YAML as a config dict whose evaluated split reads `data`."""
-    import yaml
-
-    try:
-        config = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise StepFailed(
-            f"{where}: not a plain task YAML ({str(exc).splitlines()[0]}); lm_eval suites take no !function"
-        ) from None
-    if not isinstance(config, dict) or not isinstance(config.get("task"), str):
-        raise StepFailed(f"{where}: a harness task YAML names its task (task: name)")
+    config = check_task(raw, where)
     split = config.get("test_split") or config.get("validation_split")
     if not isinstance(split, str):
         raise StepFailed(f"{where}: test_split (or validation_split) names the split the suite's file holds")
     kwargs = dict(config.get("dataset_kwargs") or {})
     config["dataset_kwargs"] = {**kwargs, "data_files": {split: str(data)}}
     return config
+
+
+PROBE = "{{ cycler.__init__.__globals__ }}"  # what the sandbox refuses and lm-eval's own env renders
+
+
+def sandbox_templates(where: str) -> None:
+    """Make the harness render every task template in the bounded sandbox; StepFailed when an
+    lm-eval release does not take the replacement (nothing of the task has run then)."""
+    from lm_eval import utils
+
+    compiled: dict[str, Any] = {}
+
+    def apply_template(template: str, doc: dict[str, Any]) -> str:
+        if template not in compiled:
+            filters = {"regex_replace": utils.regex_replace}
+            compiled[template] = compile_template(
+                template, filters, undefined=_strict(), keep_trailing_newline=True
+            )
+        return render(compiled[template], doc)
+
+    utils.apply_template = apply_template
+    try:
+        utils.apply_template(PROBE, {})
+    except TemplateRefused:
+        return
+    raise StepFailed(
+        f"{where}: this lm-eval release renders templates outside the sandbox; use lm-eval 0.4.x"
+    )
+
+
+def _strict() -> Any:
+    from jinja2 import StrictUndefined
+
+    return StrictUndefined
+
+
+def load_tasks(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """The harness's task objects for `config`, its dataset loaded: a failure names the task
+    file and the reason (a dataset that does not load is no disk problem)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    try:
+        return get_task_dict([config], TaskManager(include_defaults=False))
+    except BuildtrainError:
+        raise
+    except TemplateRefused as exc:
+        raise StepFailed(f"{where}: a template of the task: {exc}") from None
+    except Exception as exc:  # the harness's and datasets' own errors, one line each
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise StepFailed(
+            f"{where}: the harness cannot load the task or its data ({type(exc).__name__}: {reason}); "
+            "check the task YAML against the suite's file"
+        ) from None
 
 
 def run_task(
@@ -73,19 +126,22 @@ def run_task(
     copy = work / "suite-data.jsonl"
     copy.write_bytes(data)  # the bytes checked against the plan
     config = task_config(task, task_where, copy)
+    sandbox_templates(task_where)
+    tasks = load_tasks(config, task_where)
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     count = sum(1 for line in data.splitlines() if line.strip())
     samples = None if subset >= 1.0 else {config["task"]: subset_indices(count, subset, seed)}
-    results = simple_evaluate(
-        model=harness_lm(scorer),
-        tasks=[config],
-        task_manager=TaskManager(include_defaults=False),
-        samples=samples,
-        bootstrap_iters=0,
-        log_samples=False,
-    )
+    try:
+        results = simple_evaluate(
+            model=harness_lm(scorer),
+            tasks=list(tasks.values()),
+            samples=samples,
+            bootstrap_iters=0,
+            log_samples=False,
+        )
+    except TemplateRefused as exc:
+        raise StepFailed(f"{task_where}: a template of the task: {exc}") from None
     scores = results["results"][config["task"]]
     metrics = {
         key.split(",")[0]: value

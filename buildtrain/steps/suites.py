@@ -22,7 +22,6 @@ An exact-match suite is JSONL of `{"context": str, "target": str}`, scored by gr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,90 +30,17 @@ import attrs
 
 from buildtrain.canonical import digest
 from buildtrain.config.schema import END_OF_DOCUMENT
+from buildtrain.config.suite_files import (  # the file formats, read at plan time too
+    ExactMatch,
+    MultipleChoice,
+    read_exact_match,
+    read_multiple_choice,
+)
 from buildtrain.errors import StepFailed
 
+__all__ = ["ExactMatch", "MultipleChoice", "read_exact_match", "read_multiple_choice"]
+
 Encode = Callable[[str], list[int]]
-
-
-@attrs.frozen(kw_only=True)
-class MultipleChoice:
-    """One question: a context, its choices, and the index of the right one."""
-
-    context: str
-    choices: tuple[str, ...]
-    answer: int
-
-
-def _question(line: bytes, where: str) -> MultipleChoice:
-    """A question from one JSONL line; StepFailed naming the line, the key and the fix."""
-    fix = 'each line is {"context": "...", "choices": ["...", "..."], "answer": 0}'
-    try:
-        item = json.loads(line)
-    except ValueError as exc:
-        raise StepFailed(f"{where}: not JSON ({exc}); {fix}") from None
-    if not isinstance(item, dict) or set(item) != {"context", "choices", "answer"}:
-        keys = sorted(item) if isinstance(item, dict) else type(item).__name__
-        raise StepFailed(f"{where}: expected the keys answer, choices, context (got {keys}); {fix}")
-    context, choices, answer = item["context"], item["choices"], item["answer"]
-    if not isinstance(context, str):
-        raise StepFailed(f"{where}: context: expected a string; {fix}")
-    if (
-        not isinstance(choices, list)
-        or len(choices) < 2
-        or not all(isinstance(c, str) and c for c in choices)
-    ):
-        raise StepFailed(f"{where}: choices: expected two or more non-empty strings; {fix}")
-    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
-        raise StepFailed(f"{where}: answer: expected the index of a choice, 0 to {len(choices) - 1}; {fix}")
-    return MultipleChoice(context=context, choices=tuple(choices), answer=answer)
-
-
-@attrs.frozen(kw_only=True)
-class ExactMatch:
-    """One question answered by generation: a context and the exact text that should follow."""
-
-    context: str
-    target: str
-
-
-def _target(line: bytes, where: str) -> ExactMatch:
-    """An exact-match question from one JSONL line; StepFailed naming the line, the key and the fix."""
-    fix = 'each line is {"context": "...", "target": "..."}'
-    try:
-        item = json.loads(line)
-    except ValueError as exc:
-        raise StepFailed(f"{where}: not JSON ({exc}); {fix}") from None
-    if not isinstance(item, dict) or set(item) != {"context", "target"}:
-        keys = sorted(item) if isinstance(item, dict) else type(item).__name__
-        raise StepFailed(f"{where}: expected the keys context, target (got {keys}); {fix}")
-    if not isinstance(item["context"], str):
-        raise StepFailed(f"{where}: context: expected a string; {fix}")
-    target = item["target"]
-    if not isinstance(target, str) or not target or "\n" in target:
-        raise StepFailed(
-            f"{where}: target: expected a non-empty string without a newline (one ends generation)"
-        )
-    return ExactMatch(context=item["context"], target=target)
-
-
-def read_multiple_choice(raw: bytes, path: Path | str) -> list[MultipleChoice]:
-    """Every question of a multiple-choice suite file (blank lines are skipped)."""
-    return _read(raw, path, _question)
-
-
-def read_exact_match(raw: bytes, path: Path | str) -> list[ExactMatch]:
-    """Every question of an exact-match suite file (blank lines are skipped)."""
-    return _read(raw, path, _target)
-
-
-def _read(raw: bytes, path: Path | str, parse: Callable[[bytes, str], Any]) -> list[Any]:
-    questions = []
-    for number, line in enumerate(raw.splitlines(), start=1):
-        if line.strip():
-            questions.append(parse(line, f"{path}:{number}"))
-    if not questions:
-        raise StepFailed(f"{path}: the suite has no questions; write one JSON object per line")
-    return questions
 
 
 def subset_indices(count: int, fraction: float, seed: int) -> list[int]:
