@@ -7,7 +7,7 @@ import typing
 from collections.abc import Callable
 
 from buildtrain import __version__
-from buildtrain.cli import commands, queries, team
+from buildtrain.cli import commands, queries, team, trust
 from buildtrain.cli.arguments import (
     add_executor,
     add_world_size,
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(command)
     _add_push(command)
     _add_pull(command)
+    _add_keys(command)
     return parser
 
 
@@ -534,3 +535,24 @@ def _add_export(command: Command) -> None:
     sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
     sub.set_defaults(func=commands.cmd_export)
+
+
+def _add_keys(command: Command) -> None:
+    sub = command(
+        "keys",
+        "this builder's signing key and the builders you trust",
+        "Attestations are signed: each push or verify --push that attests signs an in-toto "
+        "statement with this builder's Ed25519 key ($BT_KEYS, else $XDG_CONFIG_HOME/buildtrain/keys, "
+        "else ~/.config/buildtrain/keys; made on first use). bt pull --min-attestations and bt show "
+        "--remote count distinct keys of your keyring whose signature verifies, never records.",
+    )
+    actions = sub.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser("generate", help="make this builder's key (mode 0600) and trust it as 'self'")
+    actions.add_parser("export", help="print this builder's public key (PEM) to give to teammates")
+    actions.add_parser("ls", help="list the trusted keys: KEYID  NAME")
+    trusted = actions.add_parser("trust", help="trust a builder's public key")
+    trusted.add_argument("key", metavar="FILE|PUBKEY", help="a PEM file from bt keys export, '-', or the PEM")
+    trusted.add_argument("--name", required=True, help="what to call this builder (letters, digits, . _ -)")
+    untrusted = actions.add_parser("untrust", help="remove a key from the keyring")
+    untrusted.add_argument("name", help="the name it was trusted under")
+    sub.set_defaults(func=trust.cmd_keys)
