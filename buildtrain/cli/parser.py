@@ -27,7 +27,7 @@ exit codes:
   3  interrupted, resumable       7  step locked by another bt (with --no-wait)
                                   8  --executor cannot run a step (not installed, unreachable, too small)
   (bt push: 4 when the remote holds a different result: non-determinism; bt pull: 4 when a step
-   has fewer agreeing builds than --min-attestations, 5 when the remote's copy is damaged)
+   has fewer trusted signers than --min-attestations, 5 when the remote's copy is damaged)
 
 examples:
   bt run $(bt plan presets/tiny.toml)
@@ -126,8 +126,8 @@ def _add_push(command: Command) -> None:
         "(by its blake3), the step's manifest last, so a reader never sees half a step. A step the "
         "remote already holds with the same digests uploads nothing; one it holds with different "
         "digests is non-determinism: reported, never overwritten (exit 4). Where the remote lacked "
-        "a step's result, the push records this build as an attestation (bt show PLAN --remote "
-        "counts them; a step pulled from the remote is not one more build of it).",
+        "a step's result, the push adds this build's signed attestation (bt show PLAN --remote "
+        "counts distinct trusted keys; a step pulled from the remote is not one more build of it).",
     )
     sub.add_argument("plans", nargs="+", metavar="PLAN", help="plans as bt run takes them")
     _add_remote(sub)
@@ -155,8 +155,8 @@ def _add_pull(command: Command) -> None:
         type=positive,
         default=0,
         metavar="N",
-        help="pull a step only when at least N recorded independent builds agree with the remote's "
-        "output (bt verify PLAN --push and every push add one); else exit 4",
+        help="pull a step only when at least N distinct keys of your keyring (bt keys) signed an "
+        "attestation of exactly the remote's output; unsigned or untrusted records count 0; else exit 4",
     )
     _add_remote(sub)
     sub.set_defaults(func=team.cmd_pull)

@@ -1,6 +1,7 @@
 """`bt push`, `bt pull`, `bt verify --push`, `bt ls --remote` and `bt show --remote`: one function
 each, over the run's `RemoteCache` (`remote.py`) and the remote library. Every pulled byte is
-checked; a store that pulled a step never attests it as its own build."""
+checked; a store that pulled a step never attests it as its own build. Attestations (and
+`cryptography`) are imported only by the functions that sign or count them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from buildtrain.errors import ExitCode, RemoteDamaged, UsageError
 from buildtrain.executor.remote import RemoteCache
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
-from buildtrain.store.remote import attest, keys
+from buildtrain.store.remote import keys
 from buildtrain.store.remote.backend import ObjectMissing
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
@@ -108,9 +109,9 @@ def _too_few(cache: RemoteCache, step: Step, wanted: int) -> str | None:
     if len(counted.agreeing) >= wanted:
         return None
     return (
-        f"{step.label}: {counted} with the remote's output, --min-attestations {wanted} asks for "
-        f"{wanted} distinct trusted keys: not pulled (bt verify PLAN --push by a builder whose key "
-        "you trust adds one; bt keys trust FILE --name NAME trusts a builder)"
+        f"{step.label}: --min-attestations {wanted} asks for {wanted} distinct trusted keys that "
+        f"signed the remote's output; {counted}: not pulled (bt verify PLAN --push by a builder "
+        "whose key you trust adds one; bt keys trust FILE --name NAME trusts a builder)"
     )
 
 
@@ -154,10 +155,12 @@ class StepOnRemote:
     ignored: dict[str, int]  # records that count 0, by why: unsigned, untrusted key, forged, ...
 
     def __str__(self) -> str:
+        from buildtrain.store.remote import attest
+
         text = "not on the remote"
         if self.on_remote:
             names = f" ({', '.join(self.signers)})" if self.signers else ""
-            text = f"on the remote, {self.agreeing} trusted builder{'s' if self.agreeing != 1 else ''} agree{names}"
+            text = f"on the remote, {attest.builders(self.agreeing)}{names}"
         for line in self.disagreements:
             text += f"; {line}"
         return text + (f"; {attest.ignored_line(self.ignored)}" if self.ignored else "")
@@ -165,7 +168,9 @@ class StepOnRemote:
 
 def remote_status(plan: Plan, url: RemoteUrl) -> list[StepOnRemote]:
     """Per step: on the remote or not, and how many trusted builders agree with its output."""
-    from buildtrain.store.remote import keyring
+    # Here, not at the top: a run with a remote imports this module, and a null build must not
+    # load the signing library.
+    from buildtrain.store.remote import attest, keyring
 
     remote, rows, trusted = Remote.open(url), [], keyring.load_keyring()
     for step in plan.steps:

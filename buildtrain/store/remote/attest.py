@@ -187,12 +187,16 @@ class Tally:
     """One line per ignored record, naming its object."""
 
     def __str__(self) -> str:
-        text = f"{len(self.agreeing)} trusted builder{'s' if len(self.agreeing) != 1 else ''} agree"
+        text = builders(len(self.agreeing))
         if self.agreeing:
             text += f" ({', '.join(sorted(self.agreeing.values()))})"
         if self.disagreeing:
             text += f", {len(self.disagreeing)} disagree ({', '.join(sorted(self.disagreeing.values()))})"
         return text + (f"; {ignored_line(self.ignored)}" if self.ignored else "")
+
+
+def builders(count: int) -> str:
+    return f"{count} trusted builder{' agrees' if count == 1 else 's agree'}"
 
 
 def ignored_line(ignored: Mapping[str, int]) -> str:
