@@ -534,6 +534,12 @@ def _add_export(command: Command) -> None:
     )
     sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
+    sub.add_argument(
+        "--sign",
+        metavar="KEY",
+        help="sign the package in the OpenSSF model-signing format with this elliptic-curve private "
+        "key (PEM), offline; the signature goes to DEST.sig (needs pip install 'buildtrain[sign]')",
+    )
     sub.set_defaults(func=commands.cmd_export)
 
 
