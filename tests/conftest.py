@@ -96,6 +96,15 @@ def _records_stay_out_of_the_repository() -> object:
     )
 
 
+@pytest.fixture(autouse=True)
+def _keys_stay_out_of_the_user_config(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test (and every bt it starts) has a builder key folder of its own: the suite never
+    reads or writes the real user's keys (a push makes one on first use)."""
+    monkeypatch.setenv("BT_KEYS", str(tmp_path_factory.mktemp("keys")))
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Path:
     return tmp_path / ".bt"

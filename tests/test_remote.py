@@ -7,6 +7,10 @@ step's manifest is named and never served, and leaves nothing in the local store
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import stat
 import subprocess
 import sys
 import threading
@@ -14,9 +18,11 @@ import time
 import uuid
 from pathlib import Path
 
+import attrs
 import pytest
 import seaweed
 from conftest import MICRO, plan_hash, run_bt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,9 +30,18 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged, UsageError
 from buildtrain.plan.stored import load_plan
 from buildtrain.store import layout, objects, trace
-from buildtrain.store.remote import keys, leases
-from buildtrain.store.remote.attest import Attestation, agreeing, attest, attestations, disagreements
+from buildtrain.store.remote import keyring, keys, leases, signing
+from buildtrain.store.remote.attest import (
+    Attestation,
+    attest,
+    attestations,
+    disagreements,
+    record_of,
+    statement,
+    tally,
+)
 from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing, RemoteUnavailable
+from buildtrain.store.remote.keyring import Keyring
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl, parse_url
 from buildtrain.store.store import Store
@@ -405,33 +420,117 @@ def test_a_lease_renews_expires_is_taken_over_and_the_old_holder_learns_it(remot
 # -- attestations ---------------------------------------------------------------------------------
 
 
-def test_attestations_that_disagree_are_reported(remote: Remote) -> None:
-    step = "78" * 32
+STEP, PLAN = "78" * 32, "9a" * 32
+OUTPUT = {"weights": "11" * 32, "data": "aa" * 32}
+FILES = {"model.safetensors": "33" * 32, "config.json": "44" * 32}
 
-    def record(machine: str, weights: str) -> Attestation:
-        return Attestation(
-            step=step,
-            machine=machine,
-            toolchain="torch 2.13.0 cpu",
-            built_at="2026-11-24T05:00:00Z",
-            digests={"weights": weights, "data": "aa" * 32},
-        )
 
-    attest(remote.backend, record("alpha", "11" * 32))
-    attest(remote.backend, record("alpha", "11" * 32))  # the same record twice: one object
-    attest(remote.backend, record("beta", "11" * 32))
-    found, problems = attestations(remote.backend, step)
-    assert len(found) == 2 and problems == [] and disagreements(found) == []
-    assert agreeing(found, {"weights": "11" * 32, "data": "aa" * 32}) == 2
-    key = attest(remote.backend, record("gamma", "22" * 32))
-    found, _ = attestations(remote.backend, step)
+def builder() -> tuple[Ed25519PrivateKey, str]:
+    key = Ed25519PrivateKey.generate()
+    return key, signing.key_id(signing.raw_public(key))
+
+
+def record(keyid: str, machine: str = "alpha", digests: dict[str, str] = OUTPUT) -> Attestation:
+    return Attestation(
+        step=STEP,
+        plan=PLAN,
+        builder=keyid,
+        machine=machine,
+        toolchain={"torch": "2.13.0", "device": "cpu"},
+        built_at="2026-11-24T05:00:00Z",
+        inputs={"data": "55" * 32},
+        digests=digests,
+        files=FILES,
+    )
+
+
+def put_envelope(remote: Remote, body: dict) -> str:
+    key = keys.attestation(STEP, digest("remote-attestation", body))
+    remote.backend.put(key, canonical_bytes(body))
+    return key
+
+
+def test_attestations_count_distinct_trusted_keys_never_records(remote: Remote) -> None:
+    """Issue 45 R4: 3 trusted signers count 3; any number of unsigned, untrusted, forged or
+    copied records count 0, and each is reported by kind."""
+    trusted = [builder() for _ in range(3)]
+    ring = Keyring(
+        names={k: f"t{i}" for i, (_, k) in enumerate(trusted)},
+        public={k: signing.raw_public(key) for key, k in trusted},
+    )
+    for key, keyid in trusted:
+        attest(remote.backend, record(keyid), key)
+        attest(remote.backend, attrs.evolve(record(keyid), built_at="2026-11-25T00:00:00Z"), key)  # again
+    counted = tally(attestations(remote.backend, STEP, ring), OUTPUT, FILES)
+    assert sorted(counted.agreeing.values()) == ["t0", "t1", "t2"] and counted.ignored == {}
+    outsider, outsider_id = builder()
+    for machine in ("beta", "gamma", "delta", "epsilon", "zeta"):  # many untrusted records, one writer
+        attest(remote.backend, record(outsider_id, machine), outsider)
+    old = {"format": 1, "record": {"step": STEP, "machine": "m", "digests": OUTPUT}}  # before signatures
+    remote.backend.put(keys.attestation(STEP, digest("remote-attestation", old)), canonical_bytes(old))
+    unsigned = signing.envelope(statement(record(trusted[0][1], "nosig")), trusted[0][0])
+    put_envelope(remote, {**unsigned, "signatures": []})
+    # Forged: the statement names trusted key t0 as its builder, the signature is the outsider's.
+    forged = signing.envelope(statement(record(trusted[0][1], "forger")), outsider)
+    forged["signatures"][0]["keyid"] = trusted[0][1]
+    put_envelope(remote, forged)
+    damaged = attest(remote.backend, record(outsider_id, "eta"), outsider)
+    remote.backend.put(damaged, remote.backend.get(damaged).replace(b'"payload":"', b'"payload":"A'))
+    found = attestations(remote.backend, STEP, ring)
+    counted = tally(found, OUTPUT, FILES)
+    assert len(counted.agreeing) == 3
+    assert counted.ignored == {"untrusted key": 5, "unsigned": 2, "forged": 1, "damaged": 1}
+    assert "9 records ignored: 1 damaged, 1 forged, 2 unsigned, 5 untrusted key" in str(counted)
+    assert damaged in "\n".join(counted.problems)
+    assert len(tally(found, OUTPUT, {**FILES, "extra.bin": "66" * 32}).agreeing) == 0  # other files
+    nobody = Keyring(names={}, public={})
+    assert tally(attestations(remote.backend, STEP, nobody), OUTPUT).agreeing == {}
+
+
+def test_trusted_builders_that_disagree_are_non_determinism(remote: Remote) -> None:
+    (a, a_id), (b, b_id) = builder(), builder()
+    ring = Keyring(
+        names={a_id: "alice", b_id: "bob"}, public={a_id: signing.raw_public(a), b_id: signing.raw_public(b)}
+    )
+    attest(remote.backend, record(a_id), a)
+    attest(remote.backend, record(b_id, digests={**OUTPUT, "weights": "22" * 32}), b)
+    found = attestations(remote.backend, STEP, ring)
+    counted = tally(found, OUTPUT)
+    assert counted.agreeing == {a_id: "alice"} and counted.disagreeing == {b_id: "bob"}
     (differs,) = disagreements(found)
-    assert differs.name == "weights" and set(differs.values) == {"11" * 32, "22" * 32}
-    assert differs.values["22" * 32] == ("gamma at 2026-11-24T05:00:00Z",)
+    assert differs.name == "weights" and differs.values["22" * 32] == ("bob at 2026-11-24T05:00:00Z",)
     assert "not deterministic" in str(differs)
-    remote.backend.put(key, remote.backend.get(key).replace(b"gamma", b"delta"))
-    found, problems = attestations(remote.backend, step)
-    assert len(found) == 2 and len(problems) == 1 and key in problems[0]
+    with pytest.raises(ValueError, match="signed by the builder it names"):
+        attest(remote.backend, record(a_id), b)
+
+
+def test_an_attestation_is_an_in_toto_statement_in_a_dsse_envelope() -> None:
+    key, keyid = builder()
+    body = signing.envelope(statement(record(keyid)), key)
+    assert body["payloadType"] == "application/vnd.in-toto+json"
+    payload = base64.b64decode(body["payload"])
+    said = json.loads(payload)
+    assert said["_type"] == "https://in-toto.io/Statement/v1"
+    assert said["subject"][0] == {"name": "config.json", "digest": {"blake3": "44" * 32}}
+    assert said["predicate"]["buildDefinition"]["externalParameters"] == {"plan": PLAN, "step": STEP}
+    assert record_of(said) == record(keyid)
+    (signature,) = body["signatures"]
+    message = b"DSSEv1 28 application/vnd.in-toto+json %d " % len(payload) + payload  # DSSE's PAE
+    key.public_key().verify(base64.b64decode(signature["sig"]), message)
+    assert signature["keyid"] == hashlib.sha256(signing.raw_public(key)).hexdigest()
+
+
+def test_keys_live_where_the_user_says_and_stay_private(tmp_path: Path) -> None:
+    root = tmp_path / "keys"
+    key = keyring.builder_key(root, create=True)
+    assert stat.S_IMODE((root / keyring.BUILDER).stat().st_mode) == 0o600
+    assert keyring.load_keyring(root).names == {signing.key_id(signing.raw_public(key)): "self"}
+    assert signing.raw_public(keyring.builder_key(root)) == signing.raw_public(key)
+    (root / keyring.BUILDER).chmod(0o644)
+    with pytest.raises(UsageError, match="readable by others"):
+        keyring.builder_key(root)
+    with pytest.raises(UsageError, match="already trusted as 'self'"):
+        keyring.trust(signing.raw_public(key), "again", root)
 
 
 # -- names, keys and imports ----------------------------------------------------------------------

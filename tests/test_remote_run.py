@@ -167,38 +167,56 @@ def test_a_build_that_differs_is_reported_as_non_determinism(tmp_path: Path, mic
 
 
 def test_ls_remote_attestations_and_verify_push(tmp_path: Path, micro_built: Reference) -> None:
+    """Issue 45 R4: a push and a verify --push on one machine are one builder, not two; a second
+    builder counts once its key is in the puller's keyring; records count 0 without it."""
     (tmp_path / "remote").mkdir()
     url = f"file://{tmp_path / 'remote'}"
     store, plan, _ = micro_built
     empty = bt_at(store, "ls", "--remote", url)
     assert empty.returncode == 0 and "no plans" in empty.stdout
-    pushed(micro_built, url)
+    pushed(micro_built, url)  # the first push makes this builder's key (trusted here as 'self')
     listed = bt_at(store, "ls", "--remote", env={"BT_REMOTE": url})
     assert listed.stdout.split() == [plan, "micro"]
     assert json.loads(bt_at(store, "ls", "--remote", url, "--json").stdout) == [
         {"plan": plan, "name": "micro"}
     ]
-    b = tmp_path / "b" / ".bt"
-    refused = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2")
-    assert refused.returncode == 4, refused.stderr
-    assert "1 of 1 recorded builds agree" in refused.stderr
     verify = bt_at(store, "verify", plan, "--push", "--remote", url, env={"BT_MACHINE": "second"})
     assert verify.returncode == 0, verify.stderr
-    assert "train:main: attested on" in verify.stderr and "(2 of 2 builds agree)" in verify.stderr
-    show = bt_at(store, "show", plan, "--remote", url)
-    assert "train:main" in show.stdout and "on the remote, 2 of 2 builds agree" in show.stdout
-    shown = json.loads(bt_at(store, "show", plan, "--remote", url, "--json").stdout)
-    assert [(row["label"], row["agreeing"], row["builds"]) for row in shown["steps"]][1] == (
+    assert "train:main: attested on" in verify.stderr and "(1 trusted builder agrees (self))" in verify.stderr
+    bob = {"BT_KEYS": str(tmp_path / "bob-keys")}
+    again = bt_at(store, "verify", plan, "--push", "--remote", url, env=bob)
+    assert "(1 trusted builder agrees (self); 2 records ignored: 2 untrusted key)" in again.stderr
+    reader = {"BT_KEYS": str(tmp_path / "reader-keys")}
+    b = tmp_path / "b" / ".bt"
+    refused = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "1", env=reader)
+    assert refused.returncode == 4, refused.stderr
+    assert "0 trusted builders agree; 3 records ignored: 3 untrusted key: not pulled" in refused.stderr
+    for name, keys_env in (("alice", {}), ("bob", bob)):
+        exported = tmp_path / f"{name}.pem"
+        exported.write_text(bt_at(store, "keys", "export", env=keys_env).stdout)
+        trusted = bt_at(b, "keys", "trust", str(exported), "--name", name, env=reader)
+        assert trusted.returncode == 0, trusted.stderr
+    listed = bt_at(b, "keys", "ls", env=reader).stdout.split()
+    assert listed[1::2] == ["alice", "bob"] and len(listed[0]) == 64
+    show = bt_at(b, "show", plan, "--remote", url, env=reader)
+    assert (
+        "train:main" in show.stdout and "on the remote, 2 trusted builders agree (alice, bob)" in show.stdout
+    )
+    shown = json.loads(bt_at(b, "show", plan, "--remote", url, "--json", env=reader).stdout)
+    row = shown["steps"][1]
+    assert (row["label"], row["agreeing"], row["signers"], row["ignored"]) == (
         "train:main",
         2,
-        2,
+        ["alice", "bob"],
+        {},
     )
-    accepted = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2")
+    accepted = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2", env=reader)
     assert accepted.returncode == 0, accepted.stderr
     assert step_digests(b, plan) == micro_built[2]
-    again = bt_at(b, "push", plan, "--remote", url)  # pulled here: not one more build
+    again = bt_at(b, "push", plan, "--remote", url, env=reader)  # pulled here: not one more build
     assert again.returncode == 0, again.stderr
-    assert "on the remote, 2 of 2 builds agree" in bt_at(b, "show", plan, "--remote", url).stdout
+    assert not (tmp_path / "reader-keys" / "builder.pem").exists()
+    assert "2 trusted builders agree" in bt_at(b, "show", plan, "--remote", url, env=reader).stdout
 
 
 def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path, micro_built: Reference) -> None:
@@ -216,8 +234,10 @@ def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path, micro
 
     for stderr in (imported("plan", str(MICRO)), imported("run", micro_built[1], at=micro_built[0])):
         assert "buildtrain.store.remote" not in stderr and "obstore" not in stderr
-    # With a remote, a null build never opens it: the S3 client stays unloaded.
-    assert "obstore" not in imported("run", micro_built[1], remote="s3://team-bucket/bt", at=micro_built[0])
+        assert "cryptography" not in stderr
+    # With a remote, a null build never opens it: the S3 client and the signing library stay unloaded.
+    null = imported("run", micro_built[1], remote="s3://team-bucket/bt", at=micro_built[0])
+    assert "obstore" not in null and "cryptography" not in null
 
 
 def test_a_bad_remote_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -351,6 +351,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = store_of(args)
     destination = export_plan(store, one_plan(args, store), Path(args.dest) if args.dest else None)
     print(destination)
+    if args.sign:
+        from buildtrain.executor.signed_export import sign_export
+
+        signature = sign_export(destination, Path(args.sign))
+        err(
+            f"bt export: signed in the OpenSSF model-signing format: {signature} (check it with: "
+            f"model_signing verify key {destination} --signature {signature} --public_key PUBLIC.pem)"
+        )
     return ExitCode.OK
 
 

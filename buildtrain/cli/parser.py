@@ -7,7 +7,7 @@ import typing
 from collections.abc import Callable
 
 from buildtrain import __version__
-from buildtrain.cli import commands, queries, team
+from buildtrain.cli import commands, queries, team, trust
 from buildtrain.cli.arguments import (
     add_executor,
     add_world_size,
@@ -27,7 +27,7 @@ exit codes:
   3  interrupted, resumable       7  step locked by another bt (with --no-wait)
                                   8  --executor cannot run a step (not installed, unreachable, too small)
   (bt push: 4 when the remote holds a different result: non-determinism; bt pull: 4 when a step
-   has fewer agreeing builds than --min-attestations, 5 when the remote's copy is damaged)
+   has fewer trusted signers than --min-attestations, 5 when the remote's copy is damaged)
 
 examples:
   bt run $(bt plan presets/tiny.toml)
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(command)
     _add_push(command)
     _add_pull(command)
+    _add_keys(command)
     return parser
 
 
@@ -125,8 +126,8 @@ def _add_push(command: Command) -> None:
         "(by its blake3), the step's manifest last, so a reader never sees half a step. A step the "
         "remote already holds with the same digests uploads nothing; one it holds with different "
         "digests is non-determinism: reported, never overwritten (exit 4). Where the remote lacked "
-        "a step's result, the push records this build as an attestation (bt show PLAN --remote "
-        "counts them; a step pulled from the remote is not one more build of it).",
+        "a step's result, the push adds this build's signed attestation (bt show PLAN --remote "
+        "counts distinct trusted keys; a step pulled from the remote is not one more build of it).",
     )
     sub.add_argument("plans", nargs="+", metavar="PLAN", help="plans as bt run takes them")
     _add_remote(sub)
@@ -154,8 +155,8 @@ def _add_pull(command: Command) -> None:
         type=positive,
         default=0,
         metavar="N",
-        help="pull a step only when at least N recorded independent builds agree with the remote's "
-        "output (bt verify PLAN --push and every push add one); else exit 4",
+        help="pull a step only when at least N distinct keys of your keyring (bt keys) signed an "
+        "attestation of exactly the remote's output; unsigned or untrusted records count 0; else exit 4",
     )
     _add_remote(sub)
     sub.set_defaults(func=team.cmd_pull)
@@ -533,4 +534,31 @@ def _add_export(command: Command) -> None:
     )
     sub.add_argument("plan", help=PLAN_OR_PRESET)
     sub.add_argument("dest", nargs="?", help="destination directory (must not exist)")
+    sub.add_argument(
+        "--sign",
+        metavar="KEY",
+        help="sign the package in the OpenSSF model-signing format with this elliptic-curve private "
+        "key (PEM), offline; the signature goes to DEST.sig (needs pip install 'buildtrain[sign]')",
+    )
     sub.set_defaults(func=commands.cmd_export)
+
+
+def _add_keys(command: Command) -> None:
+    sub = command(
+        "keys",
+        "this builder's signing key and the builders you trust",
+        "Attestations are signed: each push or verify --push that attests signs an in-toto "
+        "statement with this builder's Ed25519 key ($BT_KEYS, else $XDG_CONFIG_HOME/buildtrain/keys, "
+        "else ~/.config/buildtrain/keys; made on first use). bt pull --min-attestations and bt show "
+        "--remote count distinct keys of your keyring whose signature verifies, never records.",
+    )
+    actions = sub.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser("generate", help="make this builder's key (mode 0600) and trust it as 'self'")
+    actions.add_parser("export", help="print this builder's public key (PEM) to give to teammates")
+    actions.add_parser("ls", help="list the trusted keys: KEYID  NAME")
+    trusted = actions.add_parser("trust", help="trust a builder's public key")
+    trusted.add_argument("key", metavar="FILE|PUBKEY", help="a PEM file from bt keys export, '-', or the PEM")
+    trusted.add_argument("--name", required=True, help="what to call this builder (letters, digits, . _ -)")
+    untrusted = actions.add_parser("untrust", help="remove a key from the keyring")
+    untrusted.add_argument("name", help="the name it was trusted under")
+    sub.set_defaults(func=trust.cmd_keys)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -28,11 +29,14 @@ from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
-from buildtrain.store.remote import attest, leases
+from buildtrain.store.remote import leases
 from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
+
+if TYPE_CHECKING:
+    from buildtrain.store.remote.attest import Tally
 
 # A builder's lease on a step lasts this long and is renewed every third of it; a waiter polls the
 # remote this often. A machine that dies while building delays the others by at most LEASE_S.
@@ -114,11 +118,14 @@ class RemoteCache:
 
     # -- pushing ----------------------------------------------------------------------------------
 
-    def push(self, store: Store, plan: Plan, step: Step, *, built_here: bool = False) -> PushReport:
+    def push(
+        self, store: Store, plan: Plan, step: Step, *, built_here: bool = False, independent: bool = True
+    ) -> PushReport:
         """Push a built step (and its plan, once), then attest the build: always when `built_here`
         (a run built it, a verify reproduced it), else only when the remote did not already hold
-        this result (a store that pulled a step must not count as one more build of it). Never
-        raises for the remote: a failure comes back in `failed`."""
+        this result (a store that pulled a step must not count as one more build of it). A build
+        that is not `independent` (it resumed from a checkpoint another builder made) is pushed
+        and never attested. Never raises for the remote: a failure comes back in `failed`."""
         try:
             if plan.hash not in self._plans_pushed:
                 self.remote.push_plan(plan.hash, plan.canonical())
@@ -127,8 +134,8 @@ class RemoteCache:
             for key in evals.keys_of_output(store.output(step.hash)):  # an evaluation's cache entries
                 if evals.entry_problem(store.eval_path(key), key)[0] is not None:
                     self.remote.push_eval(key, store.eval_path(key).read_bytes())
-            if built_here or pushed.manifest != "present":
-                self.attest(store, step)
+            if independent and (built_here or pushed.manifest != "present"):
+                self.attest(store, plan, step)
         except (BuildtrainError, OSError, ValueError) as exc:
             return PushReport(step=step.label, failed=str(exc))
         return PushReport(
@@ -138,21 +145,35 @@ class RemoteCache:
             conflict=pushed.conflict,
         )
 
-    def attest(self, store: Store, step: Step) -> None:
-        """Record this machine's build of a step (its output's digests) on the remote."""
+    def attest(self, store: Store, plan: Plan, step: Step) -> None:
+        """Sign this builder's statement of a step's build (its outputs' digests) and add it to
+        the remote; the builder key is made on first use (`keyring.py`)."""
+        from buildtrain.store.remote import attest, keyring, signing
+
+        key = keyring.builder_key(create=True)
+        output = store.output(step.hash)
         record = attest.Attestation(
             step=step.hash,
+            plan=plan.hash,
+            builder=signing.key_id(signing.raw_public(key)),
             machine=os.environ.get("BT_MACHINE") or socket.gethostname(),
-            toolchain=digest("toolchain", step.toolchain),
+            toolchain=dict(step.toolchain),
             built_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
-            digests=objects.sealed_digests(store.output(step.hash)),
+            inputs={
+                name: value if isinstance(value, str) else digest("step-input", value)
+                for name, value in step.inputs.items()
+            },
+            digests=objects.sealed_digests(output),
+            files=objects.sealed_files(output),
         )
-        attest.attest(self.remote.backend, record)
+        attest.attest(self.remote.backend, record, key)
 
-    def agreeing(self, step: Step, digests: dict[str, str]) -> tuple[int, int]:
-        """(builds that report these digests, all builds recorded) for a step."""
-        records, _ = attest.attestations(self.remote.backend, step.hash)
-        return attest.agreeing(records, digests), len(records)
+    def tally(self, step: Step, digests: dict[str, str], files: dict[str, str] | None = None) -> Tally:
+        """What this user's keyring counts for a step's output (an `attest.Tally`)."""
+        from buildtrain.store.remote import attest, keyring
+
+        found = attest.attestations(self.remote.backend, step.hash, keyring.load_keyring())
+        return attest.tally(found, digests, files)
 
     # -- a step's turn -----------------------------------------------------------------------------
 
@@ -227,11 +248,15 @@ class RemoteCache:
             except (BuildtrainError, OSError, ValueError):
                 continue  # pruned or moved aside meanwhile, or a passing network problem
 
-    def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
-        """Push a step this run built; a failure or a conflict is one line, never a failed step."""
+    def report_push(
+        self, store: Store, plan: Plan, step: Step, event: Callable[..., None], *, independent: bool = True
+    ) -> None:
+        """Push a step this run built; a failure or a conflict is one line, never a failed step.
+        `independent`: False for a build that resumed from another builder's checkpoint (pushed,
+        never attested: see `push`)."""
         if self.offline:
             return
-        report = self.push(store, plan, step, built_here=True)
+        report = self.push(store, plan, step, built_here=True, independent=independent)
         if report.conflict:
             self.say(step.label, f"non-determinism: {report.conflict}; the remote's result was kept")
             event("remote_conflict", step=step.label, hash=step.hash, conflict=report.conflict)

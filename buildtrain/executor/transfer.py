@@ -1,6 +1,7 @@
 """`bt push`, `bt pull`, `bt verify --push`, `bt ls --remote` and `bt show --remote`: one function
 each, over the run's `RemoteCache` (`remote.py`) and the remote library. Every pulled byte is
-checked; a store that pulled a step never attests it as its own build."""
+checked; a store that pulled a step never attests it as its own build. Attestations (and
+`cryptography`) are imported only by the functions that sign or count them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from buildtrain.errors import ExitCode, RemoteDamaged, UsageError
 from buildtrain.executor.remote import RemoteCache
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
-from buildtrain.store.remote import attest
+from buildtrain.store.remote import keys
+from buildtrain.store.remote.backend import ObjectMissing
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
@@ -100,16 +102,28 @@ def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations
 def _too_few(cache: RemoteCache, step: Step, wanted: int) -> str | None:
     if wanted <= 0:
         return None
-    digests = cache.remote.output_digests(step.hash)
-    if digests is None:
+    output = remote_output(cache.remote, step.hash)
+    if output is None:
         return None  # not there, or damaged: the pull says which
-    agreeing, total = cache.agreeing(step, digests)
-    if agreeing >= wanted:
+    counted = cache.tally(step, *output)
+    if len(counted.agreeing) >= wanted:
         return None
     return (
-        f"{step.label}: {agreeing} of {total} recorded builds agree with the remote's output, "
-        f"--min-attestations {wanted} asks for {wanted}: not pulled (bt verify PLAN --push adds one)"
+        f"{step.label}: --min-attestations {wanted} asks for {wanted} distinct trusted keys that "
+        f"signed the remote's output; {counted}: not pulled (bt verify PLAN --push by a builder "
+        "whose key you trust adds one; bt keys trust FILE --name NAME trusts a builder)"
     )
+
+
+def remote_output(remote: Remote, step_hash: str) -> tuple[dict[str, str], dict[str, str]] | None:
+    """(logical digests, file -> blake3) that the remote's manifest of a step declares: what an
+    attestation must name to count; None when there is none or it is damaged or foreign."""
+    try:
+        body = objects.parse_manifest(remote.backend.get(keys.step(step_hash)))
+        files = {name: entry["blake3"] for name, entry in body["files"].items()}
+    except (ObjectMissing, ValueError, TypeError, KeyError):
+        return None
+    return (dict(body["digests"]), files) if body.get("name") == step_hash else None
 
 
 def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> list[str]:
@@ -122,8 +136,9 @@ def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> 
         if report.failed or report.conflict:
             lines.append(f"{step.label}: not attested: {report.failed or report.conflict}")
             continue
-        agreeing, total = cache.agreeing(step, objects.sealed_digests(store.output(step.hash)))
-        lines.append(f"{step.label}: attested on {url} ({agreeing} of {total} builds agree)")
+        output = store.output(step.hash)
+        counted = cache.tally(step, objects.sealed_digests(output), objects.sealed_files(output))
+        lines.append(f"{step.label}: attested on {url} ({counted})")
     return lines
 
 
@@ -134,37 +149,44 @@ class StepOnRemote:
     label: str
     hash: str
     on_remote: bool
-    agreeing: int  # recorded builds whose digests are the remote output's
-    builds: int  # recorded builds, agreeing or not
-    disagreements: list[str]  # non-determinism: each digest on which recorded builds differ
-    damaged: int  # attestations that do not verify (not counted)
+    agreeing: int  # distinct trusted keys that signed the remote output's digests
+    signers: list[str]  # their keyring names
+    disagreements: list[str]  # non-determinism: each digest on which trusted builds differ
+    ignored: dict[str, int]  # records that count 0, by why: unsigned, untrusted key, forged, ...
 
     def __str__(self) -> str:
-        text = (
-            f"on the remote, {self.agreeing} of {self.builds} builds agree"
-            if self.on_remote
-            else "not on the remote"
-        )
+        from buildtrain.store.remote import attest
+
+        text = "not on the remote"
+        if self.on_remote:
+            names = f" ({', '.join(self.signers)})" if self.signers else ""
+            text = f"on the remote, {attest.builders(self.agreeing)}{names}"
         for line in self.disagreements:
             text += f"; {line}"
-        return text + (f"; {self.damaged} damaged attestation(s) not counted" if self.damaged else "")
+        return text + (f"; {attest.ignored_line(self.ignored)}" if self.ignored else "")
 
 
 def remote_status(plan: Plan, url: RemoteUrl) -> list[StepOnRemote]:
-    """Per step: on the remote or not, and how many recorded builds agree with its output."""
-    remote, rows = Remote.open(url), []
+    """Per step: on the remote or not, and how many trusted builders agree with its output."""
+    # Here, not at the top: a run with a remote imports this module, and a null build must not
+    # load the signing library.
+    from buildtrain.store.remote import attest, keyring
+
+    remote, rows, trusted = Remote.open(url), [], keyring.load_keyring()
     for step in plan.steps:
-        digests = remote.output_digests(step.hash)
-        records, problems = attest.attestations(remote.backend, step.hash)
+        output = remote_output(remote, step.hash)
+        found = attest.attestations(remote.backend, step.hash, trusted)
+        counted = attest.tally(found, *(output or ({}, None)))
+        agreeing = counted.agreeing if output is not None else {}
         rows.append(
             StepOnRemote(
                 label=step.label,
                 hash=step.hash,
-                on_remote=digests is not None,
-                agreeing=attest.agreeing(records, digests) if digests is not None else 0,
-                builds=len(records),
-                disagreements=[str(found) for found in attest.disagreements(records)],
-                damaged=len(problems),
+                on_remote=output is not None,
+                agreeing=len(agreeing),
+                signers=sorted(agreeing.values()),
+                disagreements=[str(found) for found in attest.disagreements(found)],
+                ignored=counted.ignored,
             )
         )
     return rows
