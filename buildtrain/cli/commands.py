@@ -346,15 +346,13 @@ def _gc_records(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from buildtrain.executor.deliver import export_plan
+    from buildtrain.executor.deliver import export_plan, sign_package
 
     store = store_of(args)
     destination = export_plan(store, one_plan(args, store), Path(args.dest) if args.dest else None)
     print(destination)
     if args.sign:
-        from buildtrain.executor.signed_export import sign_export
-
-        signature = sign_export(destination, Path(args.sign))
+        signature = sign_package(destination, Path(args.sign))
         err(
             f"bt export: signed in the OpenSSF model-signing format: {signature} (check it with: "
             f"model_signing verify key {destination} --signature {signature} --public_key PUBLIC.pem)"

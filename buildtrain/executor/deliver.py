@@ -1,6 +1,6 @@
-"""What a built plan hands out: its export package copied out of the store (`bt export`) and text
-generated from its weights (`bt sample`). The CLI calls these two functions and never reaches
-into a step's module.
+"""What a built plan hands out: its export package copied out of the store (`bt export`, signed
+with `--sign`) and text generated from its weights (`bt sample`). The CLI calls these functions
+and never reaches into a step's module.
 
 `bt export` writes only into its destination, never into the store (a copy under `steps/` would
 be a foreign object there), building the copy in a fresh temporary folder beside the destination
@@ -69,6 +69,14 @@ def export_plan(store: Store, plan: Plan, destination: Path | None) -> Path:
     with _signals_stop(destination):
         _copy(output, destination, parent)
     return destination
+
+
+def sign_package(package: Path, private_key: Path) -> Path:
+    """`bt export --sign KEY`: the exported package signed in the OpenSSF model-signing format;
+    the signature's path (beside the package). model-signing is imported only on this path."""
+    from buildtrain.executor.signed_export import sign_export
+
+    return sign_export(package, private_key)
 
 
 def _copy(output: Path, destination: Path, parent: Path) -> None:
