@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import seaweed
+from hypothesis import settings
 
 from buildtrain.plan.stored import load_plan
 
@@ -23,6 +24,13 @@ MICRO_STAGES = REPO / "tests" / "presets" / "micro_stages.toml"
 
 
 BtRunner = Callable[..., subprocess.CompletedProcess]
+
+# Hypothesis under CI (CI=true) draws the same examples on every run, so a red run names a change
+# and not a new draw, and has no deadline on a loaded machine; anywhere it prints the blob that
+# reproduces a failure (@reproduce_failure). HYPOTHESIS_PROFILE=dev explores new examples in CI too.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev"))
 
 
 class Hang(Exception):
