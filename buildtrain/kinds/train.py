@@ -9,12 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.canonical import digest
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig, NumericsConfig, Stage, TrainConfig, world_size_problem
 from buildtrain.config.steps import TrainStep, heldout_only
-from buildtrain.kinds.kind import RankBudget, StepKind
+from buildtrain.kinds.kind import Derived, RankBudget, StepKind, digest_problems
 from buildtrain.plan.plan import Step
-from buildtrain.store.layout import CHECKPOINTS, RESULT, TRAIN_STATE
+from buildtrain.store import objects
+from buildtrain.store.checkpoints import state_digest
+from buildtrain.store.layout import CHECKPOINTS, RESULT, TRACE, TRAIN_STATE
+from buildtrain.store.tensors import combine, safetensors_digests
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -90,7 +94,24 @@ class TrainKind(StepKind):
                     return [f"checkpoints/{name} was written by step {found}, not {step_hash[:12]}"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return [f"its result or checkpoints cannot be read ({exc})"]
-        return []
+        return digest_problems(self, output)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        """The weights from the file the result names; the trace's digest from its lines; the
+        final state from the final checkpoint's tensors and from the trace's last record of it."""
+        result = json.loads((output / RESULT).read_bytes())
+        weights, final = result["weights"], f"{CHECKPOINTS}/{result['checkpoints'][0]}"
+        listed = objects.sealed_files(output)
+        if weights not in listed:  # a name from the output's own result: never outside it
+            raise ValueError(f"{RESULT} names weights {weights!r} the output does not hold")
+        entries = [json.loads(line) for line in (output / TRACE).read_bytes().splitlines() if line.strip()]
+        recorded = next(e["state"] for e in reversed(entries) if "state" in e)
+        return [
+            Derived(name="weights", value=combine(safetensors_digests(output / weights)), file=weights),
+            Derived(name="trace", value=digest("trace", entries), file=TRACE),
+            Derived(name="state", value=recorded, file=TRACE),
+            Derived(name="state", value=state_digest(output / final), file=final),
+        ]
 
 
 KIND = TrainKind()

@@ -89,6 +89,9 @@ TRACE = "trace.jsonl"  # in an output: the whole trace; in a checkpoint: its seg
 STATE_FORMAT = 2  # 2: the checkpoint's trace is a segment, not the whole trace so far
 # Beside a work folder's checkpoints: every trace segment, by its blake3.
 TRACE_SEGMENTS = "trace"
+# In a work folder: written when a checkpoint was pulled from a remote for this step. A build
+# that resumed from another machine's checkpoint is not an independent build: it never attests.
+PULLED_CHECKPOINT = "pulled-checkpoint.json"
 SEGMENT_SUFFIX = ".jsonl"
 # A train step's summary of its output (final update, weights path, digests).
 RESULT = "result.json"

@@ -37,7 +37,7 @@ from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import claim_store, load_plan
 from buildtrain.plan.sweep import sweep_problem
 from buildtrain.store import layout, trace
-from buildtrain.store.checkpoints import checkpoint_problems
+from buildtrain.store.checkpoints import checkpoint_problems, state_problem
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
 from buildtrain.store.metrics import step_metrics_problem
@@ -244,6 +244,8 @@ def _work(store: Store, known: Known) -> Found:
                 continue  # set aside by resume (damaged-step-...), removed with the work folder
             checked += 1
             problems = checkpoint_problems(path, update, {"step_hash": work.name})
+            if not problems and (problem := state_problem(path, update, required=False)):
+                problems = [problem]  # resume refuses it too (a forged or damaged state)
             if problems:
                 found.append(
                     Damage(

@@ -30,7 +30,7 @@ import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
-from buildtrain.store import objects, trace
+from buildtrain.store import checkpoints, layout, objects, trace
 from buildtrain.store.layout import TRACE, trace_segments
 from buildtrain.store.remote import keys
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing, open_backend
@@ -208,9 +208,15 @@ class Remote:
         if not os.path.lexists(destination):
             self._assemble(store, canonical_bytes(manifest), name, destination, what=what, key=key)
         try:
+            # Sealed by an unkeyed digest: its tensors must be the state its trace records.
+            update = layout.checkpoint_update(name)
+            problem = "is not named for an update" if update is None else None
+            problem = problem or checkpoints.state_problem(destination, update or 0, required=True)
+            if problem:
+                raise self.damaged(what, key, f"is refused: {problem}")
             self._pull_trace(destination, what)
         except RemoteDamaged:
-            objects.remove_tree(destination)  # never resumed from: its trace could not be published
+            objects.remove_tree(destination)  # never resumed from: forged, or its trace unpublishable
             raise
         return destination
 
