@@ -112,6 +112,24 @@ def test_a_forged_package_file_is_named(tmp_path: Path, url: str, micro_built: R
     assert "hf/model.safetensors: gives package" in pull.stderr, pull.stderr
 
 
+@pytest.mark.parametrize("checkpoint", ["step-000012", "step-000008"])
+def test_forged_train_checkpoints_are_refused_at_pull(
+    tmp_path: Path, url: str, micro_built: Reference, checkpoint: str
+) -> None:
+    """The final checkpoint (its weights are the output's) or a kept earlier one (verify resumes
+    from it, curves score it): its tensors must be the state the trace records."""
+    store, plan, _ = micro_built
+    assert bt_at(store, "push", plan, "--remote", url).returncode == 0
+    train = steps_of(micro_built)["train:main"]
+    name = f"checkpoints/{checkpoint}/model.safetensors"
+    forge_output(url, train, {name: flip(blob_of(url, train, name))})
+    b = tmp_path / "b" / ".bt"
+    pull = bt_at(b, "pull", plan, "--remote", url)
+    assert pull.returncode == 5, pull.stderr
+    assert f"train:main: remote {url}: step {train[:12]} refused: checkpoints/{checkpoint}" in pull.stderr
+    assert not Store(b).has_output(train)
+
+
 def forged_eval(body: dict) -> dict:
     """The held-out result with better numbers (every float scaled), its identity kept."""
     result = {k: (v * 0.5 if isinstance(v, float) else v) for k, v in body["result"].items()}
