@@ -27,6 +27,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
 from buildtrain.kinds import kind_of
+from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
 from buildtrain.store.remote import attest, leases
@@ -94,7 +95,7 @@ class RemoteCache:
             self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
             return False
         # Its seal is unkeyed: a declared digest counts only once the bytes give it again.
-        problems = kind_of(step.kind).output_problems(step.hash, found, step.config)
+        problems = stored_problems(kind_of(step.kind), step.hash, found, step.config)
         if problems:
             store.quarantine(step.hash)
             self.say(

@@ -14,8 +14,9 @@ do with it; none of them tests a kind's name. A kind says:
   its digests compared; `spot_checked`: whether a `--steps N` spot check re-executes it);
 - what the store holds for it besides its sealed output (`output_problems`, `references`: what fsck
   checks and what gc keeps);
-- which of its declared digests follow from its files (`derive_digests`): a manifest's seal is
-  unkeyed, so a pull, fsck and verify trust a declared digest only once the bytes give it again.
+- which of its declared digests follow from its files (`derive_digests`, `derived_problems`): a
+  manifest's seal is unkeyed, so a pull and fsck trust a declared digest only once the bytes give
+  it again (`stored_problems`).
 
 Torch-free and cheap to import: `bt plan` and a null build load every kind.
 """
@@ -122,7 +123,13 @@ class StepKind:
 
     def output_problems(self, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
         """What makes a sealed output of this step (`step_hash`, `config`) not its own, beyond
-        its seal: by default, declared digests its files do not give (`digest_problems`)."""
+        its seal."""
+        return []
+
+    def derived_problems(self, output: Path) -> list[str]:
+        """What its files say against the digests its manifest declares (`digest_problems`):
+        what a pull and fsck check beyond `output_problems`. `bt verify` leaves it to the
+        re-execution, which names the file that differs and says "not reproduced"."""
         return digest_problems(self, output)
 
     def derive_digests(self, output: Path) -> list[Derived]:
@@ -134,6 +141,11 @@ class StepKind:
     def references(self, output: Path) -> list[str]:
         """Evaluation cache keys this output names (gc keeps those entries)."""
         return []
+
+
+def stored_problems(kind: StepKind, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
+    """Everything a store checks of a sealed output beyond its files' blake3 (fsck, a pull)."""
+    return kind.output_problems(step_hash, output, config) or kind.derived_problems(output)
 
 
 @attrs.frozen(kw_only=True)

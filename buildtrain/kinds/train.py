@@ -94,7 +94,18 @@ class TrainKind(StepKind):
                     return [f"checkpoints/{name} was written by step {found}, not {step_hash[:12]}"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return [f"its result or checkpoints cannot be read ({exc})"]
-        return digest_problems(self, output) or kept_problems(output, result["checkpoints"][1:])
+        return []
+
+    def derived_problems(self, output: Path) -> list[str]:
+        """Its declared digests, then its kept checkpoints against the trace's records."""
+        problems = digest_problems(self, output)
+        if problems:
+            return problems
+        try:
+            names = json.loads((output / RESULT).read_bytes())["checkpoints"][1:]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"its result cannot be read ({exc})"]
+        return kept_problems(output, names)
 
     def derive_digests(self, output: Path) -> list[Derived]:
         """The weights from the file the result names; the trace's digest from its lines; the
