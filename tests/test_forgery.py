@@ -130,6 +130,19 @@ def test_forged_train_checkpoints_are_refused_at_pull(
     assert not Store(b).has_output(train)
 
 
+def test_forged_tokens_are_refused_at_pull(tmp_path: Path, url: str, micro_built: Reference) -> None:
+    """A data step's shard changed: every step trained on it would learn from other tokens."""
+    store, plan, _ = micro_built
+    assert bt_at(store, "push", plan, "--remote", url).returncode == 0
+    data = steps_of(micro_built)["data:main"]
+    forge_output(url, data, {"train-00000.bin": flip(blob_of(url, data, "train-00000.bin"))})
+    b = tmp_path / "b" / ".bt"
+    pull = bt_at(b, "pull", plan, "--remote", url)
+    assert pull.returncode == 5, pull.stderr
+    assert "data:main" in pull.stderr and "train-00000.bin: gives train-00000.bin" in pull.stderr
+    assert not Store(b).has_output(data)
+
+
 def forged_eval(body: dict) -> dict:
     """The held-out result with better numbers (every float scaled), its identity kept."""
     result = {k: (v * 0.5 if isinstance(v, float) else v) for k, v in body["result"].items()}
