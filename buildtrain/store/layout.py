@@ -100,6 +100,8 @@ EVAL_RESULT = "eval.json"
 # In a data step's output: the digest of every document it read (steps/documents.py); its digest
 # in the output's manifest is named after the file, as a shard's is.
 DOCUMENTS = "documents.u64"
+TOKENIZER_FILE = "tokenizer.json"  # a tokenizer step output's tokenizer (steps/tokenizer_files.py)
+TOKENIZER_DESCRIPTION = "description.json"  # and what its tokens are
 DATA_INDEX = "data.json"  # a data step output's index: its splits and their shards (steps/data_index.py)
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
