@@ -300,3 +300,24 @@ def test_a_build_resumed_from_a_pulled_checkpoint_never_attests(
     assert records == []  # ...but not attested: it is not an independent build
     data = steps_of(micro_built)["data:main"]
     assert len(attestations(backend, data)[0]) == 1  # what it built alone, it attests
+
+
+def test_every_kind_derives_what_it_declared_for_a_bpe_plan(tmp_path: Path) -> None:
+    """Honest outputs of a plan with a tokenizer step: each kind's derivation agrees with every
+    digest it declared (nothing honest is refused), and fsck finds the store whole."""
+    from test_tokenizer import bpe_preset
+
+    from buildtrain.kinds import kind_of
+    from buildtrain.kinds.kind import stored_problems
+
+    store = tmp_path / ".bt"
+    planned = plan_hash(bt_at(store, "plan", str(bpe_preset(tmp_path))))
+    assert bt_at(store, "run", planned).returncode == 0
+    steps = load_plan(Store(store), planned).steps
+    assert "tokenizer" in {step.kind for step in steps}
+    for step in steps:
+        kind = kind_of(step.kind)
+        output = Store(store).output(step.hash)
+        assert kind.derive_digests(output), step.label  # every kind here derives something
+        assert stored_problems(kind, step.hash, output, step.config) == [], step.label
+    assert bt_at(store, "fsck").returncode == 0
