@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 import pytest
 import seaweed
-from conftest import MICRO, plan_hash, run_bt
+from conftest import MICRO, plan_hash, run_bt, time_bound
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged, UsageError
 from buildtrain.plan.stored import load_plan
-from buildtrain.store import layout, objects, trace
+from buildtrain.store import checkpoints, layout, objects, tensors, trace
 from buildtrain.store.remote import keyring, keys, leases, signing
 from buildtrain.store.remote.attest import (
     Attestation,
@@ -216,6 +216,63 @@ def test_a_manifest_that_writes_outside_its_folder_is_refused(remote: Remote, tm
     assert_nothing_left(other)
 
 
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"a\0b": {"blake3": "00" * 32, "size": 0}},  # a NUL byte: open() raised a traceback
+        {"hf": {"blake3": "00" * 32, "size": 0}, "hf/model.bin": {"blake3": "00" * 32, "size": 0}},
+    ],
+    ids=["nul", "file-and-folder"],
+)
+def test_a_manifest_naming_impossible_files_is_refused(remote: Remote, tmp_path: Path, files: dict) -> None:
+    """Issue 45, R7: one line naming the manifest, never a traceback or a misleading disk error."""
+    step = "ce" * 32
+    body = {"format": objects.MANIFEST_FORMAT, "name": step, "files": files, "digests": {}}
+    remote.backend.put(keys.step(step), canonical_bytes({**body, "self": digest("manifest", body)}))
+    other = fresh_store(tmp_path)
+    with pytest.raises(RemoteDamaged, match="a name with a NUL byte, one name as both a file and a folder"):
+        remote.pull_output(other, step)
+    assert_nothing_left(other)
+
+
+def test_declared_sizes_are_bounded_by_the_disk(remote: Remote, tmp_path: Path) -> None:
+    """Issue 45, R8: sizes are the remote's word; more than the disk holds is refused up front."""
+    step = "cf" * 32
+    body = {
+        "format": objects.MANIFEST_FORMAT,
+        "name": step,
+        "files": {"huge.bin": {"blake3": "00" * 32, "size": 1 << 62}},
+        "digests": {},
+    }
+    remote.backend.put(keys.step(step), canonical_bytes({**body, "self": digest("manifest", body)}))
+    other = fresh_store(tmp_path)
+    with pytest.raises(RemoteDamaged, match="declares 4611686018427387904 bytes of files"):
+        remote.pull_output(other, step)
+    assert_nothing_left(other)
+
+
+def test_a_fifo_blob_on_a_shared_folder_never_hangs_a_pull(tmp_path: Path) -> None:
+    """Issue 45, R8: open() of a FIFO waits for a writer forever; it is refused at once."""
+    import os
+
+    (tmp_path / "remote").mkdir()
+    remote = Remote.open(f"file://{tmp_path / 'remote'}")
+    step, blob = "d0" * 32, "11" * 32
+    body = {
+        "format": objects.MANIFEST_FORMAT,
+        "name": step,
+        "files": {"x.bin": {"blake3": blob, "size": 4}},
+        "digests": {},
+    }
+    remote.backend.put(keys.step(step), canonical_bytes({**body, "self": digest("manifest", body)}))
+    (tmp_path / "remote" / "blobs").mkdir(exist_ok=True)
+    os.mkfifo(tmp_path / "remote" / keys.blob(blob))
+    other = fresh_store(tmp_path)
+    with time_bound(10, "a pull of a FIFO blob"), pytest.raises(RemoteDamaged, match="is missing"):
+        remote.pull_output(other, step)
+    assert_nothing_left(other)
+
+
 def test_two_builds_that_disagree_never_overwrite(
     remote: Remote, built: tuple[Store, list[str]], tmp_path: Path
 ) -> None:
@@ -260,9 +317,16 @@ def make_checkpoint(
     parent = store.work_dir(step) / "checkpoints"
     folder = store.new_temp("ckpt")
     (folder / "state.json").write_bytes(payload)
-    (folder / "model.safetensors").write_bytes(payload * 1000)
+    data = payload * 1000 + b"\0" * (-len(payload) * 1000 % 4)
+    head, _ = tensors.encode_header([("w", "F32", [len(data) // 4], len(data))])
+    (folder / "model.safetensors").write_bytes(head + data)
+    # The trace records the state its tensors give at its update (a pull checks it).
+    state = {"state": checkpoints.state_digest(folder)}
     header = trace.Header(first=previous[0] + 1, last=number, previous=previous[1])
-    lines = [canonical_bytes({"step": s}) + b"\n" for s in range(previous[0] + 1, number + 1)]
+    lines = [
+        canonical_bytes({"step": s, **(state if s == number else {})}) + b"\n"
+        for s in range(previous[0] + 1, number + 1)
+    ]
     raw = trace.segment_bytes(header, lines)
     trace.keep(layout.trace_segments(parent), trace.segment_digest(raw), raw=raw)
     (folder / layout.TRACE).write_bytes(raw)
@@ -569,6 +633,9 @@ def test_a_remote_url_round_trips(url: RemoteUrl) -> None:
         "file:///a/../b",
         "s3://b/x//y",
         "/mnt/x",
+        "file://",  # file://$UNSET: never the file system's root (issue 45, R13)
+        "file:///",
+        "file:////",
     ],
 )
 def test_a_bad_remote_url_is_a_usage_error(text: str) -> None:

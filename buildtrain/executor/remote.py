@@ -20,13 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from buildtrain.canonical import digest
+from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
 from buildtrain.kinds import kind_of
+from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
 from buildtrain.store.remote import leases
@@ -71,6 +72,7 @@ class RemoteCache:
         self._lease: leases.Lease | None = None  # the newest renewal of the lease held
         self.on_lost: Callable[[], None] = _stop_this_run
         self.offline = False  # the remote could not be reached: the rest of the run builds locally
+        self.resumed: set[str] = set()  # steps whose build started from a pulled checkpoint
 
     @property
     def remote(self) -> Remote:
@@ -95,6 +97,16 @@ class RemoteCache:
             store.quarantine(step.hash)
             self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
             return False
+        # Its seal is unkeyed: a declared digest counts only once the bytes give it again.
+        problems = stored_problems(kind_of(step.kind), step.hash, found, step.config)
+        if problems:
+            store.quarantine(step.hash)
+            self.say(
+                step.label,
+                f"remote {self.url}: step {step.hash[:12]} refused: {problems[0]}; it was not used "
+                "(moved to quarantine/): build it locally, and push it again to repair the remote",
+            )
+            return False
         self._pull_entry(store, step)
         return True
 
@@ -106,8 +118,11 @@ class RemoteCache:
                 self._pull_key(store, step, key)
 
     def _pull_key(self, store: Store, step: Step, key: str) -> None:
+        # An entry is reused by other plans: it must hold what the step's own result (its
+        # digest re-derived) holds under that key, not merely be sealed.
+        recorded = evals.output_entries(store.output(step.hash)).get(key)
         try:
-            raw = self.remote.pull_eval(key, lambda raw: _entry_check(key, raw))
+            raw = self.remote.pull_eval(key, lambda raw: _entry_check(key, raw, recorded))
         except RemoteDamaged as exc:
             self.say(step.label, str(exc))
             return
@@ -134,7 +149,8 @@ class RemoteCache:
             for key in evals.keys_of_output(store.output(step.hash)):  # an evaluation's cache entries
                 if evals.entry_problem(store.eval_path(key), key)[0] is not None:
                     self.remote.push_eval(key, store.eval_path(key).read_bytes())
-            if independent and (built_here or pushed.manifest != "present"):
+            fresh = built_here or pushed.manifest != "present"
+            if fresh and independent and self.independent(store, step):
                 self.attest(store, plan, step)
         except (BuildtrainError, OSError, ValueError) as exc:
             return PushReport(step=step.label, failed=str(exc))
@@ -144,6 +160,14 @@ class RemoteCache:
             bytes_uploaded=pushed.bytes_uploaded,
             conflict=pushed.conflict,
         )
+
+    def independent(self, store: Store, step: Step) -> bool:
+        """Whether this store's build of a step is its own: False once any of it started from a
+        checkpoint pulled from a remote (this run's, or an earlier interrupted run's, whose work
+        folder still holds the mark). Such a build counts as nobody's attestation: its bits are
+        only as good as the machine that wrote the checkpoint."""
+        marked = (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file()
+        return step.hash not in self.resumed and not marked
 
     def attest(self, store: Store, plan: Plan, step: Step) -> None:
         """Sign this builder's statement of a step's build (its outputs' digests) and add it to
@@ -212,12 +236,19 @@ class RemoteCache:
         the remote that verifies; while it runs, push each new checkpoint it keeps (from a thread
         of this process: the step process never waits for the network)."""
         folder = store.checkpoints_dir(step.hash)
+        if (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
+            self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
         if not _newest(folder):
             folder.mkdir(parents=True, exist_ok=True)
             pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
             for problem in problems:
                 self.say(step.label, problem)
             if pulled is not None:
+                self.resumed.add(step.hash)
+                mark = {"checkpoint": pulled.name, "remote": str(self.url)}
+                store.replace_file(
+                    store.work_dir(step.hash) / layout.PULLED_CHECKPOINT, canonical_bytes(mark)
+                )
                 self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
         stop = threading.Event()
         pusher = threading.Thread(target=self._push_checkpoints, args=(folder, step, stop), daemon=True)
@@ -321,16 +352,21 @@ class RemoteCache:
                 continue  # a passing network problem: try again at the next renewal
 
 
-def _entry_check(key: str, raw: bytes) -> str | None:
-    """Whether bytes from the remote are the sealed evaluation entry of `key` (None: they are)."""
+def _entry_check(key: str, raw: bytes, recorded: dict[str, Any] | None) -> str | None:
+    """Whether bytes from the remote are the sealed evaluation entry of `key` that the pulled
+    step's result records (`recorded`) (None: they are)."""
     import json
 
     try:
         entry = json.loads(raw)
         body = {"identity": entry["identity"], "result": entry["result"]}
-        return None if evals.seal_entry(key, body) == raw else "it does not match its seal or key"
+        if evals.seal_entry(key, body) != raw:
+            return "it does not match its seal or key"
     except (ValueError, KeyError, TypeError):
         return "not an evaluation entry"
+    if body != recorded:
+        return f"its result is not the one {layout.EVAL_RESULT} of the step records (forged)"
+    return None
 
 
 def _newest(folder: Path) -> Path | None:

@@ -4,14 +4,25 @@ BPE encodes the text, on the `tokenizers` release."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.canonical import digest
 from buildtrain.config.schema import DataConfig, Stage
 from buildtrain.config.steps import BYTES, DataSettings, DataStep
-from buildtrain.kinds.kind import StepKind
+from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine
+from buildtrain.store import objects
+from buildtrain.store.layout import DATA_INDEX, DOCUMENTS
+from buildtrain.store.tensors import tensor_digest
+
+# Bytes per token id and the digest's dtype code, by a split's "dtype" (none: uint16), as
+# steps/shards.py writes them; loss masks are one byte per token.
+SHARD_CODES = {None: (2, "u16"), "u32": (4, "u32")}
+MASK_CODE = (1, "u8")
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -49,6 +60,39 @@ class DataKind(StepKind):
             inputs["tokenizer"] = tokenizer.hash
         toolchain = self.toolchain(config, planning.config.numerics, machine=planning.machine)
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        """Each shard's digest from its tokens, the data digest from them, the documents' digest
+        from their file: what the index and the manifest declare, computed from the bytes."""
+        index = json.loads((output / DATA_INDEX).read_bytes())
+        listed, found, shards = objects.sealed_files(output), [], {}
+        for split, entry in index["splits"].items():
+            parts = [(split, entry["shards"], SHARD_CODES[entry.get("dtype")])]
+            if "masks" in entry:
+                parts.append((f"{split}-mask", entry["masks"], MASK_CODE))
+            for name, written, (width, code) in parts:
+                shards[name] = [_shard(output, shard, width, code, listed) for shard in written]
+                found += [
+                    Derived(name=s["file"], value=d, file=s["file"])
+                    for s, d in zip(written, shards[name], strict=True)
+                ]
+        found.append(Derived(name="data", value=digest("data", shards), file=DATA_INDEX))
+        if DOCUMENTS in listed:
+            count = (output / DOCUMENTS).stat().st_size // 8
+            value = digest("documents", {"file": listed[DOCUMENTS], "count": count})
+            found.append(Derived(name=DOCUMENTS, value=value, file=DOCUMENTS))
+        return found
+
+
+def _shard(output: Path, shard: Mapping[str, Any], width: int, code: str, listed: Mapping[str, str]) -> str:
+    """A shard's digest from its file (one the manifest lists, of the size its tokens take)."""
+    name, tokens = shard["file"], shard["tokens"]
+    if name not in listed:
+        raise ValueError(f"{DATA_INDEX} names shard {name!r} the output does not hold")
+    raw = (output / name).read_bytes()
+    if len(raw) != tokens * width:
+        raise ValueError(f"{name}: {len(raw)} bytes, {tokens} tokens of {width} bytes each")
+    return tensor_digest(name, code, [tokens], raw)
 
 
 KIND = DataKind()

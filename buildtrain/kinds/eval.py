@@ -7,16 +7,19 @@ the weights; without them it plans exactly as it did before suites existed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.canonical import digest
 from buildtrain.config.schema import Config, Stage
 from buildtrain.config.steps import EvalStep, SuiteStep
-from buildtrain.kinds.kind import StepKind
+from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine, lm_eval_version
 from buildtrain.store.evals import keys_of_output
+from buildtrain.store.layout import EVAL_RESULT
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -90,6 +93,10 @@ class EvalKind(StepKind):
 
     def references(self, output: Path) -> list[str]:
         return keys_of_output(output)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        body = json.loads((output / EVAL_RESULT).read_bytes())  # the scores and their identity
+        return [Derived(name="eval", value=digest("eval-result", body), file=EVAL_RESULT)]
 
 
 KIND = EvalKind()

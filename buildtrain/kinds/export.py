@@ -5,15 +5,20 @@ is exact, so its bits depend on buildtrain's code alone)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from buildtrain.canonical import digest
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import Config, Stage
 from buildtrain.config.steps import BYTES, DataSettings, ExportStep
-from buildtrain.kinds.kind import StepKind
+from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
+from buildtrain.store import objects
+from buildtrain.store.layout import CHECKSUMS, EXPORT_WEIGHTS
+from buildtrain.store.tensors import combine, safetensors_digests
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -58,6 +63,22 @@ class ExportKind(StepKind):
         ).to_config()
         toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        """The weights from their tensors; the package from every file's blake3 (the manifest's,
+        true of the bytes once verified), in the order the step listed them in BLAKE3SUMS. A
+        file whose line BLAKE3SUMS does not hold is named: the package changed there."""
+        files = objects.sealed_files(output)
+        names = sorted((n for n in files if n != CHECKSUMS), key=PurePosixPath)  # as Path sorts
+        lines = [f"{files[name]}  {name}\n" for name in names]
+        written = (output / CHECKSUMS).read_text(encoding="utf-8").splitlines(keepends=True)
+        changed = next((name for name, line in zip(names, lines, strict=True) if line not in written), None)
+        weights = combine(safetensors_digests(output / EXPORT_WEIGHTS))
+        return [
+            Derived(name="weights", value=weights, file=EXPORT_WEIGHTS),
+            Derived(name="package", value=digest("package", lines), file=changed or CHECKSUMS),
+            Derived(name="package", value=digest("package", written), file=CHECKSUMS),  # what it ships
+        ]
 
 
 def root_stage(config: Config, stage: Stage) -> Stage:

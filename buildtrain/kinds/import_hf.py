@@ -10,11 +10,14 @@ and an exact widening to float32, so its bits depend on buildtrain's code alone.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from buildtrain.config.schema import Stage
-from buildtrain.kinds.kind import StepKind
+from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
+from buildtrain.store.layout import EXPORT_WEIGHTS
+from buildtrain.store.tensors import combine, safetensors_digests
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -50,6 +53,10 @@ class ImportKind(StepKind):
         ]
         toolchain = self.toolchain(config, planning.config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, config, {"sources": sources}, toolchain)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        weights = combine(safetensors_digests(output / EXPORT_WEIGHTS))
+        return [Derived(name="weights", value=weights, file=EXPORT_WEIGHTS)]
 
 
 KIND = ImportKind()

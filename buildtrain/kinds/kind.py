@@ -13,7 +13,10 @@ do with it; none of them tests a kind's name. A kind says:
 - how `bt verify` compares it (`verify_by_updates`: watched update by update, else re-executed and
   its digests compared; `spot_checked`: whether a `--steps N` spot check re-executes it);
 - what the store holds for it besides its sealed output (`output_problems`, `references`: what fsck
-  checks and what gc keeps).
+  checks and what gc keeps);
+- which of its declared digests follow from its files (`derive_digests`, `derived_problems`): a
+  manifest's seal is unkeyed, so a pull and fsck trust a declared digest only once the bytes give
+  it again (`stored_problems`).
 
 Torch-free and cheap to import: `bt plan` and a null build load every kind.
 """
@@ -28,6 +31,7 @@ import attrs
 
 from buildtrain.config.schema import NumericsConfig
 from buildtrain.plan.toolchain import Machine, fingerprint
+from buildtrain.store import objects
 
 if TYPE_CHECKING:
     from buildtrain.config.schema import Stage
@@ -122,9 +126,55 @@ class StepKind:
         its seal."""
         return []
 
+    def derived_problems(self, output: Path) -> list[str]:
+        """What its files say against the digests its manifest declares (`digest_problems`):
+        what a pull and fsck check beyond `output_problems`. `bt verify` leaves it to the
+        re-execution, which names the file that differs and says "not reproduced"."""
+        return digest_problems(self, output)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        """The declared digests this kind computes again from a sealed output's files, each with
+        the file it follows from (the files are those `objects.verify` found intact). Raises
+        ValueError, KeyError, TypeError or OSError where a file is not what the kind writes."""
+        return []
+
     def references(self, output: Path) -> list[str]:
         """Evaluation cache keys this output names (gc keeps those entries)."""
         return []
+
+
+def stored_problems(kind: StepKind, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
+    """Everything a store checks of a sealed output beyond its files' blake3 (fsck, a pull)."""
+    return kind.output_problems(step_hash, output, config) or kind.derived_problems(output)
+
+
+@attrs.frozen(kw_only=True)
+class Derived:
+    """A declared digest computed again from an output's bytes."""
+
+    name: str  # the digest's name in the manifest ("weights", "package", "eval", ...)
+    value: str
+    file: str  # what it follows from, as a refusal names it
+
+
+def digest_problems(kind: StepKind, output: Path) -> list[str]:
+    """The first declared digest of a sealed output that its files do not give ([] when all
+    do). A manifest is sealed by an unkeyed digest anyone can compute: files changed and the
+    manifest sealed again with the honest digests pass every blake3, and only this check (or
+    re-executing) tells them apart."""
+    try:
+        declared = objects.sealed_digests(output)
+        derived = kind.derive_digests(output)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, StopIteration) as exc:
+        return [f"its files cannot give the digests its manifest declares ({type(exc).__name__}: {exc})"]
+    for found in derived:
+        claimed = declared.get(found.name)
+        if claimed != found.value:
+            return [
+                f"{found.file}: gives {found.name} {found.value[:12]}, the manifest declares "
+                f"{str(claimed)[:12]} (forged or damaged)"
+            ]
+    return []
 
 
 @attrs.frozen(kw_only=True)

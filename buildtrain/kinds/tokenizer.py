@@ -9,15 +9,20 @@ content digest and size: renaming it changes nothing, editing one byte changes t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.canonical import digest
 from buildtrain.config.schema import Stage, TokenizerConfig
 from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerStep
 from buildtrain.errors import ConfigError
-from buildtrain.kinds.kind import StepKind
+from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine
+from buildtrain.store import objects
+from buildtrain.store.layout import TOKENIZER_DESCRIPTION, TOKENIZER_FILE
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -60,6 +65,12 @@ class TokenizerKind(StepKind):
             inputs = {"sources": planning.sources_input(stage.name)}
         toolchain = self.toolchain(config, planning.config.numerics, machine=planning.machine)
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        """The tokenizer digest from its file's blake3 and its description."""
+        described = json.loads((output / TOKENIZER_DESCRIPTION).read_bytes())
+        value = digest("tokenizer", {"file": objects.sealed_files(output)[TOKENIZER_FILE], **described})
+        return [Derived(name="tokenizer", value=value, file=TOKENIZER_DESCRIPTION)]
 
 
 KIND = TokenizerKind()

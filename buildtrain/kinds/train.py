@@ -9,12 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.canonical import digest
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig, NumericsConfig, Stage, TrainConfig, world_size_problem
 from buildtrain.config.steps import TrainStep, heldout_only
-from buildtrain.kinds.kind import RankBudget, StepKind
+from buildtrain.kinds.kind import Derived, RankBudget, StepKind, digest_problems
 from buildtrain.plan.plan import Step
-from buildtrain.store.layout import CHECKPOINTS, RESULT, TRAIN_STATE
+from buildtrain.store import objects
+from buildtrain.store.checkpoints import state_digest
+from buildtrain.store.layout import CHECKPOINTS, RESULT, TRACE, TRAIN_STATE, checkpoint_update
+from buildtrain.store.tensors import combine, safetensors_digests
 
 if TYPE_CHECKING:
     from buildtrain.kinds.planning import Planning
@@ -91,6 +95,63 @@ class TrainKind(StepKind):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return [f"its result or checkpoints cannot be read ({exc})"]
         return []
+
+    def derived_problems(self, output: Path) -> list[str]:
+        """Its declared digests, then its kept checkpoints against the trace's records."""
+        problems = digest_problems(self, output)
+        if problems:
+            return problems
+        try:
+            names = json.loads((output / RESULT).read_bytes())["checkpoints"][1:]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"its result cannot be read ({exc})"]
+        return kept_problems(output, names)
+
+    def derive_digests(self, output: Path) -> list[Derived]:
+        """The weights from the file the result names; the trace's digest from its lines; the
+        final state from the final checkpoint's tensors and from the trace's last record of it."""
+        result = json.loads((output / RESULT).read_bytes())
+        weights, final = result["weights"], f"{CHECKPOINTS}/{_checkpoint(result['checkpoints'][0])}"
+        listed = objects.sealed_files(output)
+        if weights not in listed:  # a name from the output's own result: never outside it
+            raise ValueError(f"{RESULT} names weights {weights!r} the output does not hold")
+        entries = trace_entries(output)
+        recorded = next(e["state"] for e in reversed(entries) if "state" in e)
+        return [
+            Derived(name="weights", value=combine(safetensors_digests(output / weights)), file=weights),
+            Derived(name="trace", value=digest("trace", entries), file=TRACE),
+            Derived(name="state", value=recorded, file=TRACE),
+            Derived(name="state", value=state_digest(output / final), file=final),
+        ]
+
+
+def trace_entries(output: Path) -> list[dict[str, Any]]:
+    """The whole trace of a train output, one entry per line."""
+    return [json.loads(line) for line in (output / TRACE).read_bytes().splitlines() if line.strip()]
+
+
+def _checkpoint(name: Any) -> str:
+    """A checkpoint name from an output's result, refused unless it is one (never a path)."""
+    if not isinstance(name, str) or checkpoint_update(name) is None:
+        raise ValueError(f"{RESULT} names checkpoint {name!r}")
+    return name
+
+
+def kept_problems(output: Path, names: list[str]) -> list[str]:
+    """The kept checkpoints before the final one must hold the state the trace records at their
+    update (verify resumes from them, evaluation curves score them)."""
+    try:
+        recorded = {e.get("step"): e.get("state") for e in trace_entries(output) if "eval" not in e}
+        for name in names:
+            update, found = checkpoint_update(_checkpoint(name)), state_digest(output / CHECKPOINTS / name)
+            if found != recorded.get(update):
+                return [
+                    f"{CHECKPOINTS}/{name}: its tensors give state {found[:12]}, the trace records "
+                    f"{str(recorded.get(update))[:12]} at update {update} (forged or damaged)"
+                ]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [f"its kept checkpoints cannot be checked against its trace ({type(exc).__name__}: {exc})"]
+    return []
 
 
 KIND = TrainKind()

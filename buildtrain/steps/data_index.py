@@ -9,9 +9,9 @@ from typing import Any
 
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, ModelConfig
 from buildtrain.errors import StepFailed
+from buildtrain.store.layout import DATA_INDEX  # noqa: F401 (its readers take the name from here)
 
 DATA_FORMAT = 1
-DATA_INDEX = "data.json"
 U16_IDS = 1 << 16  # ids a uint16 shard can hold; a larger vocabulary gets uint32 shards
 
 

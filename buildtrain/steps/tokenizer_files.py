@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.canonical import canonical_bytes
-
-TOKENIZER = "tokenizer.json"
-DESCRIPTION = "description.json"
+from buildtrain.store.layout import TOKENIZER_DESCRIPTION as DESCRIPTION
+from buildtrain.store.layout import TOKENIZER_FILE as TOKENIZER
 
 
 def load(folder: Path) -> tuple[Any, dict[str, Any]]:

@@ -4,6 +4,10 @@ checks checkpoints exactly as resume does without loading torch.
 A checkpoint `step-000050/` must verify against its manifest (every file, and the folder name it
 was sealed under), and its training state must record step 50 and the identity of its step (the
 step hash), and its trace segment must end at that step. A folder renamed, linked or copied from another step or another plan fails one of these.
+
+Its seal is an unkeyed digest, so a checkpoint whose weights were changed and sealed again passes
+all of that: `state_problem` binds its tensors to the trace's record of the state at its update
+(the digest of every weight and AdamW moment, `steps/train/record.py`), whoever wrote it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.store import objects, trace
-from buildtrain.store.layout import STATE_FORMAT, TRACE, TRAIN_STATE
+from buildtrain.store.layout import FROZEN, MODEL, OPTIMIZER, SHARDS, STATE_FORMAT, TRACE, TRAIN_STATE
+from buildtrain.store.tensors import combine, iter_safetensors, sharded_tensors, tensor_digest
+
+# The checkpoint files whose tensors make the training state, and the prefix of their names in the
+# trace's record (`steps/train/state.state_tensors`): weights that train, frozen ones, AdamW moments.
+STATE_FILES = ((MODEL, "model."), (FROZEN, "model."), (OPTIMIZER, "optimizer."))
 
 
 def checkpoint_problems(path: Path, update: int, expect: dict[str, Any]) -> list[str]:
@@ -37,3 +46,38 @@ def checkpoint_problems(path: Path, update: int, expect: dict[str, Any]) -> list
     except OSError as exc:
         problem = f"unreadable ({exc.strerror or exc})"
     return [f"{TRACE}: {problem}"] if problem else []
+
+
+def state_digest(path: Path) -> str:
+    """The digest the trace records as "state" for the tensors of the checkpoint folder `path`
+    (either layout), read from its files without torch."""
+    if (path / SHARDS).is_dir():
+        whole = sharded_tensors(path / SHARDS)
+        return combine({name: tensor_digest(name, *whole[name]) for name in sorted(whole)})
+    found = {}
+    for file, prefix in STATE_FILES:
+        if (path / file).is_file():
+            for name, dtype, shape, raw in iter_safetensors(path / file):
+                found[prefix + name] = tensor_digest(prefix + name, dtype, shape, raw)
+    return combine(dict(sorted(found.items())))
+
+
+def state_problem(path: Path, update: int, *, required: bool) -> str | None:
+    """Why the tensors of a checkpoint (one `checkpoint_problems` accepts) are not the state its
+    trace segment records at `update`; None when they are. A checkpoint taken at an interruption
+    has no record to check against: `required` (one pulled from a remote) refuses it."""
+    try:
+        _, entries = trace.parse((path / TRACE).read_bytes())
+        record = next((e for e in entries if e.get("step") == update and "eval" not in e), None)
+        recorded = record.get("state") if isinstance(record, dict) else None
+        if recorded is None:
+            return f"{TRACE} records no state at update {update} to check it against" if required else None
+        found = state_digest(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"its tensors cannot be read ({type(exc).__name__}: {exc})"
+    if found != recorded:
+        return (
+            f"its tensors give state {found[:12]}, its trace records {str(recorded)[:12]} at update "
+            f"{update} (forged or damaged)"
+        )
+    return None

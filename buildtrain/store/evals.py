@@ -73,6 +73,19 @@ def keys_of_output(output: Path) -> list[str]:
         return []
 
 
+def output_entries(output: Path) -> dict[str, dict[str, Any]]:
+    """The cache entry bodies ({"identity", "result"}) an eval step's output holds, by key: the
+    held-out result, each suite's, each point of a curve ({} when it holds no readable result)."""
+    try:
+        body = json.loads((output / EVAL_RESULT).read_bytes())
+        parts = [body, *body.get("suites", {}).values()]
+        parts += [point for curve in body.get("curves", {}).values() for point in curve]
+        found = [{"identity": part["identity"], "result": part["result"]} for part in parts]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return {key_of(entry["identity"]): entry for entry in found}
+
+
 def output_result(output: Path) -> dict[str, Any] | None:
     """The held-out result an eval step's output records (read from its small file; the output's
     manifest is checked by fsck and by every step that reads it as an input)."""

@@ -89,6 +89,9 @@ TRACE = "trace.jsonl"  # in an output: the whole trace; in a checkpoint: its seg
 STATE_FORMAT = 2  # 2: the checkpoint's trace is a segment, not the whole trace so far
 # Beside a work folder's checkpoints: every trace segment, by its blake3.
 TRACE_SEGMENTS = "trace"
+# In a work folder: written when a checkpoint was pulled from a remote for this step. A build
+# that resumed from another machine's checkpoint is not an independent build: it never attests.
+PULLED_CHECKPOINT = "pulled-checkpoint.json"
 SEGMENT_SUFFIX = ".jsonl"
 # A train step's summary of its output (final update, weights path, digests).
 RESULT = "result.json"
@@ -97,6 +100,9 @@ EVAL_RESULT = "eval.json"
 # In a data step's output: the digest of every document it read (steps/documents.py); its digest
 # in the output's manifest is named after the file, as a shard's is.
 DOCUMENTS = "documents.u64"
+TOKENIZER_FILE = "tokenizer.json"  # a tokenizer step output's tokenizer (steps/tokenizer_files.py)
+TOKENIZER_DESCRIPTION = "description.json"  # and what its tokens are
+DATA_INDEX = "data.json"  # a data step output's index: its splits and their shards (steps/data_index.py)
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"

@@ -32,12 +32,13 @@ import attrs
 
 from buildtrain.errors import BuildtrainError, Locked
 from buildtrain.kinds import kind_of
+from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.card import read_card
 from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import claim_store, load_plan
 from buildtrain.plan.sweep import sweep_problem
 from buildtrain.store import layout, trace
-from buildtrain.store.checkpoints import checkpoint_problems
+from buildtrain.store.checkpoints import checkpoint_problems, state_problem
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
 from buildtrain.store.metrics import step_metrics_problem
@@ -198,12 +199,13 @@ def _sweeps(store: Store, _: Known) -> Found:
 
 def output_damage(store: Store, step_hash: str, known: Known) -> Damage | None:
     """The check of one step output: every file against its sealed manifest, the manifest
-    against its digest and its folder name, then what its kind checks (a train output's
+    against its digest and its folder name, then what its kind checks (its declared digests
+    computed again from its files: a resealed forgery passes every blake3; a train output's
     checkpoints carry its step's hash). Drops the output's stamp when it is damaged."""
     problems = store.verify_output(step_hash)
     step = known.steps.get(step_hash)
     if not problems and step is not None:
-        problems = kind_of(step.kind).output_problems(step_hash, store.output(step_hash), step.config)
+        problems = stored_problems(kind_of(step.kind), step_hash, store.output(step_hash), step.config)
     if not problems:
         return None
     store.drop_stamp(step_hash)
@@ -244,6 +246,8 @@ def _work(store: Store, known: Known) -> Found:
                 continue  # set aside by resume (damaged-step-...), removed with the work folder
             checked += 1
             problems = checkpoint_problems(path, update, {"step_hash": work.name})
+            if not problems and (problem := state_problem(path, update, required=False)):
+                problems = [problem]  # resume refuses it too (a forged or damaged state)
             if problems:
                 found.append(
                     Damage(

@@ -52,7 +52,7 @@ from buildtrain.steps.train.state import (
     trained_and_frozen,
 )
 from buildtrain.store import objects, trace
-from buildtrain.store.checkpoints import checkpoint_problems
+from buildtrain.store.checkpoints import checkpoint_problems, state_problem
 from buildtrain.store.layout import STATE_FORMAT, checkpoint_name, newest_first, trace_segments
 
 
@@ -349,7 +349,10 @@ def load_newest(
             on_skip(path, "a symbolic link, not a checkpoint folder")
             set_aside(path)
     for update, path in candidates(folder):
+        # Its tensors must be the state the trace records at its update, wherever it came from.
         found = checkpoint_problems(path, update, expect)
+        if not found and (problem := state_problem(path, update, required=False)):
+            found = [problem]
         if found:
             on_skip(path, "; ".join(found))
             set_aside(path)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from buildtrain.store.objects import fsync_dir
 from buildtrain.store.remote.backend import CHUNK, AlreadyExists, ObjectMissing, RemoteUnavailable
@@ -35,17 +37,25 @@ class FolderBackend:
         return self.root.joinpath(*key.split("/"))
 
     def get(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise ObjectMissing(key) from None
+        with self._open(key) as handle:
+            return handle.read()
 
     def stream(self, key: str) -> Iterator[bytes]:
+        return _chunks(self._open(key))
+
+    def _open(self, key: str) -> BinaryIO:
+        """An object's file, open for reading; ObjectMissing for anything but a regular file.
+        Opened without blocking, then checked: a FIFO in its place hung `bt pull` forever (open
+        waits for a writer), and a device would be read without end."""
         try:
-            handle = open(self._path(key), "rb")  # noqa: SIM115 (closed by the generator below)
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectMissing(key) from None
-        return _chunks(handle)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ObjectMissing(key)  # not an object this protocol writes: named as missing
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
 
     def _temporary(self, key: str) -> Path:
         path = self._path(key)

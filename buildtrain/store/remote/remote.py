@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -30,7 +31,7 @@ import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
-from buildtrain.store import objects, trace
+from buildtrain.store import checkpoints, layout, objects, trace
 from buildtrain.store.layout import TRACE, trace_segments
 from buildtrain.store.remote import keys
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing, open_backend
@@ -208,9 +209,15 @@ class Remote:
         if not os.path.lexists(destination):
             self._assemble(store, canonical_bytes(manifest), name, destination, what=what, key=key)
         try:
+            # Sealed by an unkeyed digest: its tensors must be the state its trace records.
+            update = layout.checkpoint_update(name)
+            problem = "is not named for an update" if update is None else None
+            problem = problem or checkpoints.state_problem(destination, update or 0, required=True)
+            if problem:
+                raise self.damaged(what, key, f"is refused: {problem}")
             self._pull_trace(destination, what)
         except RemoteDamaged:
-            objects.remove_tree(destination)  # never resumed from: its trace could not be published
+            objects.remove_tree(destination)  # never resumed from: forged, or its trace unpublishable
             raise
         return destination
 
@@ -355,7 +362,17 @@ class Remote:
                 raise self.damaged(what, key, f"is sealed for {body['name'][:24]} (a foreign object)")
             files = _file_entries(body["files"])
             if files is None:
-                raise self.damaged(what, key, "lists a file outside its folder or an unknown entry")
+                raise self.damaged(
+                    what,
+                    key,
+                    "lists a file outside its folder, a name with a NUL byte, one name as both a "
+                    "file and a folder, or an unknown entry",
+                )
+            declared, free = sum(size for _, size in files.values()), shutil.disk_usage(folder).free
+            if declared > free:  # sizes are the remote's word: never fill the disk on it
+                raise self.damaged(
+                    what, key, f"declares {declared} bytes of files, the store's disk has {free} free"
+                )
             self._fetch(files, folder, what)
             with open(folder / objects.MANIFEST, "wb") as handle:
                 handle.write(raw)
@@ -393,20 +410,23 @@ class Remote:
     def _fetch_blob(self, blob: str, size: int, path: Path, what: str) -> str | None:
         """Write one blob to `path`, hashing every piece as it arrives; the problem, or None."""
         key = keys.blob(blob)
-        path.parent.mkdir(parents=True, exist_ok=True)
         hasher, written = blake3.blake3(), 0
         try:
             pieces = self.backend.stream(key)
         except ObjectMissing:
             return f"{what}: blob {blob[:12]} ({key}) is missing"
-        with open(path, "wb") as handle:
-            for piece in pieces:
-                hasher.update(piece)
-                written += handle.write(piece)
-                if written > size:
-                    break
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as handle:
+                for piece in pieces:
+                    hasher.update(piece)
+                    written += handle.write(piece)
+                    if written > size:  # never more than the manifest declares
+                        break
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:  # the local side: a full disk, a name the file system refuses
+            return f"{what}: cannot be written into the store ({exc.strerror or exc})"
         if written != size or hasher.hexdigest() != blob:
             return f"{what}: blob {blob[:12]} ({key}) does not match its blake3 (damaged)"
         return None
@@ -427,6 +447,8 @@ def _file_entries(listed: Mapping[str, Any]) -> dict[str, tuple[str, int]] | Non
         parts = PurePosixPath(relative).parts
         if (
             not parts
+            or "\0" in relative
+            or any("/".join(parts[:end]) in listed for end in range(1, len(parts)))  # a file, and a folder
             or relative.startswith("/")
             or any(part in {"", ".", ".."} for part in relative.split("/"))
             or relative == objects.MANIFEST

@@ -30,6 +30,10 @@ def _check_location(instance: RemoteUrl, _: attrs.Attribute, value: str) -> None
         raise ValueError(f"bucket {value!r}: 3-63 lower-case letters, digits, '.' and '-'")
     if instance.scheme == "file" and not (value.startswith("/") and PurePosixPath(value).is_absolute()):
         raise ValueError(f"path {value!r}: a file:// remote needs an absolute path (file:///mnt/team/bt)")
+    if instance.scheme == "file" and value == "/":
+        raise ValueError(
+            "the root of the file system is never a remote: give its folder (file:///mnt/team/bt)"
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -56,7 +60,12 @@ def parse_url(text: str) -> RemoteUrl:
             bucket, _, prefix = rest.partition("/")
             return RemoteUrl(scheme="s3", location=bucket, prefix=prefix.strip("/"))
         if sep and scheme == "file":
-            folder = rest.rstrip("/") or "/"
+            folder = rest.rstrip("/")
+            if not folder:  # `file://$UNSET` would push into the file system's root
+                raise ValueError(
+                    "no folder (an unset variable?); the root of the file system is never a remote: "
+                    "give its folder (file:///mnt/team/bt)"
+                )
             if "//" in folder or any(part in {".", ".."} for part in folder.split("/")):
                 raise ValueError(f"path {folder!r}: give a plain absolute path, without '.', '..' or '//'")
             return RemoteUrl(scheme="file", location=folder)
