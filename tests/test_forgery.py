@@ -20,7 +20,7 @@ from conftest import MICRO, Reference, plan_hash, run_bt, step_digests
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.plan.stored import load_plan
 from buildtrain.store import evals, objects
-from buildtrain.store.remote import keys
+from buildtrain.store.remote import keyring, keys, signing
 from buildtrain.store.remote.attest import Attestation, attest, attestations
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.store import Store
@@ -76,11 +76,32 @@ def blob_of(url: str, step_hash: str, name: str) -> bytes:
 
 
 def second_attestation(url: str, step_hash: str, digests: dict[str, str]) -> None:
-    """A forged second build agreeing with the honest declared digests (unsigned records)."""
+    """A second build agreeing with the honest declared digests and the files now on the remote,
+    signed by a key the reader trusts: a colleague who forged, or was fooled. Two trusted signers
+    then agree, so only the re-derived digests stand between the forgery and a pull."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    public = signing.raw_public(key)
+    if signing.key_id(public) not in keyring.load_keyring().names:
+        keyring.trust(public, f"mallory-{signing.key_id(public)[:8]}")
+    backend = Remote.open(url).backend
+    files = {
+        name: entry["blake3"]
+        for name, entry in json.loads(backend.get(keys.step(step_hash)))["files"].items()
+    }
     record = Attestation(
-        step=step_hash, machine="mallory", toolchain="t", built_at="2026-01-01T00:00:00", digests=digests
+        step=step_hash,
+        plan="0" * 64,
+        builder=signing.key_id(public),
+        machine="mallory",
+        toolchain={},
+        built_at="2026-01-01T00:00:00",
+        inputs={},
+        digests=digests,
+        files=files,
     )
-    attest(Remote.open(url).backend, record)
+    attest(backend, record, key)
 
 
 def test_forged_export_weights_are_refused_at_pull(tmp_path: Path, url: str, micro_built: Reference) -> None:
@@ -92,7 +113,11 @@ def test_forged_export_weights_are_refused_at_pull(tmp_path: Path, url: str, mic
     for label, step_hash in steps_of(micro_built).items():  # two "builds" agree on every step
         second_attestation(url, step_hash, honest[label])
     b = tmp_path / "b" / ".bt"
-    pull = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2")
+    # The honest builder signed the honest files: with a forger trusted too, one agrees, one not.
+    counted = bt_at(b, "pull", plan, "--remote", url, "--min-attestations", "2")
+    assert counted.returncode == 4 and "1 disagree" in counted.stderr, counted.stderr
+    # Asking for no signatures at all, the bytes alone refuse it: the weights do not follow.
+    pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
     assert "export" in pull.stderr and "model.safetensors: gives weights" in pull.stderr, pull.stderr
     assert not Store(b).has_output(export)  # never counted, never exported
@@ -296,10 +321,10 @@ def test_a_build_resumed_from_a_pulled_checkpoint_never_attests(
     assert step_digests(b, plan) == honest
     backend = Remote.open(url).backend
     assert Remote.open(url).has_output(train)  # pushed (its bits are good)...
-    records, _ = attestations(backend, train)
-    assert records == []  # ...but not attested: it is not an independent build
+    everyone = keyring.load_keyring()
+    assert attestations(backend, train, everyone) == []  # ...but not attested: not an independent build
     data = steps_of(micro_built)["data:main"]
-    assert len(attestations(backend, data)[0]) == 1  # what it built alone, it attests
+    assert len(attestations(backend, data, everyone)) == 1  # what it built alone, it attests
 
 
 def test_every_kind_derives_what_it_declared_for_a_bpe_plan(tmp_path: Path) -> None:
