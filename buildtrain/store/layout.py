@@ -97,6 +97,9 @@ EVAL_RESULT = "eval.json"
 # In a data step's output: the digest of every document it read (steps/documents.py); its digest
 # in the output's manifest is named after the file, as a shard's is.
 DOCUMENTS = "documents.u64"
+# In a data step's output: the Bloom filter of its n-grams of words (steps/ngrams.py), named in the
+# manifest as DOCUMENTS is.
+NGRAMS = "ngrams.bloom"
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"
