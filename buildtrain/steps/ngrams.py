@@ -138,12 +138,10 @@ class NgramStream:
 
     def end(self) -> np.ndarray:
         """The last n-grams of the document (a short one's only one), and a fresh state."""
-        last = self.update(b" ")  # ends the last word
+        last = self.update(b" ").copy()  # ends the last word
         words, rolling = int(self.state[2]), int(self.state[3])
         if 0 < words < self.n:  # fewer words than an n-gram: all of them are its one n-gram
             last = np.array([mix((rolling + words) & MASK)], dtype=np.uint64)
-        else:
-            last = last.copy()
         self.state = fresh_state(self.n)
         return last
 
