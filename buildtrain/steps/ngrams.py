@@ -221,8 +221,8 @@ class NgramFilter:
         header = [FORMAT, self.n, HASHES, len(self.segments)]
         for segment in self.segments:
             header += [segment.capacity, segment.items]
-        words = [np.array(header, dtype="<u8"), *(s.words.astype("<u8") for s in self.segments)]
-        return b"".join(w.tobytes() for w in words)
+        words = [np.array(header, dtype="<u8"), *(s.words.astype("<u8", copy=False) for s in self.segments)]
+        return b"".join(memoryview(w) for w in words)  # one copy: 80 MB of text, 67 MB of filter
 
     def write(self, out: Path) -> str:
         """Write `ngrams.bloom` into `out`; the digest the output declares for it."""
