@@ -186,7 +186,9 @@ def main() -> None:
                 common.goal_line(
                     "data step >= 0.75x the floor", of_floor >= 0.75, common.fmt_ratio(of_floor)
                 ),
-                common.goal_line("n-grams: data step <= 1.15x its time without", cost <= 1.15, f"{cost:.2f}x"),
+                common.goal_line(
+                    "n-grams: data step <= 1.15x its time without", cost <= 1.15, f"{cost:.2f}x"
+                ),
             ]
         )
         print(common.machine_line())
