@@ -126,7 +126,7 @@ def test_an_lm_eval_suite_runs_a_harness_task_on_buildtrains_model(bt, tmp_path)
     assert built.returncode == 0, built.stderr
     rows = {r["hash"]: r for r in json.loads(bt("ls", "--metrics", "--json").stdout)}
     ours = rows[plan_hash(bt("plan", str(second)))]["suites"]["harness-gen"]
-    assert ours == {"accuracy": 0.5, "acc_norm": None, "questions": len(questions), "overlap": None}
+    assert ours == {"accuracy": 0.5, "acc_norm": None, "questions": len(questions), "overlap": 0}
 
     task = tmp_path / "task"  # the harness's HF back end on the same task and data
     task.mkdir()

@@ -339,7 +339,9 @@ def test_a_question_planted_in_the_training_data_is_reported_as_overlap(bt, tmp_
     evals = [p for p in (store / "steps").iterdir() if (p / "eval.json").is_file()]
     (output,) = [p for p in evals if not (p / "BLAKE3SUMS").exists()]  # not the export package
     recorded = json.loads((output / "eval.json").read_text())["suites"]["arith"]["result"]["overlap"]
-    assert recorded == {"count": 1, "examples": ["95+25="]}
+    rate = recorded.pop("false_positive_rate")  # per n-gram, from the filter's fill (steps/ngrams.py)
+    assert recorded == {"count": 1, "fraction": 1 / 24, "examples": ["95+25="], "documents": 1, "ngram": 13}
+    assert 0 <= rate < 1e-6
     (documents,) = [p / "documents.u64" for p in (store / "steps").iterdir() if (p / "data.json").is_file()]
     assert documents.stat().st_size == 8 * 301  # one digest per distinct document
 

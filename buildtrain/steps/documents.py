@@ -25,7 +25,7 @@ import blake3
 import numpy as np
 
 from buildtrain.canonical import digest
-from buildtrain.store.layout import DOCUMENTS
+from buildtrain.store.layout import DOCUMENTS, NGRAMS
 from buildtrain.store.objects import write_bytes_durably
 
 # A question is never this long: a longer document is not digested (it cannot equal one), which
@@ -78,10 +78,16 @@ def digest_text(text: str) -> int:
 
 
 class Recorder:
-    """Digests of the documents a data step reads, as it reads them."""
+    """Digests of the documents a data step reads, and the filter of their n-grams
+    (`ngrams.py`; `ngrams=False` leaves it out: benchmarks/data_step.py measures its cost), as it
+    reads them."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, ngrams: bool = True) -> None:
+        from buildtrain.steps.ngrams import NgramFilter, NgramStream
+
         self.values = array("Q")
+        self.stream = NgramStream() if ngrams else None
+        self.filter = NgramFilter() if ngrams else None
 
     def documents(
         self, stream: Iterable[tuple[str, Iterable[bytes]]]
@@ -95,21 +101,35 @@ class Recorder:
         document = DocumentDigest()
         for chunk in chunks:
             document.update(bytes(chunk))
+            if self.stream is not None and self.filter is not None:
+                self.filter.add(self.stream.update(chunk))
             yield chunk
         value = document.value()
         if value != TOO_LONG:
             self.values.append(value)
+        if self.stream is not None and self.filter is not None:
+            self.filter.add(self.stream.end())
 
     def add_text(self, text: str) -> None:
         """A document given whole (a chat record: its turns' contents, joined)."""
         self.values.append(digest_text(text))
+        if self.filter is not None:
+            from buildtrain.steps.ngrams import text_ngrams
 
-    def write(self, out: Path) -> str:
-        """Write `documents.u64` into `out`; the digest the output declares for it."""
+            self.filter.add(text_ngrams(text))
+
+    def write(self, out: Path) -> dict[str, str]:
+        """Write `documents.u64` (and `ngrams.bloom`) into `out`; the digests the output declares
+        for them, by file name."""
         values = np.unique(np.frombuffer(self.values, dtype=np.uint64)).astype("<u8")
         raw = values.tobytes()
         write_bytes_durably(out / DOCUMENTS, raw)
-        return digest("documents", {"file": blake3.blake3(raw).hexdigest(), "count": len(values)})
+        digests = {
+            DOCUMENTS: digest("documents", {"file": blake3.blake3(raw).hexdigest(), "count": len(values)})
+        }
+        if self.filter is not None:
+            digests[NGRAMS] = self.filter.write(out)
+        return digests
 
 
 def read_documents(output: Path) -> np.ndarray | None:

@@ -186,7 +186,8 @@ def score_suite(
         result = run_task(
             scorer, read_source(task), str(task.path), read_source(data), work, config.subset, config.seed
         )
-        return {"kind": suite.kind, **result, "overlap": None}  # the harness's documents are its own
+        texts = harness_texts(read_source(data), config.subset, config.seed)
+        return withheld(suite, result, overlap_of(texts, texts, inputs))
     read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
     questions = read(read_source(files[0]), files[0].path)
     chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
@@ -200,23 +201,65 @@ def score_suite(
         result = score(
             model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
         )
-    overlap = contamination(chosen, inputs)
-    if suite.max_overlap is not None and overlap["count"] > suite.max_overlap:  # withheld, not hidden
+    return withheld(suite, result, contamination(chosen, inputs))
+
+
+def withheld(suite: SuiteStep, result: dict[str, Any], overlap: dict[str, Any]) -> dict[str, Any]:
+    """The suite's result with its overlap, its scores withheld (not hidden) past `max_overlap`."""
+    if suite.max_overlap is not None and overlap["count"] > suite.max_overlap:
         why = f"{overlap['count']} questions are in the training data (max_overlap {suite.max_overlap})"
         return {"kind": suite.kind, "questions": result["questions"], "overlap": overlap, "refused": why}
     return {"kind": suite.kind, **result, "overlap": overlap}
 
 
+def harness_texts(data: bytes, subset: float, seed: int) -> list[str]:
+    """The text of each row of a harness task's data that the harness scores (the same subset),
+    every string in the row joined by spaces: what the contamination check reads of it."""
+    import json
+
+    def strings(value: Any) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+        return [s for item in items for s in strings(item)]
+
+    rows = [json.loads(line) for line in data.splitlines() if line.strip()]
+    chosen = rows if subset >= 1.0 else [rows[i] for i in subset_indices(len(rows), subset, seed)]
+    return [" ".join(strings(row)) for row in chosen]
+
+
 def contamination(questions: list[Any], inputs: dict[str, Path]) -> dict[str, Any]:
-    """How many questions (context and answer as one document) are among the documents of the
-    data steps the weights were trained on, and a few of them (`documents.py`)."""
+    """How many questions (context and answer as one text) share an n-gram of words with the
+    data steps the weights were trained on (`ngrams.py`), and a few of them."""
+    texts = [q.context + (q.choices[q.answer] if hasattr(q, "choices") else q.target) for q in questions]
+    return overlap_of(texts, [q.context for q in questions], inputs)
+
+
+def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path]) -> dict[str, Any]:
+    """The overlap of `texts` with the training data: `count` (and `fraction`, `examples` from
+    `shown`) by n-grams, `documents` by whole document (`documents.py`), and the filters' `n` and
+    estimated false-positive rate per n-gram. Data outputs from before n-grams: documents only."""
     import numpy as np
 
     from buildtrain.steps.documents import overlap, read_documents
+    from buildtrain.steps.ngrams import NGRAM, read_filter, shared
 
-    arrays = [read_documents(path) for name, path in sorted(inputs.items()) if name.startswith("documents:")]
+    trained_on = [path for name, path in sorted(inputs.items()) if name.startswith("documents:")]
+    arrays = [read_documents(path) for path in trained_on]
     trained = np.unique(np.concatenate([a for a in arrays if a is not None] or [np.zeros(0, np.uint64)]))
-    texts = [q.context + (q.choices[q.answer] if hasattr(q, "choices") else q.target) for q in questions]
-    found = overlap(trained, texts)
-    examples = [questions[i].context[:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
-    return {"count": len(found), "examples": examples}
+    whole = overlap(trained, texts)
+    filters = [f for f in (read_filter(path) for path in trained_on) if f is not None]
+    found = sorted(set(shared(filters, texts)) | set(whole)) if filters else whole
+    examples = [shown[i][:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
+    result = {
+        "count": len(found),
+        "fraction": len(found) / len(texts) if texts else 0.0,
+        "examples": examples,
+    }
+    rate = sum(f.false_positive_rate() for f in filters)  # per n-gram, any filter
+    return {
+        **result,
+        "documents": len(whole),
+        "ngram": NGRAM if filters else None,
+        "false_positive_rate": rate,
+    }

@@ -19,7 +19,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, FROZEN, MODEL, RESULT, SHARDS
+from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, FROZEN, MODEL, NGRAMS, RESULT, SHARDS
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -53,7 +53,7 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
 
 # Bump when a suite kind's scoring changes what it computes; results are cached by this version
 # as well as by the suite's own (which says when its questions changed).
-SCORING_VERSIONS = {"multiple_choice": 1, "exact_match": 1, "lm_eval": 1}
+SCORING_VERSIONS = {"multiple_choice": 2, "exact_match": 2, "lm_eval": 2}  # 2: n-gram overlap
 # The sources each kind of suite reads, in the eval step's order: its data, then a harness task.
 SUITE_SOURCES = {"multiple_choice": ("data",), "exact_match": ("data",), "lm_eval": ("data", "task")}
 BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
@@ -75,11 +75,13 @@ def suite_keys(
     tokenizer = BYTE_TOKENIZER
     if "tokenizer" in step.inputs:
         tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
-    # What the contamination check intersects: each trained-on data step's document digests.
+    # What the contamination check intersects: each trained-on data step's document digests
+    # and n-gram filter (an output from before n-grams declares none).
     trained = [
-        _declared(inputs[k], step.inputs[k], DOCUMENTS)
+        [_declared(inputs[k], step.inputs[k], name) for name in (DOCUMENTS, NGRAMS) if name in declared]
         for k in sorted(step.upstream)
         if k.startswith("documents:")
+        for declared in [read_manifest(inputs[k])["digests"]]
     ]
     found, sources = [], iter(step.inputs["sources"])
     for suite in suites:

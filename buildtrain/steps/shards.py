@@ -15,7 +15,6 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
 from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
 from buildtrain.steps.documents import Recorder
-from buildtrain.store.layout import DOCUMENTS
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
@@ -102,7 +101,7 @@ def finish(
     if masks:
         shards.update({f"{s}-mask": [x["digest"] for x in w.shards] for s, w in masks.items()})
     digests["data"] = digest("data", shards)
-    digests[DOCUMENTS] = recorder.write(out)  # what the contamination check intersects
+    digests.update(recorder.write(out))  # what the contamination check intersects
     log.info(
         "data_built",
         documents=documents,

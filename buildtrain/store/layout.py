@@ -103,6 +103,9 @@ DOCUMENTS = "documents.u64"
 TOKENIZER_FILE = "tokenizer.json"  # a tokenizer step output's tokenizer (steps/tokenizer_files.py)
 TOKENIZER_DESCRIPTION = "description.json"  # and what its tokens are
 DATA_INDEX = "data.json"  # a data step output's index: its splits and their shards (steps/data_index.py)
+# In a data step's output: the Bloom filter of its n-grams of words (steps/ngrams.py), named in the
+# manifest as DOCUMENTS is.
+NGRAMS = "ngrams.bloom"
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"

@@ -1,0 +1,97 @@
+"""N-gram contamination (`steps/ngrams.py`): the C hashing equals its Python reference, the
+normalisation is lm-eval's, and end to end a suite cut from the training documents is found while
+novel sentences are not, for exact_match, multiple_choice under max_overlap, and lm_eval."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+from conftest import REPO
+from hypothesis import given
+from hypothesis import strategies as st
+from test_suites import metrics, suite_preset
+
+from buildtrain.steps import ngrams
+
+VOCABULARY = [f"{a}{b}{c}" for a in "bdfgklmnprst" for b in "aeiou" for c in "nrstl"]
+FILES = '[data]\nsource = "files"\nfiles = ["corpus.jsonl"]\nformat = "jsonl"\n'
+
+
+def sentence(rng: random.Random, words: int) -> str:
+    text = " ".join(rng.choice(VOCABULARY) for _ in range(words))
+    return text[0].upper() + text[1:] + "."
+
+
+def stream(text: bytes, cuts: list[int], compiled: bool) -> np.ndarray:
+    at, out, grams = 0, [], ngrams.NgramStream(compiled=compiled)
+    for cut in [*sorted(cuts), len(text)]:
+        out.append(grams.update(text[at:cut]).copy())
+        at = max(at, cut)
+    return np.concatenate([*out, grams.end()])
+
+
+@given(st.binary(max_size=400), st.lists(st.integers(0, 400), max_size=6))
+def test_the_c_hashes_equal_the_python_reference_wherever_the_text_is_cut(text, cuts):
+    if ngrams._compiled() is None:
+        pytest.skip("no C compiler here")
+    assert np.array_equal(stream(text, cuts, True), stream(text, [], False))
+
+
+def test_the_c_filter_equals_the_python_one():
+    hashes = np.random.default_rng(0).integers(0, 2**63, 30_000, dtype=np.uint64)
+    built = []
+    for compiled in (True, False):
+        recorded = ngrams.NgramFilter(compiled=compiled)
+        recorded.add(hashes)
+        built.append(recorded.to_bytes())
+    assert built[0] == built[1]
+    loaded = ngrams.LoadedFilter(built[0])
+    assert loaded.contains(hashes).all()  # never a false negative
+    assert loaded.contains(hashes + np.uint64(1)).sum() <= 3  # about 1e-5 each
+    assert 0 < loaded.false_positive_rate() < 1e-4
+
+
+def test_words_are_normalised_as_lm_eval_does_and_short_texts_are_one_ngram():
+    words = " ".join(VOCABULARY[:20])
+    shouted = "  ".join(w.upper() + ("," if i % 3 else "") for i, w in enumerate(VOCABULARY[:20]))
+    assert len(ngrams.text_ngrams(words)) == 20 - ngrams.NGRAM + 1
+    assert np.array_equal(ngrams.text_ngrams(words), ngrams.text_ngrams("\n" + shouted + " !"))
+    assert np.array_equal(ngrams.text_ngrams("Don't stop"), ngrams.text_ngrams("dont STOP"))
+    assert len(ngrams.text_ngrams("a b c")) == 1 and len(ngrams.text_ngrams(" ?! ")) == 0
+    assert ngrams.text_ngrams("a b c")[0] not in set(ngrams.text_ngrams("a b c " + words).tolist())
+
+
+def test_planted_halves_are_found_novel_sentences_are_not_and_lm_eval_reports_its_overlap(bt, tmp_path):
+    rng = random.Random(46)
+    documents = [" ".join(sentence(rng, rng.randrange(8, 14)) for _ in range(6)) for _ in range(60)]
+    with (tmp_path / "corpus.jsonl").open("w") as corpus:
+        corpus.writelines(json.dumps({"text": d}) + "\n" for d in documents)
+    halves = [(d[: len(d) // 2], d[len(d) // 2 : len(d) // 2 + 20]) for d in documents[:40]]
+    novel = [sentence(random.Random(index), 20) for index in range(40)]
+    write = {
+        "planted.jsonl": [{"context": c, "target": t} for c, t in halves],
+        "novel.jsonl": [{"context": s[:-20], "target": s[-20:]} for s in novel],
+        "planted_mc.jsonl": [{"context": c, "choices": [t, "no"], "answer": 0} for c, t in halves],
+    }
+    for name, rows in write.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = tmp_path / "planted_mc.yaml"  # the arithmetic task, reading the planted questions
+    shutil.copyfile(REPO / "tests" / "suites" / "arithmetic_mc.yaml", task)
+    task.write_text(task.read_text().replace("arithmetic.jsonl", "planted_mc.jsonl"))
+    suites = (
+        '{ name = "planted", kind = "exact_match", file = "planted.jsonl" }, '
+        '{ name = "novel", kind = "exact_match", file = "novel.jsonl" }, '
+        '{ name = "strict", kind = "exact_match", file = "planted.jsonl", max_overlap = 37 }, '
+        f'{{ name = "harness", kind = "lm_eval", task = "{task.name}", file = "planted_mc.jsonl" }}'
+    )
+    built = bt("run", str(suite_preset(tmp_path, suites, extra=FILES)))
+    assert built.returncode == 0, built.stderr
+    (row,) = metrics(bt)
+    found = {name: suite["overlap"] for name, suite in row["suites"].items()}
+    assert found["planted"] >= 38 and found["novel"] == 0 and found["harness"] >= 38, found
+    assert row["suites"]["strict"]["refused"].endswith("(max_overlap 37)")
+    assert row["suites"]["strict"].get("accuracy") is None
