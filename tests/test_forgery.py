@@ -168,6 +168,21 @@ def test_forged_tokens_are_refused_at_pull(tmp_path: Path, url: str, micro_built
     assert not Store(b).has_output(data)
 
 
+def test_a_forged_ngram_filter_is_refused_at_pull(tmp_path: Path, url: str, micro_built: Reference) -> None:
+    """The contamination check's filter emptied: every question would read as clean."""
+    store, plan, _ = micro_built
+    assert bt_at(store, "push", plan, "--remote", url).returncode == 0
+    data = steps_of(micro_built)["data:main"]
+    honest = blob_of(url, data, "ngrams.bloom")
+    header = 8 * 4 + 16 * int.from_bytes(honest[24:32], "little")  # format, n, hashes, count, sizes
+    forge_output(url, data, {"ngrams.bloom": honest[:header] + bytes(len(honest) - header)})
+    b = tmp_path / "b" / ".bt"
+    pull = bt_at(b, "pull", plan, "--remote", url)
+    assert pull.returncode == 5, pull.stderr
+    assert "data:main" in pull.stderr and "ngrams.bloom: gives ngrams.bloom" in pull.stderr, pull.stderr
+    assert not Store(b).has_output(data)
+
+
 def forged_eval(body: dict) -> dict:
     """The held-out result with better numbers (every float scaled), its identity kept."""
     result = {k: (v * 0.5 if isinstance(v, float) else v) for k, v in body["result"].items()}

@@ -16,7 +16,7 @@ from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store import objects
-from buildtrain.store.layout import DATA_INDEX, DOCUMENTS
+from buildtrain.store.layout import DATA_INDEX, DOCUMENTS, NGRAMS
 from buildtrain.store.tensors import tensor_digest
 
 # Bytes per token id and the digest's dtype code, by a split's "dtype" (none: uint16), as
@@ -62,8 +62,9 @@ class DataKind(StepKind):
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)
 
     def derive_digests(self, output: Path) -> list[Derived]:
-        """Each shard's digest from its tokens, the data digest from them, the documents' digest
-        from their file: what the index and the manifest declare, computed from the bytes."""
+        """Each shard's digest from its tokens, the data digest from them, the documents' and the
+        n-gram filter's digests from their files: what the index and the manifest declare,
+        computed from the bytes."""
         index = json.loads((output / DATA_INDEX).read_bytes())
         listed, found, shards = objects.sealed_files(output), [], {}
         for split, entry in index["splits"].items():
@@ -81,6 +82,11 @@ class DataKind(StepKind):
             count = (output / DOCUMENTS).stat().st_size // 8
             value = digest("documents", {"file": listed[DOCUMENTS], "count": count})
             found.append(Derived(name=DOCUMENTS, value=value, file=DOCUMENTS))
+        if NGRAMS in listed:  # the contamination check's filter: its header and bytes
+            from buildtrain.steps.ngrams import filter_digest
+
+            value = filter_digest((output / NGRAMS).read_bytes())
+            found.append(Derived(name=NGRAMS, value=value, file=NGRAMS))
         return found
 
 

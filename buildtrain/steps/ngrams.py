@@ -228,8 +228,15 @@ class NgramFilter:
         """Write `ngrams.bloom` into `out`; the digest the output declares for it."""
         raw = self.to_bytes()
         write_bytes_durably(out / NGRAMS, raw)
-        items = sum(s.items for s in self.segments)
-        return digest("ngrams", {"file": blake3.blake3(raw).hexdigest(), "n": self.n, "items": items})
+        return filter_digest(raw)
+
+
+def filter_digest(raw: bytes) -> str:
+    """The digest a data step declares for its `ngrams.bloom`: the file's blake3 with the n and
+    the count of n-grams its header records (what a pull re-derives from the bytes)."""
+    loaded = LoadedFilter(raw)
+    items = sum(items for _, items in loaded.segments)
+    return digest("ngrams", {"file": blake3.blake3(raw).hexdigest(), "n": loaded.n, "items": items})
 
 
 class LoadedFilter:
