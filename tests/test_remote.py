@@ -613,10 +613,14 @@ def test_an_unreachable_remote_is_one_line_naming_it(
     for name, value in seaweed_server.env().items():
         monkeypatch.setenv(name, value)
     with pytest.raises(
-        RemoteUnavailable, match=r"s3://no-such-bucket/x failed to list plans.*AWS_ENDPOINT_URL"
+        RemoteUnavailable, match=r"s3://no-such-bucket/x: there is no bucket 'no-such-bucket' at http"
     ) as caught:
         Remote.open("s3://no-such-bucket/x").plans()
     assert "\n" not in str(caught.value) and caught.value.exit_code == 1
+    # A lookup of one object in it is a 404 as well: still named as the bucket, not as a plan
+    # that is not on the remote.
+    with pytest.raises(RemoteUnavailable, match=r"there is no bucket 'no-such-bucket'"):
+        Remote.open("s3://no-such-bucket/x").pull_plan("0" * 64, lambda raw: None)
 
 
 @given(
