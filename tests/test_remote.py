@@ -417,6 +417,22 @@ def test_a_lease_renews_expires_is_taken_over_and_the_old_holder_learns_it(remot
     assert len(remote.backend.list(keys.leases(step))) <= 3  # the chain is pruned
 
 
+def test_a_lease_expiring_beyond_the_longest_lease_is_taken_over_and_reported_once(
+    remote: Remote, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step = uuid.uuid4().hex * 2  # its own step: a record is reported once per process
+    far = leases.Lease(step=step, generation=0, holder="z", token="t", expires=time.time() + 10**9)
+    remote.backend.put(keys.lease(step, 0), leases._encode(far), create_only=True)
+    assert not far.live(time.time())
+    assert leases.current(remote.backend, step) == (0, None)  # treated as a damaged record
+    mine = leases.take(remote.backend, step, "a", 30)  # `bt run` would have waited ~31 years
+    assert mine.holder == "a" and mine.generation == 1
+    reported = [line for line in capsys.readouterr().err.splitlines() if "lease on step" in line]
+    assert len(reported) == 1 and "more than the longest lease (600 s)" in reported[0], reported
+    with pytest.raises(ValueError, match="at most 600"):
+        leases.take(remote.backend, "58" * 32, "a", 10**9)
+
+
 # -- attestations ---------------------------------------------------------------------------------
 
 
