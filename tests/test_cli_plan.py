@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -240,3 +241,18 @@ def test_planning_into_a_folder_that_is_not_a_store_writes_nothing_there(tmp_pat
     fresh = tmp_path / "fresh"
     assert run_bt("plan", str(REPO / "examples" / "own_text.toml"), store=fresh).returncode == 0
     assert Store(fresh).identity() == "marked"
+
+
+def test_a_deleted_working_folder_is_named(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = 'cd "$1" && rmdir "$1" && exec "$2" -m buildtrain plan "$3"'
+    argv = ["sh", "-c", script, "sh", str(gone), sys.executable, str(MICRO)]
+    env = {**os.environ, "BT_STORE": str(tmp_path / ".bt")}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("bt ")]
+    assert lines == [
+        f"bt plan: the working folder {gone} no longer exists (deleted or moved); "
+        "cd to a folder that exists and run again"
+    ], done.stderr

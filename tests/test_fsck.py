@@ -300,3 +300,17 @@ def test_a_train_output_resealed_with_another_steps_checkpoints_is_reported(
     assert f"steps/{train.hash}" in found, damaged
     problem = found[f"steps/{train.hash}"]["problems"][0]
     assert "updates, the step has" in problem or "was written by step" in problem
+
+
+def test_a_file_in_place_of_quarantine_and_a_damaged_object_are_both_repaired(micro_built, tmp_path):
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    shutil.rmtree(store / "quarantine", ignore_errors=True)
+    (store / "quarantine").write_text("x")
+    damaged = next(p for p in stored_objects(store) if p.relative_to(store).parts[0] == "steps")
+    flip(damaged, position=3)
+    repaired = run_bt("fsck", "--repair", store=store)
+    assert repaired.returncode == ExitCode.OK, repaired.stderr
+    assert "repaired quarantine: moved to quarantine/quarantine." in repaired.stderr, repaired.stderr
+    assert "Traceback" not in repaired.stderr
+    assert run_bt("fsck", store=store).returncode == ExitCode.OK

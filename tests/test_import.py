@@ -320,6 +320,33 @@ def test_computations_buildtrain_does_not_implement_are_refused(
     assert expected in _refused(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("file", "text", "expected"),
+    [
+        ("config.json", None, "config.json: rms_norm_eps must be a positive finite number (got inf)"),
+        ("config.json", "rope", "config.json: rope_theta must be a positive finite number (got nan)"),
+        ("model.safetensors.index.json", "[]", "model.safetensors.index.json: is not a JSON object"),
+        ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json: is not a JSON object"),
+    ],
+)
+def test_json_a_checkpoint_cannot_hold_is_one_line_naming_file_and_key(
+    tmp_path: Path, file: str, text: str | None, expected: str
+) -> None:
+    make_checkpoint(tmp_path / "checkpoint", "llama")
+    path = tmp_path / "checkpoint" / file
+    if file == "config.json":  # json.dumps writes Infinity and NaN, as Python's json reads them
+        config = json.loads(path.read_text())
+        if text == "rope":  # transformers 5 writes it in rope_parameters, 4.x at the top
+            table = config["rope_parameters"] if "rope_theta" in config.get("rope_parameters", {}) else config
+            table["rope_theta"] = float("nan")
+        else:
+            config["rms_norm_eps"] = float("inf")
+        path.write_text(json.dumps(config))
+    else:
+        path.write_text(text or "")
+    assert expected in _refused(tmp_path)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=4),

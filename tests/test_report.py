@@ -202,3 +202,12 @@ def test_the_legend_of_sixty_plans_stays_inside_its_chart(tmp_path: Path) -> Non
     assert result.returncode == 0 and result.stderr == "", result.stderr
     checked = _in_browser(tmp_path / "r.html")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize("output", ["", ".", "out/"])
+def test_an_output_that_names_no_file_is_one_usage_line(tmp_path: Path, output: str) -> None:
+    done = run_bt("report", "-o", output, store=tmp_path / ".bt")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"bt report: argument -o/--output: expected a file name, got {output!r}; see bt report --help"
+    ]

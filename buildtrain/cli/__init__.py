@@ -48,9 +48,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         err(f"bt {args.command}: interrupted")
         return ExitCode.INTERRUPTED
     except OSError as exc:  # the store or a record cannot be written: say where, not how
-        where = f" {exc.filename}" if exc.filename else ""
-        err(f"bt {args.command}: cannot use{where}: {exc.strerror or exc}")
+        err(f"bt {args.command}: {_os_problem(exc)}")
         return ExitCode.FAILED
+
+
+def _os_problem(exc: OSError) -> str:
+    if exc.filename:
+        return f"cannot use {exc.filename}: {exc.strerror or exc}"
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # the error names no file: a relative path's base is gone
+        where = os.environ.get("PWD") or "the working folder"
+        return f"the working folder {where} no longer exists (deleted or moved); cd to a folder that exists and run again"
+    return f"cannot use: {exc.strerror or exc}"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ time with a message that names the option, not later inside a run."""
 from __future__ import annotations
 
 import argparse
+from pathlib import PurePath
 
 from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
 
@@ -65,6 +66,14 @@ def positive(text: str, limit: int = 1 << 31) -> int:
     if value > limit:
         raise argparse.ArgumentTypeError(f"must be <= {limit}, got {value}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file to write: a name is needed ('' or '.' name a folder, and the page is written beside
+    it under a temporary name)."""
+    if PurePath(text).name in {"", ".", ".."} or text.endswith("/"):
+        raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
+    return text
 
 
 def thread_count(text: str) -> int:

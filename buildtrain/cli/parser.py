@@ -12,6 +12,7 @@ from buildtrain.cli.arguments import (
     add_executor,
     add_world_size,
     fraction,
+    output_file,
     positive,
     seed,
     temperature,
@@ -413,7 +414,9 @@ def _add_report(command: Command) -> None:
         "cache hits of its last run. --png DIR also writes the figures as PNG for papers.",
     )
     sub.add_argument("plans", nargs="*", metavar="PLAN", help="plan hashes or prefixes (default: all)")
-    sub.add_argument("-o", "--output", default="report.html", metavar="FILE", help="default report.html")
+    sub.add_argument(
+        "-o", "--output", default="report.html", type=output_file, metavar="FILE", help="default report.html"
+    )
     sub.add_argument("--png", metavar="DIR", help="also write loss.png, lr.png and heldout.png here")
     sub.add_argument(
         "--experiments", metavar="DIR", help="run records to read (default: $BT_EXPERIMENTS or ./experiments)"

@@ -15,6 +15,7 @@ llama (no attention or MLP biases), mistral (no sliding window shorter than a se
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -73,15 +74,30 @@ def _json(path: Path) -> Any:
         raise CheckpointProblem(f"{path}: cannot be read as JSON ({exc})") from None
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    found = _json(path)
+    if not isinstance(found, dict):
+        raise CheckpointProblem(
+            f"{path}: is not a JSON object (it holds {type(found).__name__}); download it again"
+        )
+    return found
+
+
+def _positive(hf: dict[str, Any], key: str, default: float, path: Path) -> float:
+    """A positive, finite number (json reads `Infinity` and `NaN` as floats)."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise CheckpointProblem(f"{path}: {key} must be a positive finite number (got {value!r})")
+    return float(value)
+
+
 def read_checkpoint(folder: Path) -> Checkpoint:
     """The checkpoint in `folder`, or a `CheckpointProblem` saying what is wrong with it."""
     if not folder.is_dir():
         raise CheckpointProblem(f"{folder}: is not a folder; give a Hugging Face checkpoint folder")
     if not (folder / CONFIG).is_file():
         raise CheckpointProblem(f"{folder}: has no {CONFIG}; give a Hugging Face checkpoint folder")
-    hf = _json(folder / CONFIG)
-    if not isinstance(hf, dict):
-        raise CheckpointProblem(f"{folder / CONFIG}: is not a JSON object")
+    hf = _json_object(folder / CONFIG)
     architecture, model, keys = model_settings(hf, folder / CONFIG)
     shards = _shards(folder)
     for shard in shards:
@@ -89,7 +105,7 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     base = {name: folder / name for name in BASE_FILES if (folder / name).is_file()}
     eos, template = None, None
     if "tokenizer_config.json" in base:
-        settings = _json(base["tokenizer_config.json"])
+        settings = _json_object(base["tokenizer_config.json"])
         eos, template = _token_text(settings.get("eos_token")), _template(settings.get("chat_template"))
     if template is None and "chat_template.jinja" in base:
         try:
@@ -146,10 +162,7 @@ def _rope_theta(hf: dict[str, Any], path: Path) -> float:
             raise CheckpointProblem(
                 f"{path}: RoPE scaling {kind!r} is not supported (only default RoPE); use a checkpoint without it"
             )
-    theta = parameters.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise CheckpointProblem(f"{path}: rope_theta must be a positive number (got {theta!r})")
-    return float(theta)
+    return _positive(parameters if "rope_theta" in parameters else hf, "rope_theta", 10000.0, path)
 
 
 def model_settings(hf: dict[str, Any], path: Path) -> tuple[str, dict[str, Any], dict[str, str]]:
@@ -173,9 +186,7 @@ def model_settings(hf: dict[str, Any], path: Path) -> tuple[str, dict[str, Any],
         raise CheckpointProblem(
             f"{path}: head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads; not supported"
         )
-    eps = hf.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise CheckpointProblem(f"{path}: rms_norm_eps must be a positive number (got {eps!r})")
+    eps = _positive(hf, "rms_norm_eps", 1e-6, path)
     keys = {
         "dim": "hidden_size",
         "n_layers": "num_hidden_layers",
@@ -197,7 +208,7 @@ def model_settings(hf: dict[str, Any], path: Path) -> tuple[str, dict[str, Any],
         "n_kv_heads": _int(hf, "num_key_value_heads", path, heads),
         "ffn_hidden": _int(hf, "intermediate_size", path),
         "vocab_size": _int(hf, "vocab_size", path),
-        "norm_eps": float(eps),
+        "norm_eps": eps,
         "rope_theta": _rope_theta(hf, path),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": architecture == "qwen2",
@@ -211,7 +222,7 @@ def _shards(folder: Path) -> tuple[Path, ...]:
     """The safetensors files holding the weights: those the index names, or the folder's."""
     index = folder / INDEX
     if index.is_file():
-        weight_map = _json(index).get("weight_map")
+        weight_map = _json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointProblem(f"{index}: has no weight_map of tensor names to shard files")
         names = sorted(set(weight_map.values()))

@@ -311,7 +311,9 @@ class Store:
     def set_aside(self, path: Path, *, keep: bool = True) -> Path | None:
         """Move whatever is at `path` (a folder, a file, a link; never followed) out of the way:
         into quarantine/ (or removed, with `keep=False`). None when nothing was there."""
-        if not keep and (path.is_symlink() or (os.path.lexists(path) and not path.is_dir())):
+        if not os.path.lexists(path):  # nothing to move: quarantine/ is not even looked at (it may
+            return None  # be the damage being repaired, a file in its place)
+        if not keep and (path.is_symlink() or not path.is_dir()):
             path.unlink(missing_ok=True)
             return None
         self.folder(self.quarantined)

@@ -10,13 +10,13 @@ and the variables to check).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
 from buildtrain.store.data_url import ObjectVersion
 from buildtrain.store.remote.backend import CHUNK, RemoteUnavailable
+from buildtrain.store.remote.s3_settings import credentials_problem, redact, shown_endpoint, store_options
 
 try:
     import obstore
@@ -28,8 +28,8 @@ except ImportError as missing:  # the optional extra is not installed
         "install it with: pip install 'buildtrain[remote]'"
     ) from None
 
-# What obstore's messages say when no credentials were found: with none in the environment it asks
-# the instance metadata service, whose refusal (or absence) is the error.
+# What obstore's messages say when the credentials were refused (with none at all, `Bucket` stops
+# before asking the instance metadata service: s3_settings.py).
 NO_CREDENTIALS = ("169.254.169.254", "credential", "InvalidAccessKeyId", "SignatureDoesNotMatch")
 UNREACHABLE = ("error sending request", "connection", "dns error", "timed out")
 
@@ -44,12 +44,12 @@ class NoSuchObject(Exception):
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:240]
+    return redact(text)[:240]
 
 
 def unavailable(url: str, exc: BaseException) -> RemoteUnavailable:
     """One line for a failure that is neither a missing bucket nor a missing object."""
-    text, endpoint = str(exc), os.environ.get("AWS_ENDPOINT_URL", "AWS")
+    text, endpoint = str(exc), shown_endpoint()
     if isinstance(exc, UnauthenticatedError | PermissionDeniedError) or any(
         marker in text for marker in NO_CREDENTIALS
     ):
@@ -83,20 +83,31 @@ class Bucket:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+        # Without credentials no client is built (it would ask the instance metadata service);
+        # the first request says so, naming the object it was for.
+        self.problem = credentials_problem()
+        if self.problem:
+            return
         try:
-            self.store = S3Store(name, client_options={"allow_http": endpoint.startswith("http://")})
+            self.store = S3Store(name, **store_options())
         except BaseError as exc:
             raise unavailable(f"s3://{name}", exc) from None
 
     def url_of(self, key: str) -> str:
         return f"s3://{self.name}/{key}"
 
+    def _client(self, key: str) -> Any:
+        if self.problem:
+            raise RemoteUnavailable(
+                f"{self.url_of(key)}: no usable credentials for the bucket: {self.problem}"
+            )
+        return self.store
+
     def _missing(self, key: str) -> Exception:
         """NoSuchBucket or NoSuchObject, for a key the server did not find (a HEAD or GET of an
         object in a missing bucket is a plain 404 too: a listing tells them apart)."""
         try:
-            next(iter(obstore.list(self.store, None, chunk_size=1)), None)
+            next(iter(obstore.list(self._client(key), None, chunk_size=1)), None)
         except (BaseError, OSError) as exc:
             if "NoSuchBucket" in str(exc):
                 return NoSuchBucket(self.name)
@@ -106,7 +117,7 @@ class Bucket:
     def version(self, key: str) -> ObjectVersion:
         """The object's version (a HEAD request)."""
         try:
-            return _version(self.url_of(key), obstore.head(self.store, key))
+            return _version(self.url_of(key), obstore.head(self._client(key), key))
         except FileNotFoundError:
             raise self._missing(key) from None
         except (BaseError, OSError) as exc:
@@ -117,7 +128,7 @@ class Bucket:
         keys ending in '/' (folder markers some tools write) are left out."""
         found = []
         try:
-            for batch in obstore.list(self.store, prefix or None, chunk_size=1000):
+            for batch in obstore.list(self._client(prefix), prefix or None, chunk_size=1000):
                 found += [meta for meta in batch if not str(meta["path"]).endswith("/")]
         except (BaseError, OSError) as exc:
             if "NoSuchBucket" in str(exc):
@@ -128,7 +139,7 @@ class Bucket:
     def stream(self, key: str) -> tuple[ObjectVersion, Iterator[bytes]]:
         """The version being read and its bytes in pieces of about `CHUNK` (never whole)."""
         try:
-            result = obstore.get(self.store, key)
+            result = obstore.get(self._client(key), key)
         except FileNotFoundError:
             raise self._missing(key) from None
         except (BaseError, OSError) as exc:

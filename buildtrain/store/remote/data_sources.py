@@ -48,7 +48,9 @@ def _bucket(name: str) -> Bucket:
 
 
 def _endpoint() -> str:
-    return os.environ.get("AWS_ENDPOINT_URL") or "AWS"
+    from buildtrain.store.remote.s3_settings import shown_endpoint
+
+    return shown_endpoint()
 
 
 def expand(pattern: str) -> tuple[list[ObjectVersion], str | None]:

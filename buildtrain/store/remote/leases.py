@@ -13,7 +13,9 @@ listing may create a generation below one that exists, and then holds nothing).
 Expiry is wall-clock time (seconds since the epoch), compared across machines: clocks must agree
 to well within a lease's duration. A holder renews at a fraction of the duration (say a third)
 and must stop its step on `LeaseLost` (its lease expired or was taken over). A damaged record is
-treated as released: a lease only coordinates, it never vouches for a result.
+treated as released: a lease only coordinates, it never vouches for a result. So is a record whose
+expiry lies further ahead than the longest lease (`MAX_DURATION`): no lease taken now can, and
+trusted, it would block the step for as long as it says (reported once per record on stderr).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 import uuid
 
@@ -34,6 +37,10 @@ from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissin
 
 LEASE_FORMAT = 1
 ATTEMPTS = 8  # rounds of read, write, confirm before `take` reports the step as busy
+# The longest lease a builder may take (buildtrain's own last 60 s, executor/remote.py); it leaves
+# room for clocks that disagree by minutes, and bounds how long any record can block a step.
+MAX_DURATION = 600.0
+_reported: set[tuple[str, int]] = set()  # far-future records already reported by this process
 
 
 class LeaseLost(BuildtrainError):
@@ -52,7 +59,7 @@ class Lease:
     released: bool = False
 
     def live(self, now: float) -> bool:
-        return not self.released and self.expires > now
+        return not self.released and now < self.expires <= now + MAX_DURATION
 
 
 def holder_id() -> str:
@@ -92,9 +99,27 @@ def current(backend: Backend, step: str) -> tuple[int, Lease | None]:
         return -1, None
     top = generations[-1]
     try:
-        return top, _decode(backend.get(keys.lease(step, top)), step, top)
+        record = _decode(backend.get(keys.lease(step, top)), step, top)
     except ObjectMissing:
         return top, None
+    if record is not None and not record.released and record.expires > time.time() + MAX_DURATION:
+        _report_far_future(record)
+        return top, None
+    return top, record
+
+
+def _report_far_future(record: Lease) -> None:
+    if (record.step, record.generation) in _reported:
+        return
+    _reported.add((record.step, record.generation))
+    ahead = record.expires - time.time()
+    print(
+        f"bt: lease on step {record.step[:12]} (generation {record.generation}, {record.holder}) "
+        f"expires {ahead:.0f} s from now, more than the longest lease ({MAX_DURATION:.0f} s): "
+        "treated as damaged and taken over; check that machine's clock",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _write(backend: Backend, lease: Lease) -> bool:
@@ -119,6 +144,7 @@ def take(backend: Backend, step: str, holder: str, duration: float) -> Lease:
     """Take the lease on `step` for `duration` seconds. Returns our lease, or the live lease of
     the builder that holds it: ours when `.holder == holder`, so a holder id names one builder
     process and no other (host, pid and a random part)."""
+    _check_duration(duration)
     top, record = current(backend, step)
     for _ in range(ATTEMPTS):
         now = time.time()
@@ -136,8 +162,14 @@ def take(backend: Backend, step: str, holder: str, duration: float) -> Lease:
     return record
 
 
+def _check_duration(duration: float) -> None:
+    if not 0 < duration <= MAX_DURATION:
+        raise ValueError(f"a lease lasts more than 0 and at most {MAX_DURATION} s (got {duration})")
+
+
 def renew(backend: Backend, lease: Lease, duration: float) -> Lease:
     """Extend a lease we hold; LeaseLost when it expired or was taken over."""
+    _check_duration(duration)
     now = time.time()
     if not lease.live(now):
         raise LeaseLost(f"lease on step {lease.step[:12]} expired before it was renewed; stop the step")
