@@ -183,6 +183,14 @@ def test_a_forged_ngram_filter_is_refused_at_pull(tmp_path: Path, url: str, micr
     assert not Store(b).has_output(data)
 
 
+def plant_entry(url: str, forged: dict) -> str:
+    """A sealed evaluation cache entry holding the forged result, put on the remote; its key."""
+    key = evals.key_of(forged["identity"])
+    entry = {"identity": forged["identity"], "result": forged["result"]}
+    Remote.open(url).backend.put(keys.evaluation(key), objects.framed(evals.seal_entry(key, entry)))
+    return key
+
+
 def forged_eval(body: dict) -> dict:
     """The held-out result with better numbers (every float scaled), its identity kept."""
     result = {k: (v * 0.5 if isinstance(v, float) else v) for k, v in body["result"].items()}
@@ -199,10 +207,7 @@ def test_a_forged_evaluation_is_refused_and_never_reused(
     honest = json.loads(blob_of(url, hashes["eval"], "eval.json"))
     forged = forged_eval(honest)
     forge_output(url, hashes["eval"], {"eval.json": canonical_bytes(forged)})
-    key = evals.key_of(forged["identity"])
-    backend = Remote.open(url).backend
-    entry = {"identity": forged["identity"], "result": forged["result"]}
-    backend.put(keys.evaluation(key), objects.framed(evals.seal_entry(key, entry)))
+    key = plant_entry(url, forged)
     b = tmp_path / "b" / ".bt"
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
@@ -219,11 +224,7 @@ def test_a_forged_evaluation_entry_beside_an_honest_output_is_not_pulled(
     assert bt_at(store, "push", plan, "--remote", url).returncode == 0
     hashes = steps_of(micro_built)
     honest = json.loads(blob_of(url, hashes["eval"], "eval.json"))
-    forged = forged_eval(honest)
-    key = evals.key_of(forged["identity"])
-    backend = Remote.open(url).backend
-    entry = {"identity": forged["identity"], "result": forged["result"]}
-    backend.put(keys.evaluation(key), objects.framed(evals.seal_entry(key, entry)))
+    key = plant_entry(url, forged_eval(honest))
     b = tmp_path / "b" / ".bt"
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert "forged" in pull.stderr, pull.stderr
