@@ -219,6 +219,35 @@ def test_ls_remote_attestations_and_verify_push(tmp_path: Path, micro_built: Ref
     assert "2 trusted builders agree" in bt_at(b, "show", plan, "--remote", url, env=reader).stdout
 
 
+def test_a_run_pulls_only_what_enough_trusted_builders_signed(tmp_path: Path, micro_built: Reference) -> None:
+    """`bt run --min-attestations N` (or the team's $BT_MIN_ATTESTATIONS): a step signed by fewer
+    trusted keys is built here instead, and says why; once its builder is trusted it is pulled."""
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    _, plan, honest = micro_built
+    store = tmp_path / "a" / ".bt"  # builds, pushes its checkpoints and output, signs the output
+    assert bt_at(store, "run", str(MICRO), "--remote", url).returncode == 0
+    reader = {"BT_KEYS": str(tmp_path / "reader-keys"), "BT_REMOTE": url}
+    b = tmp_path / "b" / ".bt"
+    assert plan_hash(bt_at(b, "plan", str(MICRO), env=reader)) == plan
+    built = bt_at(b, "run", plan, env={**reader, "BT_MIN_ATTESTATIONS": "1"})
+    assert built.returncode == 0, built.stderr
+    assert (
+        "0 trusted builders agree; 1 record ignored: 1 untrusted key: not pulled; building it here"
+        in built.stderr
+    )
+    assert "4 executed, 0 cached" in built.stderr and step_digests(b, plan) == honest
+    exported = tmp_path / "builder.pem"
+    exported.write_text(bt_at(store, "keys", "export").stdout)
+    assert bt_at(b, "keys", "trust", str(exported), "--name", "builder", env=reader).returncode == 0
+    c = tmp_path / "c" / ".bt"
+    pulled = bt_at(c, "run", plan, "--min-attestations", "1", env={**reader, "BT_KEYS": reader["BT_KEYS"]})
+    assert pulled.returncode == 0, pulled.stderr
+    assert "0 executed, 4 pulled" in pulled.stderr and step_digests(c, plan) == honest
+    bad = bt_at(c, "run", plan, env={**reader, "BT_MIN_ATTESTATIONS": "two"})
+    assert bad.returncode == 2 and "BT_MIN_ATTESTATIONS='two'" in bad.stderr, bad.stderr
+
+
 def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path, micro_built: Reference) -> None:
     store = tmp_path / ".bt"
     plain = plan_hash(bt_at(store, "plan", str(MICRO)))
@@ -310,10 +339,17 @@ def test_a_train_step_killed_on_one_machine_resumes_on_another(
     assert any(checkpoints.glob("step-*.json")), "no checkpoint reached the remote"
     assert not Remote.open(url).has_output(train)
     shutil.rmtree(tmp_path / "remote" / "leases")  # A's lease would expire in a minute: skip the wait
+    shutil.copytree(tmp_path / "remote", tmp_path / "snapshot")  # the remote as A left it
     run = bt_at(b, "run", plan, "--remote", url)
     assert run.returncode == 0, run.stderr
     assert "resuming from step-" in run.stderr and "pulled from" in run.stderr
     assert step_digests(b, plan) == micro_built[2]
+    # A store that asks for signed results does not start from a checkpoint: no one signs one.
+    c = tmp_path / "c" / ".bt"
+    strict = bt_at(c, "run", plan, "--remote", f"file://{tmp_path / 'snapshot'}", "--min-attestations", "1")
+    assert strict.returncode == 0, strict.stderr
+    assert "not resuming from the remote's checkpoint (no one signs one)" in strict.stderr
+    assert "resuming from step-" not in strict.stderr and step_digests(c, plan) == micro_built[2]
 
 
 def test_a_remote_out_of_reach_is_one_warning_and_the_run_builds_locally(

@@ -173,7 +173,7 @@ def worker_probe(engine: Engine | None, store: Store) -> WorkerProbe | None:
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
     from buildtrain.cli.arguments import engine_settings
-    from buildtrain.cli.team import remote_of
+    from buildtrain.cli.team import min_attestations, remote_of
     from buildtrain.executor.engine import EngineOptions, engine_name
     from buildtrain.executor.run import RunOptions
 
@@ -186,6 +186,7 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
         target=args.target,
         launch=launch,
         remote=remote_of(args),
+        min_attestations=min_attestations(args),
         executor=EngineOptions(
             name=engine_name(getattr(args, "executor", None)), settings=engine_settings(args)
         ),

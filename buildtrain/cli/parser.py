@@ -119,6 +119,17 @@ def _add_remote(
         sub.add_argument("--remote", metavar="URL", help=help_text)
 
 
+def _add_min_attestations(sub: argparse.ArgumentParser, otherwise: str) -> None:
+    sub.add_argument(
+        "--min-attestations",
+        type=positive,
+        metavar="N",
+        help="pull a step only when at least N distinct keys of your keyring (bt keys) signed an "
+        "attestation of exactly the remote's output (default: $BT_MIN_ATTESTATIONS, else 0); unsigned "
+        f"or untrusted records count 0; {otherwise}",
+    )
+
+
 def _add_push(command: Command) -> None:
     sub = command(
         "push",
@@ -151,14 +162,7 @@ def _add_pull(command: Command) -> None:
         metavar="PLAN",
         help="plans as bt run takes them, or a full hash from bt ls --remote",
     )
-    sub.add_argument(
-        "--min-attestations",
-        type=positive,
-        default=0,
-        metavar="N",
-        help="pull a step only when at least N distinct keys of your keyring (bt keys) signed an "
-        "attestation of exactly the remote's output; unsigned or untrusted records count 0; else exit 4",
-    )
+    _add_min_attestations(sub, "else exit 4")
     _add_remote(sub)
     sub.set_defaults(func=team.cmd_pull)
 
@@ -255,6 +259,7 @@ def _add_run(command: Command) -> None:
         "there (every byte checked), else built here while holding its lease on the remote and "
         "then pushed; s3://bucket/prefix (AWS_* variables) or file:///shared/folder; never part of any hash",
     )
+    _add_min_attestations(sub, "a step with fewer is built here instead")
     add_executor(sub)
     add_world_size(sub, rendezvous=True)
     sub.set_defaults(func=commands.cmd_run)

@@ -34,6 +34,21 @@ def remote_of(args: argparse.Namespace, *, required: bool = False) -> RemoteUrl 
     return parse_url(text)
 
 
+# A team's standing requirement, set beside BT_REMOTE: the trusted signers a pulled step needs.
+MIN_ATTESTATIONS = "BT_MIN_ATTESTATIONS"
+
+
+def min_attestations(args: argparse.Namespace) -> int:
+    """`--min-attestations N`, else $BT_MIN_ATTESTATIONS, else 0 (a value that is no count: exit 2)."""
+    given = getattr(args, "min_attestations", None)
+    if given is not None:
+        return int(given)
+    text = os.environ.get(MIN_ATTESTATIONS, "").strip()
+    if text and not text.isdigit():
+        raise UsageError(f"{MIN_ATTESTATIONS}={text!r}: give a whole number of trusted signers (0: none)")
+    return int(text or 0)
+
+
 def _plans(args: argparse.Namespace, store: Store, url: RemoteUrl | None = None) -> list[Plan]:
     """The plans named as `bt run` takes them; with `url`, a full plan hash the store lacks is
     fetched from the remote first (checked against its hash)."""
@@ -76,7 +91,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     store, url = store_of(args), remote_of(args, required=True)
     assert url is not None
-    return _said("pull", pull_plans(store, _plans(args, store, url), url, args.min_attestations))
+    return _said("pull", pull_plans(store, _plans(args, store, url), url, min_attestations(args)))
 
 
 def ls_remote(args: argparse.Namespace) -> int:

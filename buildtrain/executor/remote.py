@@ -30,8 +30,8 @@ from buildtrain.kinds import kind_of
 from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
-from buildtrain.store.remote import leases
-from buildtrain.store.remote.backend import RemoteUnavailable
+from buildtrain.store.remote import keys, leases
+from buildtrain.store.remote.backend import ObjectMissing, RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
@@ -63,9 +63,11 @@ class PushReport:
 class RemoteCache:
     """One run's (or command's) remote: opened lazily, shared by its steps."""
 
-    def __init__(self, url: RemoteUrl, say: Say) -> None:
+    def __init__(self, url: RemoteUrl, say: Say, min_attestations: int = 0) -> None:
         self.url = url
         self.say = say
+        self.min_attestations = min_attestations  # trusted signers a pulled output needs (0: none)
+        self._said: set[tuple[str, str]] = set()
         self._remote: Remote | None = None
         self._plans_pushed: set[str] = set()
         self.holder = leases.holder_id()
@@ -84,7 +86,12 @@ class RemoteCache:
 
     def pull(self, store: Store, step: Step) -> bool:
         """Pull the step's output into the store (caller holds the step's lock, no intact local
-        output); False when the remote lacks it or it is damaged (named through `say`)."""
+        output); False when the remote lacks it, it is damaged, or fewer trusted builders than
+        required signed it (each named through `say`)."""
+        refused = self.too_few_signers(step)
+        if refused is not None:
+            self.say_once(step, f"{refused}; building it here")
+            return False
         try:
             found = self.remote.pull_output(store, step.hash)
         except RemoteDamaged as exc:
@@ -109,6 +116,13 @@ class RemoteCache:
             return False
         self._pull_entry(store, step)
         return True
+
+    def say_once(self, step: Step, text: str) -> None:
+        """Say `text` of a step once per run (a step's turn asks the remote twice: before and
+        after taking its lease)."""
+        if (step.hash, text) not in self._said:
+            self._said.add((step.hash, text))
+            self.say(step.label, text)
 
     def _pull_entry(self, store: Store, step: Step) -> None:
         """An evaluation's cache entry comes with its step (other plans here then reuse it); a
@@ -192,6 +206,22 @@ class RemoteCache:
         )
         attest.attest(self.remote.backend, record, key)
 
+    def too_few_signers(self, step: Step, wanted: int | None = None) -> str | None:
+        """Why the remote's output of `step` may not be pulled: fewer than `wanted` (default: this
+        cache's requirement) distinct trusted keys signed exactly it; None when enough did, or
+        when there is nothing (or only damage) to pull, which the pull itself reports."""
+        wanted = self.min_attestations if wanted is None else wanted
+        output = remote_output(self.remote, step.hash) if wanted > 0 else None
+        if output is None:
+            return None
+        counted = self.tally(step, *output)
+        if len(counted.agreeing) >= wanted:
+            return None
+        return (
+            f"--min-attestations {wanted} asks for {wanted} distinct trusted keys that signed the "
+            f"remote's output; {counted}: not pulled"
+        )
+
     def tally(self, step: Step, digests: dict[str, str], files: dict[str, str] | None = None) -> Tally:
         """What this user's keyring counts for a step's output (an `attest.Tally`)."""
         from buildtrain.store.remote import attest, keyring
@@ -238,7 +268,12 @@ class RemoteCache:
         folder = store.checkpoints_dir(step.hash)
         if (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
             self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
-        if not _newest(folder):
+        if not _newest(folder) and self.min_attestations > 0:  # no one signs a checkpoint
+            if self.remote.checkpoints(step.hash):
+                self.say_once(
+                    step, "not resuming from the remote's checkpoint (no one signs one): building it"
+                )
+        elif not _newest(folder):
             folder.mkdir(parents=True, exist_ok=True)
             pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
             for problem in problems:
@@ -379,3 +414,14 @@ def _stop_this_run() -> None:
     """SIGTERM to this bt: `spawn` forwards it to the step process, which checkpoints and exits,
     and the run ends as interrupted (exit 3); `bt run` again resumes."""
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def remote_output(remote: Remote, step_hash: str) -> tuple[dict[str, str], dict[str, str]] | None:
+    """(logical digests, file -> blake3) that the remote's manifest of a step declares: what an
+    attestation must name to count; None when there is none or it is damaged or foreign."""
+    try:
+        body = objects.parse_manifest(remote.backend.get(keys.step(step_hash)))
+        files = {name: entry["blake3"] for name, entry in body["files"].items()}
+    except (ObjectMissing, ValueError, TypeError, KeyError):
+        return None
+    return (dict(body["digests"]), files) if body.get("name") == step_hash else None

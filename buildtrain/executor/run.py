@@ -55,6 +55,7 @@ class RunOptions:
     target: str | None = None  # build only this step (by label) and what it needs
     launch: Launch = SINGLE_PROCESS  # processes for the train steps (torchrun when more than one)
     remote: RemoteUrl | None = None  # a team cache (never part of a hash: where, not what)
+    min_attestations: int = 0  # trusted signers a step pulled from the remote needs (0: any)
     executor: EngineOptions = LOCAL  # where the steps' processes run (never part of a hash)
 
 
@@ -144,7 +145,7 @@ def run_plan(
         launch=launch,
         wait=options.wait,
         engine=engine,
-        remote=_remote_cache(options.remote, reporter),
+        remote=_remote_cache(options.remote, reporter, options.min_attestations),
         live=live if live is not None else LiveSteps(),
     )
 
@@ -192,14 +193,14 @@ def engine_for(options: EngineOptions, shared: StepProcesses | None) -> Engine:
     return open_engine(options)
 
 
-def _remote_cache(url: RemoteUrl | None, reporter: Reporter) -> RemoteCache | None:
+def _remote_cache(url: RemoteUrl | None, reporter: Reporter, min_attestations: int) -> RemoteCache | None:
     """The run's team cache, imported only when a remote is set (a run without one loads nothing
     of it, and a run with one opens it only when a step is not in the local store)."""
     if url is None:
         return None
     from buildtrain.executor.remote import RemoteCache
 
-    return RemoteCache(url, reporter.step)
+    return RemoteCache(url, reporter.step, min_attestations)
 
 
 def _announce(

@@ -10,11 +10,9 @@ import json
 import attrs
 
 from buildtrain.errors import ExitCode, RemoteDamaged, UsageError
-from buildtrain.executor.remote import RemoteCache
+from buildtrain.executor.remote import RemoteCache, remote_output
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
-from buildtrain.store.remote import keys
-from buildtrain.store.remote.backend import ObjectMissing
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
@@ -100,30 +98,13 @@ def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations
 
 
 def _too_few(cache: RemoteCache, step: Step, wanted: int) -> str | None:
-    if wanted <= 0:
-        return None
-    output = remote_output(cache.remote, step.hash)
-    if output is None:
-        return None  # not there, or damaged: the pull says which
-    counted = cache.tally(step, *output)
-    if len(counted.agreeing) >= wanted:
+    refused = cache.too_few_signers(step, wanted)
+    if refused is None:
         return None
     return (
-        f"{step.label}: --min-attestations {wanted} asks for {wanted} distinct trusted keys that "
-        f"signed the remote's output; {counted}: not pulled (bt verify PLAN --push by a builder "
-        "whose key you trust adds one; bt keys trust FILE --name NAME trusts a builder)"
+        f"{step.label}: {refused} (bt verify PLAN --push by a builder whose key you trust adds one; "
+        "bt keys trust FILE --name NAME trusts a builder)"
     )
-
-
-def remote_output(remote: Remote, step_hash: str) -> tuple[dict[str, str], dict[str, str]] | None:
-    """(logical digests, file -> blake3) that the remote's manifest of a step declares: what an
-    attestation must name to count; None when there is none or it is damaged or foreign."""
-    try:
-        body = objects.parse_manifest(remote.backend.get(keys.step(step_hash)))
-        files = {name: entry["blake3"] for name, entry in body["files"].items()}
-    except (ObjectMissing, ValueError, TypeError, KeyError):
-        return None
-    return (dict(body["digests"]), files) if body.get("name") == step_hash else None
 
 
 def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> list[str]:
