@@ -17,6 +17,7 @@ from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store import objects
 from buildtrain.store.layout import DATA_INDEX, DOCUMENTS, NGRAMS
+from buildtrain.store.ngram_file import filter_digest
 from buildtrain.store.tensors import tensor_digest
 
 # Bytes per token id and the digest's dtype code, by a split's "dtype" (none: uint16), as
@@ -83,8 +84,6 @@ class DataKind(StepKind):
             value = digest("documents", {"file": listed[DOCUMENTS], "count": count})
             found.append(Derived(name=DOCUMENTS, value=value, file=DOCUMENTS))
         if NGRAMS in listed:  # the contamination check's filter: its header and bytes
-            from buildtrain.steps.ngrams import filter_digest
-
             value = filter_digest((output / NGRAMS).read_bytes())
             found.append(Derived(name=NGRAMS, value=value, file=NGRAMS))
         return found

@@ -28,13 +28,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import blake3
 import numpy as np
 
 from buildtrain import native
-from buildtrain.canonical import digest
 from buildtrain.errors import StepFailed
 from buildtrain.store.layout import NGRAMS
+from buildtrain.store.ngram_file import FORMAT, filter_digest
 from buildtrain.store.objects import write_bytes_durably
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -46,7 +45,6 @@ HASHES = 8  # bits set per n-gram, all in one block of 512 bits
 BITS_PER_ITEM = 32
 FIRST_ITEMS = 1 << 12  # the first segment's n-grams (16 KB); each next segment holds twice as many
 BLOCK_WORDS = 8
-FORMAT = 0x3130_6D61_7267_6E  # "ngram01" little-endian: the file's first word
 WHITESPACE = frozenset(b" \t\n\r\x0b\x0c")
 PUNCTUATION = (
     frozenset(range(33, 48))
@@ -229,14 +227,6 @@ class NgramFilter:
         raw = self.to_bytes()
         write_bytes_durably(out / NGRAMS, raw)
         return filter_digest(raw)
-
-
-def filter_digest(raw: bytes) -> str:
-    """The digest a data step declares for its `ngrams.bloom`: the file's blake3 with the n and
-    the count of n-grams its header records (what a pull re-derives from the bytes)."""
-    loaded = LoadedFilter(raw)
-    items = sum(items for _, items in loaded.segments)
-    return digest("ngrams", {"file": blake3.blake3(raw).hexdigest(), "n": loaded.n, "items": items})
 
 
 class LoadedFilter:
