@@ -312,8 +312,9 @@ def test_a_lost_lease_stops_the_step(
 def test_a_train_step_killed_on_one_machine_resumes_on_another(
     tmp_path: Path, micro_built: Reference
 ) -> None:
-    """Store A pushes its checkpoints while training and is SIGKILLed after one reached the
-    remote; store B starts from that checkpoint and gets the bits of an uninterrupted build."""
+    """Store A pushes its checkpoints while training and is SIGKILLed once its second one
+    reached the remote; store B starts from that checkpoint and gets the bits, and the files,
+    of an uninterrupted build (the first kept checkpoint comes from the remote too)."""
     import signal
     import time
 
@@ -332,11 +333,12 @@ def test_a_train_step_killed_on_one_machine_resumes_on_another(
     )
     checkpoints = tmp_path / "remote" / "work" / train
     deadline = time.monotonic() + 120
-    while not any(checkpoints.glob("step-*.json")) and time.monotonic() < deadline:
+    second = checkpoints / "step-000008.json"  # micro: a checkpoint every 4 updates, 3 kept
+    while not second.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     os.killpg(slow.pid, signal.SIGKILL)
     slow.wait()
-    assert any(checkpoints.glob("step-*.json")), "no checkpoint reached the remote"
+    assert second.exists(), "the second checkpoint never reached the remote"
     assert not Remote.open(url).has_output(train)
     shutil.rmtree(tmp_path / "remote" / "leases")  # A's lease would expire in a minute: skip the wait
     shutil.copytree(tmp_path / "remote", tmp_path / "snapshot")  # the remote as A left it
@@ -344,6 +346,9 @@ def test_a_train_step_killed_on_one_machine_resumes_on_another(
     assert run.returncode == 0, run.stderr
     assert "resuming from step-" in run.stderr and "pulled from" in run.stderr
     assert step_digests(b, plan) == micro_built[2]
+    # ...and the same files: the kept checkpoints from before the resume came from the remote too
+    honest = Store(micro_built[0]).output(train)
+    assert objects.sealed_files(Store(b).output(train)) == objects.sealed_files(honest)
     # A store that asks for signed results does not start from a checkpoint: no one signs one.
     c = tmp_path / "c" / ".bt"
     strict = bt_at(c, "run", plan, "--remote", f"file://{tmp_path / 'snapshot'}", "--min-attestations", "1")

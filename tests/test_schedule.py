@@ -95,3 +95,16 @@ def test_no_warmup_starts_near_lr() -> None:
     train = TrainConfig(steps=100, warmup_steps=0, lr=0.5, min_lr_ratio=0.0, schedule="cosine")
     assert 0.49 < learning_rate(1, train) < 0.5
     assert learning_rate(100, train) == 0.0
+
+
+@given(st.integers(1, 500), st.integers(1, 60), st.integers(1, 8))
+def test_the_kept_updates_are_the_newest_scheduled_checkpoints(steps: int, every: int, keep: int) -> None:
+    """What a resumed build pulls besides its resume point (`kinds/train.py`) is what an output
+    keeps: the `keep` newest updates at which `checkpoint_due` takes a checkpoint."""
+    from buildtrain.kinds import kind_of
+    from buildtrain.steps.train.schedule import checkpoint_due
+
+    train = TrainConfig(steps=steps, checkpoint_every=every, keep_checkpoints=keep, warmup_steps=0)
+    config = {"train": {"steps": steps, "checkpoint_every": every, "keep_checkpoints": keep}}
+    due = [update for update in range(steps, 0, -1) if checkpoint_due(update, train)]
+    assert kind_of("train").kept_updates(config) == due[:keep]

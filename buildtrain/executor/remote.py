@@ -68,6 +68,7 @@ class RemoteCache:
         self.say = say
         self.min_attestations = min_attestations  # trusted signers a pulled output needs (0: none)
         self._said: set[tuple[str, str]] = set()
+        self._pushed: dict[str, set[str]] = {}  # checkpoint names pushed, by step hash
         self._remote: Remote | None = None
         self._plans_pushed: set[str] = set()
         self.holder = leases.holder_id()
@@ -279,6 +280,7 @@ class RemoteCache:
             for problem in problems:
                 self.say(step.label, problem)
             if pulled is not None:
+                self._pull_kept(store, step, pulled, folder)
                 self.resumed.add(step.hash)
                 mark = {"checkpoint": pulled.name, "remote": str(self.url)}
                 store.replace_file(
@@ -294,23 +296,45 @@ class RemoteCache:
             stop.set()
             pusher.join()
 
-    def push_newest_checkpoint(self, store: Store, step: Step) -> None:
-        """Push the newest checkpoint once more, after the step process ended (the one a stop
-        wrote may be newer than the pusher's last look); a failure is left to the next run."""
-        newest = _newest(store.checkpoints_dir(step.hash))
-        if newest is not None:
-            with contextlib.suppress(BuildtrainError, OSError, ValueError):
-                self.remote.push_checkpoint(step.hash, newest)
-
-    def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
-        pushed: str | None = None
-        while not stop.wait(CHECKPOINT_POLL_S):
-            newest = _newest(folder)
-            if newest is None or newest.name == pushed:
+    def _pull_kept(self, store: Store, step: Step, newest: Path, folder: Path) -> None:
+        """After resuming from `newest`, pull the older checkpoints the finished output keeps
+        (`kept_updates`): a build resumed on another machine then publishes the files an
+        uninterrupted one does. One the remote lacks or that does not verify is named: the output
+        will lack it, and a push then reports the difference."""
+        update = layout.checkpoint_update(newest.name) or 0
+        held = set(self.remote.checkpoints(step.hash))
+        for older in kind_of(step.kind).kept_updates(step.config):
+            name = layout.checkpoint_name(older)
+            if older >= update or (folder / name).exists():
+                continue
+            if name not in held:
+                self.say(step.label, f"the remote lacks kept checkpoint {name}: the output will not hold it")
                 continue
             try:
-                self.remote.push_checkpoint(step.hash, newest)
-                pushed = newest.name
+                self.remote.pull_checkpoint(store, step.hash, name, folder)
+            except RemoteDamaged as exc:
+                self.say(step.label, str(exc))
+
+    def push_newest_checkpoint(self, store: Store, step: Step) -> None:
+        """Push what the pusher has not, after the step process ended (the checkpoint a stop
+        wrote may be newer than the pusher's last look); a failure is left to the next run."""
+        self._push_new(store.checkpoints_dir(step.hash), step, self._pushed.setdefault(step.hash, set()))
+
+    def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
+        pushed = self._pushed.setdefault(step.hash, set())
+        while not stop.wait(CHECKPOINT_POLL_S):
+            self._push_new(folder, step, pushed)
+
+    def _push_new(self, folder: Path, step: Step, pushed: set[str]) -> None:
+        """Push every finished checkpoint of `folder` not pushed yet, oldest first: the kept ones
+        before a resume point must be there for another machine to resume from (`_pull_kept`)."""
+        found = [path for _, path in layout.newest_first(folder.iterdir() if folder.is_dir() else ())]
+        for path in reversed(found):
+            if path.name in pushed or not path.is_dir() or path.is_symlink():
+                continue
+            try:
+                self.remote.push_checkpoint(step.hash, path)
+                pushed.add(path.name)
             except (BuildtrainError, OSError, ValueError):
                 continue  # pruned or moved aside meanwhile, or a passing network problem
 

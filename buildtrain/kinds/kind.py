@@ -121,6 +121,12 @@ class StepKind:
         """How many updates verify compares one by one (kinds verified by updates)."""
         return 0
 
+    def kept_updates(self, config: Mapping[str, Any]) -> list[int]:
+        """The updates whose checkpoints a finished output keeps, newest first (resumable kinds):
+        a build resumed from a pulled checkpoint pulls the older ones too, so that its output
+        holds what an uninterrupted build's does."""
+        return []
+
     def output_problems(self, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
         """What makes a sealed output of this step (`step_hash`, `config`) not its own, beyond
         its seal."""

@@ -79,6 +79,21 @@ class TrainKind(StepKind):
     def updates(self, config: Mapping[str, Any]) -> int:
         return int(config["train"]["steps"])
 
+    def kept_updates(self, config: Mapping[str, Any]) -> list[int]:
+        """The last update and the scheduled ones before it (`schedule.checkpoint_due`), as many
+        as `train.keep_checkpoints`, newest first: what `assemble_output` keeps."""
+        train = config["train"]
+        steps, every, keep = (
+            int(train["steps"]),
+            int(train["checkpoint_every"]),
+            int(train["keep_checkpoints"]),
+        )
+        kept, update = [steps], steps - (steps % every or every)
+        while len(kept) < keep and update > 0:
+            kept.append(update)
+            update -= every
+        return kept
+
     def output_problems(self, step_hash: str, output: Path, config: Mapping[str, Any]) -> list[str]:
         """A recorded train output is this step's own when its result records the step's number
         of updates and every checkpoint in it carries the step's hash."""
