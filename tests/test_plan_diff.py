@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import PRETRAIN_FINETUNE, BtRunner
+from conftest import PRETRAIN_FINETUNE, TINY, BtRunner
 
 from buildtrain.plan.diff import Change, changed_keys, diff_plans, flatten
 from buildtrain.plan.plan import Plan
@@ -127,3 +127,16 @@ def test_bt_diff_says_what_changed_and_what_is_reused(tmp_path: Path, store: Pat
     body = json.loads(as_json.stdout)
     assert body["config"] == [{"key": "stages[1].train.lr", "before": 0.001, "after": 0.0005}]
     assert [s["status"] for s in body["steps"]] == ["reused"] * 3 + ["invalidated"] * 3
+
+
+def test_bt_diff_takes_presets_as_run_verify_and_export_do(tmp_path: Path, bt: BtRunner) -> None:
+    """Issue 48: `bt diff A.toml B.toml` plans both (as `bt run` would) and compares them."""
+    same = bt("diff", str(PRETRAIN_FINETUNE), str(PRETRAIN_FINETUNE))
+    assert same.returncode == 0, same.stderr
+    first = same.stdout.splitlines()[0].split()  # plan A -> B
+    assert first[1] == first[3] and "0 step(s) to rebuild" in same.stdout
+    other = bt("diff", str(TINY), str(PRETRAIN_FINETUNE))
+    assert other.returncode == 0 and "name: 'tiny' -> 'pretrain-finetune'" in other.stdout, other.stderr
+    missing = bt("diff", str(PRETRAIN_FINETUNE), str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "nope.toml: file not found" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -248,6 +248,22 @@ def test_a_run_pulls_only_what_enough_trusted_builders_signed(tmp_path: Path, mi
     assert bad.returncode == 2 and "BT_MIN_ATTESTATIONS='two'" in bad.stderr, bad.stderr
 
 
+def test_a_prefix_the_store_lacks_says_a_remote_gives_full_hashes(
+    tmp_path: Path, micro_built: Reference
+) -> None:
+    """Issue 48: with a remote set, a prefix the empty store lacks names the way that works."""
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    plan = pushed(micro_built, url)
+    b = tmp_path / "b" / ".bt"
+    for command in (("run", plan[:8]), ("pull", plan[:8])):
+        refused = bt_at(b, *command, "--remote", url)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert f"by its full hash (bt ls --remote {url} lists them)" in refused.stderr
+    without = bt_at(b, "run", plan[:8])
+    assert without.returncode == 2 and "bt ls --remote" not in without.stderr
+
+
 def test_a_remote_enters_no_hash_and_no_import_without_one(tmp_path: Path, micro_built: Reference) -> None:
     store = tmp_path / ".bt"
     plain = plan_hash(bt_at(store, "plan", str(MICRO)))

@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = store_of(args)
     launch = _launch(args)
     warn_threads(args)
-    from buildtrain.cli.team import fetch_plans, remote_of
+    from buildtrain.cli.team import fetch_plans, remote_hint, remote_of
 
     url = remote_of(args)
     if url is not None:  # a plan hash planned elsewhere comes with its steps
@@ -116,7 +116,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     with engine_of(args) as engine:  # one engine plans (a preset, for its workers) and runs
         workers = worker_probe(engine, store)
-        targets = resolve_targets(args.plan, store, args.set, args.sweep, launch.world_size, workers=workers)
+        with remote_hint(url):
+            targets = resolve_targets(
+                args.plan, store, args.set, args.sweep, launch.world_size, workers=workers
+            )
         if len(targets) == 1:
             return run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
         from buildtrain.executor.batch import run_plans
@@ -363,15 +366,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def one_plan(args: argparse.Namespace, store: Store) -> Plan:
     """The one plan `args.plan` names: a hash or prefix, or a preset path (planned, as `bt run` does)."""
+    return plan_named(store, args.plan, getattr(args, "nproc", 1) * getattr(args, "nnodes", 1))
+
+
+def plan_named(store: Store, ref: str, world_size: int = 1) -> Plan:
+    """The one plan `ref` names: a hash or prefix, or a preset path (planned, as `bt run` does)."""
     from buildtrain.plan.refs import is_preset, resolve_targets
 
-    if not is_preset(args.plan):
-        return load_plan(store, args.plan)
-    world_size = getattr(args, "nproc", 1) * getattr(args, "nnodes", 1)
-    targets = resolve_targets([args.plan], store, world_size=world_size)
+    if not is_preset(ref):
+        return load_plan(store, ref)
+    targets = resolve_targets([ref], store, world_size=world_size)
     if len(targets) != 1:
         raise UsageError(
-            f"{args.plan} is a sweep of {len(targets)} plans; give one of their hashes (bt plan {args.plan})"
+            f"{ref} is a sweep of {len(targets)} plans; give one of their hashes (bt plan {ref})"
         )
     return targets[0].plan
 

@@ -368,8 +368,8 @@ def _add_diff(command: Command) -> None:
         "Compare two plans: the config keys that differ, and for each step whether it is reused "
         "from the store or invalidated, and why.",
     )
-    sub.add_argument("plan_a", help="plan hash or prefix")
-    sub.add_argument("plan_b", help="plan hash or prefix")
+    sub.add_argument("plan_a", help="plan hash or prefix, or a preset (planned first, as bt run does)")
+    sub.add_argument("plan_b", help="plan hash or prefix, or a preset")
     sub.add_argument("--json", action="store_true", help="machine-readable")
     sub.set_defaults(func=queries.cmd_diff)
 

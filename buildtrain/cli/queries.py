@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from buildtrain.cli.commands import err, experiments, store_of
+from buildtrain.cli.commands import err, experiments, plan_named, store_of
 from buildtrain.errors import ExitCode, UsageError
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
@@ -51,7 +51,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from buildtrain.views.text import diff_json, diff_text
 
     store = store_of(args)
-    a, b = load_plan(store, args.plan_a), load_plan(store, args.plan_b)
+    a, b = plan_named(store, args.plan_a), plan_named(store, args.plan_b)
     changes, steps = diff_plans(a, b)
     metrics = metrics_diff(store, a.hash, b.hash)
     if args.json:

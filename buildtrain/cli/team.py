@@ -5,7 +5,9 @@ and where a command finds its remote (`--remote URL`, else $BT_REMOTE). Each is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from buildtrain.cli.commands import err, store_of
@@ -56,7 +58,22 @@ def _plans(args: argparse.Namespace, store: Store, url: RemoteUrl | None = None)
 
     if url is not None:
         fetch_plans(args.plans, store, url)
-    return [target.plan for target in resolve_targets(args.plans, store)]
+    with remote_hint(url):
+        return [target.plan for target in resolve_targets(args.plans, store)]
+
+
+@contextlib.contextmanager
+def remote_hint(url: RemoteUrl | None) -> Iterator[None]:
+    """A plan the store lacks, named by a prefix while a remote is set: say that a remote gives
+    plans by their full hash (a prefix would mean listing every plan of the team)."""
+    try:
+        yield
+    except UsageError as exc:
+        if url is None or not str(exc).startswith("no plan "):
+            raise
+        raise UsageError(
+            f"{exc}; or fetch it from the remote by its full hash (bt ls --remote {url} lists them)"
+        ) from None
 
 
 def fetch_plans(refs: list[str], store: Store, url: RemoteUrl) -> None:
