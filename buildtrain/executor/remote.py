@@ -30,8 +30,8 @@ from buildtrain.kinds import kind_of
 from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
-from buildtrain.store.remote import keys, leases
-from buildtrain.store.remote.backend import ObjectMissing, RemoteUnavailable
+from buildtrain.store.remote import leases
+from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
@@ -148,9 +148,7 @@ class RemoteCache:
 
     # -- pushing ----------------------------------------------------------------------------------
 
-    def push(
-        self, store: Store, plan: Plan, step: Step, *, built_here: bool = False, independent: bool = True
-    ) -> PushReport:
+    def push(self, store: Store, plan: Plan, step: Step, *, built_here: bool = False) -> PushReport:
         """Push a built step (and its plan, once), then attest the build: always when `built_here`
         (a run built it, a verify reproduced it), else only when the remote did not already hold
         this result (a store that pulled a step must not count as one more build of it). A build
@@ -165,7 +163,7 @@ class RemoteCache:
                 if evals.entry_problem(store.eval_path(key), key)[0] is not None:
                     self.remote.push_eval(key, store.eval_path(key).read_bytes())
             fresh = built_here or pushed.manifest != "present"
-            if fresh and independent and self.independent(store, step):
+            if fresh and self.independent(store, step):
                 self.attest(store, plan, step)
         except (BuildtrainError, OSError, ValueError) as exc:
             return PushReport(step=step.label, failed=str(exc))
@@ -212,7 +210,7 @@ class RemoteCache:
         cache's requirement) distinct trusted keys signed exactly it; None when enough did, or
         when there is nothing (or only damage) to pull, which the pull itself reports."""
         wanted = self.min_attestations if wanted is None else wanted
-        output = remote_output(self.remote, step.hash) if wanted > 0 else None
+        output = self.remote.output_declared(step.hash) if wanted > 0 else None
         if output is None:
             return None
         counted = self.tally(step, *output)
@@ -269,24 +267,8 @@ class RemoteCache:
         folder = store.checkpoints_dir(step.hash)
         if (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
             self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
-        if not _newest(folder) and self.min_attestations > 0:  # no one signs a checkpoint
-            if self.remote.checkpoints(step.hash):
-                self.say_once(
-                    step, "not resuming from the remote's checkpoint (no one signs one): building it"
-                )
-        elif not _newest(folder):
-            folder.mkdir(parents=True, exist_ok=True)
-            pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
-            for problem in problems:
-                self.say(step.label, problem)
-            if pulled is not None:
-                self._pull_kept(store, step, pulled, folder)
-                self.resumed.add(step.hash)
-                mark = {"checkpoint": pulled.name, "remote": str(self.url)}
-                store.replace_file(
-                    store.work_dir(step.hash) / layout.PULLED_CHECKPOINT, canonical_bytes(mark)
-                )
-                self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
+        if _newest(folder) is None:
+            self._start_from_remote(store, step, folder)
         stop = threading.Event()
         pusher = threading.Thread(target=self._push_checkpoints, args=(folder, step, stop), daemon=True)
         pusher.start()
@@ -295,6 +277,28 @@ class RemoteCache:
         finally:
             stop.set()
             pusher.join()
+
+    def _start_from_remote(self, store: Store, step: Step, folder: Path) -> None:
+        """No local checkpoint: pull the remote's newest that verifies and the older ones the
+        output keeps, and mark the build as resumed from a pulled one (never attested). Not
+        when signed results are required: no one signs a checkpoint."""
+        if self.min_attestations > 0:
+            if self.remote.checkpoints(step.hash):
+                self.say_once(
+                    step, "not resuming from the remote's checkpoint (no one signs one): building it"
+                )
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
+        for problem in problems:
+            self.say(step.label, problem)
+        if pulled is None:
+            return
+        self._pull_kept(store, step, pulled, folder)
+        self.resumed.add(step.hash)
+        mark = {"checkpoint": pulled.name, "remote": str(self.url)}
+        store.replace_file(store.work_dir(step.hash) / layout.PULLED_CHECKPOINT, canonical_bytes(mark))
+        self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
 
     def _pull_kept(self, store: Store, step: Step, newest: Path, folder: Path) -> None:
         """After resuming from `newest`, pull the older checkpoints the finished output keeps
@@ -338,15 +342,11 @@ class RemoteCache:
             except (BuildtrainError, OSError, ValueError):
                 continue  # pruned or moved aside meanwhile, or a passing network problem
 
-    def report_push(
-        self, store: Store, plan: Plan, step: Step, event: Callable[..., None], *, independent: bool = True
-    ) -> None:
-        """Push a step this run built; a failure or a conflict is one line, never a failed step.
-        `independent`: False for a build that resumed from another builder's checkpoint (pushed,
-        never attested: see `push`)."""
+    def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
+        """Push a step this run built; a failure or a conflict is one line, never a failed step."""
         if self.offline:
             return
-        report = self.push(store, plan, step, built_here=True, independent=independent)
+        report = self.push(store, plan, step, built_here=True)
         if report.conflict:
             self.say(step.label, f"non-determinism: {report.conflict}; the remote's result was kept")
             event("remote_conflict", step=step.label, hash=step.hash, conflict=report.conflict)
@@ -438,14 +438,3 @@ def _stop_this_run() -> None:
     """SIGTERM to this bt: `spawn` forwards it to the step process, which checkpoints and exits,
     and the run ends as interrupted (exit 3); `bt run` again resumes."""
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def remote_output(remote: Remote, step_hash: str) -> tuple[dict[str, str], dict[str, str]] | None:
-    """(logical digests, file -> blake3) that the remote's manifest of a step declares: what an
-    attestation must name to count; None when there is none or it is damaged or foreign."""
-    try:
-        body = objects.parse_manifest(remote.backend.get(keys.step(step_hash)))
-        files = {name: entry["blake3"] for name, entry in body["files"].items()}
-    except (ObjectMissing, ValueError, TypeError, KeyError):
-        return None
-    return (dict(body["digests"]), files) if body.get("name") == step_hash else None

@@ -10,7 +10,7 @@ import json
 import attrs
 
 from buildtrain.errors import ExitCode, RemoteDamaged, UsageError
-from buildtrain.executor.remote import RemoteCache, remote_output
+from buildtrain.executor.remote import RemoteCache
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
 from buildtrain.store.remote.remote import Remote
@@ -155,7 +155,7 @@ def remote_status(plan: Plan, url: RemoteUrl) -> list[StepOnRemote]:
 
     remote, rows, trusted = Remote.open(url), [], keyring.load_keyring()
     for step in plan.steps:
-        output = remote_output(remote, step.hash)
+        output = remote.output_declared(step.hash)
         found = attest.attestations(remote.backend, step.hash, trusted)
         counted = attest.tally(found, *(output or ({}, None)))
         agreeing = counted.agreeing if output is not None else {}

@@ -89,13 +89,20 @@ class Remote:
         return self.backend.exists(keys.step(step_hash)) is not None
 
     def output_digests(self, step_hash: str) -> dict[str, str] | None:
-        """The logical digests the remote's manifest of a step declares (what attestations
-        count), or None when there is none or it is damaged or foreign (a pull names which)."""
+        """The logical digests the remote's manifest of a step declares, or None when there is
+        none or it is damaged or foreign (a pull names which)."""
+        declared = self.output_declared(step_hash)
+        return None if declared is None else declared[0]
+
+    def output_declared(self, step_hash: str) -> tuple[dict[str, str], dict[str, str]] | None:
+        """(logical digests, file -> blake3) that the remote's manifest of a step declares: what
+        an attestation must name to count; None as for `output_digests`."""
         try:
             body = objects.parse_manifest(self.backend.get(keys.step(step_hash)))
-        except (ObjectMissing, ValueError):
+            files = {name: entry["blake3"] for name, entry in body["files"].items()}
+        except (ObjectMissing, ValueError, TypeError, KeyError):
             return None
-        return dict(body["digests"]) if body.get("name") == step_hash else None
+        return (dict(body["digests"]), files) if body.get("name") == step_hash else None
 
     def push_output(self, store: Store, step_hash: str) -> Pushed:
         """Upload a sealed output of the local store (checked first: damage is never pushed)."""
