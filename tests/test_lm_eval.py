@@ -38,10 +38,11 @@ def buildtrain_scores(store: Path, plan: str, package: Path, suite: Path) -> lis
     """buildtrain's scorer on the export package: each choice's log-likelihood."""
     import torch
 
+    from buildtrain.config.suite_files import read_multiple_choice
     from buildtrain.plan.stored import load_plan
     from buildtrain.steps.choice import choice_loglikelihoods
     from buildtrain.steps.sample import package_model
-    from buildtrain.steps.suites import read_multiple_choice, text_codec
+    from buildtrain.steps.suites import text_codec
     from buildtrain.store.store import Store
 
     loaded = load_plan(Store(store), plan)

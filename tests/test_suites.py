@@ -12,15 +12,9 @@ from conftest import MICRO, REPO, actions, plan_hash, summaries
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buildtrain.config.suite_files import MultipleChoice, read_multiple_choice
 from buildtrain.errors import ExitCode, StepFailed
-from buildtrain.steps.suites import (
-    MultipleChoice,
-    accuracy,
-    pair_ids,
-    read_multiple_choice,
-    subset_indices,
-    text_codec,
-)
+from buildtrain.steps.suites import accuracy, pair_ids, subset_indices, text_codec
 
 ARITHMETIC = REPO / "tests" / "suites" / "arithmetic.jsonl"
 ARITH = '{ name = "arith", file = "arithmetic.jsonl" }'
@@ -278,7 +272,7 @@ def test_exact_match_scores_greedy_continuations_as_transformers_generates_them(
 
 
 def test_an_exact_match_question_needs_a_one_line_target():
-    from buildtrain.steps.suites import read_exact_match
+    from buildtrain.config.suite_files import read_exact_match
 
     with pytest.raises(StepFailed, match=r"s.jsonl:2: target: expected a non-empty string without a newline"):
         read_exact_match(b'{"context": "a", "target": "b"}\n{"context": "a", "target": "b\\nc"}\n', "s.jsonl")

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from buildtrain.steps.suites import Encode, MultipleChoice, accuracy, pair_ids, scored_sequence
+from buildtrain.config.suite_files import MultipleChoice
+from buildtrain.steps.suites import Encode, accuracy, pair_ids, scored_sequence
 
 
 @torch.no_grad()

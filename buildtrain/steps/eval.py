@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.config.steps import EvalStep, SuiteStep
+from buildtrain.config.suite_files import read_exact_match, read_multiple_choice
 from buildtrain.steps.context import StepContext, final_weights, read_json
 from buildtrain.steps.eval_cache import (
     SUITE_SOURCES,
@@ -26,7 +27,7 @@ from buildtrain.steps.eval_cache import (
     write_result,
 )
 from buildtrain.steps.sources import Source, read_source
-from buildtrain.steps.suites import read_exact_match, read_multiple_choice, subset_indices, text_codec
+from buildtrain.steps.suites import subset_indices, text_codec
 from buildtrain.store.layout import CHECKPOINTS, RESULT
 
 if TYPE_CHECKING:

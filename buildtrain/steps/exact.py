@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from buildtrain.config.suite_files import ExactMatch
 from buildtrain.errors import StepFailed
-from buildtrain.steps.suites import Codec, ExactMatch
+from buildtrain.steps.suites import Codec
 from buildtrain.steps.train.generate import generate
 
 

@@ -30,15 +30,8 @@ import attrs
 
 from buildtrain.canonical import digest
 from buildtrain.config.schema import END_OF_DOCUMENT
-from buildtrain.config.suite_files import (  # the file formats, read at plan time too
-    ExactMatch,
-    MultipleChoice,
-    read_exact_match,
-    read_multiple_choice,
-)
+from buildtrain.config.suite_files import MultipleChoice  # the file formats, read at plan time too
 from buildtrain.errors import StepFailed
-
-__all__ = ["ExactMatch", "MultipleChoice", "read_exact_match", "read_multiple_choice"]
 
 Encode = Callable[[str], list[int]]
 
