@@ -33,7 +33,7 @@ import numpy as np
 from buildtrain import native
 from buildtrain.errors import StepFailed
 from buildtrain.store.layout import NGRAMS
-from buildtrain.store.ngram_file import FORMAT, filter_digest
+from buildtrain.store.ngram_file import FORMAT, filter_digest, read_header
 from buildtrain.store.objects import write_bytes_durably
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -233,15 +233,17 @@ class LoadedFilter:
     """A data step's recorded filter, read back for queries."""
 
     def __init__(self, raw: bytes) -> None:
-        words = np.frombuffer(raw, dtype="<u8")
-        if len(words) < 4 or int(words[0]) != FORMAT or int(words[2]) != HASHES:
+        try:
+            header = read_header(raw)
+        except ValueError:
+            header = None
+        if header is None or header.hashes != HASHES:
             raise StepFailed(f"{NGRAMS} is not an n-gram filter this buildtrain reads")
-        self.n, count = int(words[1]), int(words[3])
-        sizes = words[4 : 4 + 2 * count].reshape(-1, 2).astype(np.int64)
-        at, self.segments = 4 + 2 * count, []
-        for capacity, items in sizes:
-            length = int(capacity) * BITS_PER_ITEM // 64
-            self.segments.append((words[at : at + length], int(items)))
+        words = np.frombuffer(raw, dtype="<u8")
+        self.n, at, self.segments = header.n, header.bits_at, []
+        for capacity, items in header.segments:
+            length = capacity * BITS_PER_ITEM // 64
+            self.segments.append((words[at : at + length], items))
             at += length
 
     def contains(self, hashes: np.ndarray) -> np.ndarray:

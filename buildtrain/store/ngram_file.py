@@ -8,6 +8,7 @@ pull or fsck re-derives it from the bytes alone (`kinds/data.py`).
 
 from __future__ import annotations
 
+import attrs
 import blake3
 
 from buildtrain.canonical import digest
@@ -23,10 +24,25 @@ def _word(raw: bytes, index: int) -> int:
     return int.from_bytes(raw[start : start + WORD], "little")
 
 
-def filter_digest(raw: bytes) -> str:
-    """The digest a data step declares for these `ngrams.bloom` bytes (ValueError: not such a file)."""
+@attrs.frozen
+class Header:
+    n: int  # words per n-gram
+    hashes: int  # bits set per n-gram
+    segments: tuple[tuple[int, int], ...]  # (capacity, items) of each segment, in file order
+    bits_at: int  # the word where the first segment's bits start
+
+
+def read_header(raw: bytes) -> Header:
+    """The header of `ngrams.bloom` bytes (ValueError: not such a file)."""
     if _word(raw, 0) != FORMAT:
         raise ValueError("ngrams.bloom is not an n-gram filter this buildtrain reads")
-    n, count = _word(raw, 1), _word(raw, 3)
-    items = sum(_word(raw, 5 + 2 * segment) for segment in range(count))
-    return digest("ngrams", {"file": blake3.blake3(raw).hexdigest(), "n": n, "items": items})
+    count = _word(raw, 3)
+    segments = tuple((_word(raw, 4 + 2 * i), _word(raw, 5 + 2 * i)) for i in range(count))
+    return Header(n=_word(raw, 1), hashes=_word(raw, 2), segments=segments, bits_at=4 + 2 * count)
+
+
+def filter_digest(raw: bytes) -> str:
+    """The digest a data step declares for these `ngrams.bloom` bytes (ValueError: not such a file)."""
+    header = read_header(raw)
+    items = sum(items for _, items in header.segments)
+    return digest("ngrams", {"file": blake3.blake3(raw).hexdigest(), "n": header.n, "items": items})
