@@ -113,7 +113,7 @@ def test_a_sharded_run_killed_at_one_world_size_resumes_at_another(
 
 
 def test_without_clipping_sharded_and_unsharded_training_give_the_same_weights(tmp_path: Path) -> None:
-    """What the README claims: the gradient and the AdamW update are the unsharded ones bit for
+    """What docs/clusters.md claims: the gradient and the AdamW update are the unsharded ones bit for
     bit; only the clipping norm is summed in another order (so the traces' grad_norm differ). The
     sharded output's kept checkpoints are the files the unsharded run writes, to the byte."""
     unclipped = ("--set", "train.grad_clip=0")
