@@ -111,10 +111,9 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     ]
 
 
-def test_the_docs_draw_the_same_order() -> None:
-    """The graph in docs/reproducibility.md's "How it works" lists the layers top-down, first word
-    of each line."""
-    design = (PACKAGE.parent / "docs" / "reproducibility.md").read_text(encoding="utf-8")
+def test_the_design_page_draws_the_same_order() -> None:
+    """The graph in docs/design.md's "Layers" lists the layers top-down, first word of each line."""
+    design = (PACKAGE.parent / "docs" / "design.md").read_text(encoding="utf-8")
     start = design.index("```\n", design.index("its imports run one way")) + 4
     drawn = [line.split()[0] for line in design[start : design.index("```", start)].splitlines()]
     drawn = [word for word in drawn if word != "│"]
