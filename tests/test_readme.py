@@ -195,6 +195,15 @@ def test_bt_invocations_are_found_where_a_shell_would_run_them():
     ]
 
 
+def test_the_checks_see_the_pages_commands_and_headings():
+    """The readers above find what is there (40 bt commands when this was written), so a change
+    to them that finds nothing cannot pass for pages that are all correct."""
+    found = sum(len(bt_invocations(command)) for text in PAGES.values() for command in commands(text))
+    assert found >= 30
+    assert "a-team-cache-remote" in anchors(DOCS["remote.md"])
+    assert relative_links("[a](x.md#y) `[b](no.md)` [c](https://example.org)") == ["x.md#y"]
+
+
 def strict_parser() -> argparse.ArgumentParser:
     """bt's parser, taking each option only by its full name (argparse would read `--remot` as
     `--remote`, so a page could keep a renamed flag's old name when it is a prefix of the new)."""
