@@ -21,7 +21,7 @@ from buildtrain.kinds import KINDS
 from buildtrain.plan import sources_digest
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
-from buildtrain.plan.sources_digest import computing_modules, module_path
+from buildtrain.plan.sources_digest import module_path
 from buildtrain.store.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +37,11 @@ PRESENTATION = (
     "buildtrain.verify.fsck",
     "buildtrain.config.reference",
 )
+
+
+def computing_modules(kind: str, root: Path) -> list[str]:
+    """The modules that compute steps of `kind`, read from the package at `root`."""
+    return sources_digest.computing_modules(KINDS[kind].computes, root)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +213,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
 
 def digests(root: Path) -> dict[str, str]:
     sources_digest.clear_cache()
-    return {kind: sources_digest.source_digest(kind, root) for kind in KINDS}
+    return {kind: sources_digest.source_digest(KINDS[kind].computes, root) for kind in KINDS}
 
 
 def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(package: Path) -> None:
@@ -293,7 +298,7 @@ def cold_digests(root: Path) -> dict[str, str]:
     sources_digest.clear_cache()
     sources_digest._CACHE.append(sources_digest.ImportCache(None))
     try:
-        return {kind: sources_digest.source_digest(kind, root) for kind in KINDS}
+        return {kind: sources_digest.source_digest(KINDS[kind].computes, root) for kind in KINDS}
     finally:
         sources_digest.clear_cache()
 

@@ -8,7 +8,8 @@ followed); a module with a C source of the same name beside it (the kernels it b
 `buildtrain/native.py`) brings that source in too. Presentation code (the CLI, progress, reports,
 help texts, verification, the kinds' descriptions), the store and its locks are never reached from
 them, so improving a message keeps every cached step, while a change to anything a step computes
-with changes that kind's hash and no other.
+with changes that kind's hash and no other. A kind passes its computing module in (`StepKind.computes`):
+this module sits below the kinds and never asks them.
 
 Each module enters as its normal form (`normal_form.py`): its syntax tree without comments,
 docstrings and help texts, so rewording those keeps every hash too; a C source without comments
@@ -238,16 +239,10 @@ def closure(root: Path, starts: tuple[str, ...]) -> list[str]:
     return sorted(seen)
 
 
-def computing_root(kind: str) -> str:
-    """Where a kind's computation starts: the module its kind names (`kinds/`), which the
-    executor's worker runs."""
-    from buildtrain.kinds import kind_of  # the kinds' toolchains read this module
-
-    return kind_of(kind).computes
-
-
-def computing_modules(kind: str, root: Path | None = None) -> list[str]:
-    return closure(root or PACKAGE_ROOT, (computing_root(kind), *SHARED_ROOTS))
+def computing_modules(computes: str, root: Path | None = None) -> list[str]:
+    """The modules that compute a step whose kind names `computes` (`StepKind.computes`, the
+    module the executor's worker runs) as where its computation starts."""
+    return closure(root or PACKAGE_ROOT, (computes, *SHARED_ROOTS))
 
 
 @functools.cache
@@ -256,9 +251,9 @@ def _c_form(path: Path) -> bytes:
 
 
 @functools.cache
-def _digest(kind: str, root: Path) -> str:
+def _digest(computes: str, root: Path) -> str:
     hasher = blake3.blake3(PYTHON.encode() + b"\n")  # the trees' encoding is this version's
-    for module in computing_modules(kind, root):
+    for module in computing_modules(computes, root):
         path = module_path(root, module)
         assert path is not None  # closure() keeps only modules with a source file
         name, code = module.encode(), _parsed(path).code.encode()
@@ -272,9 +267,10 @@ def _digest(kind: str, root: Path) -> str:
     return hasher.hexdigest()
 
 
-def source_digest(kind: str, root: Path | None = None) -> str:
-    """blake3 over the name and normal form of every module that computes steps of `kind`."""
-    return _digest(kind, root or PACKAGE_ROOT)
+def source_digest(computes: str, root: Path | None = None) -> str:
+    """blake3 over the name and normal form of every module that computes a step whose kind's
+    computation starts at the module `computes`."""
+    return _digest(computes, root or PACKAGE_ROOT)
 
 
 def clear_cache() -> None:
