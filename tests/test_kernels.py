@@ -21,6 +21,7 @@ from test_model import rms_norm_by_definition, seeded
 from buildtrain import native
 from buildtrain.config.schema import ModelConfig, NumericsConfig
 from buildtrain.errors import StepFailed
+from buildtrain.kinds import KINDS
 from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.toolchain import Machine, fingerprint
@@ -293,7 +294,7 @@ def test_the_fingerprint_records_which_kernels_a_cpu_step_computes_with() -> Non
             kernels=machine_kernels,
         )
         numerics = NumericsConfig(kernels=kernels_setting, device=device)
-        return fingerprint("train", numerics, torch=True, machine=machine)
+        return fingerprint(KINDS["train"].computes, numerics, torch=True, machine=machine)
 
     assert facts("auto", "fused")["kernels"] == "fused"
     assert facts("auto", "eager")["kernels"] == "eager"  # no compiler there: torch's operations

@@ -234,3 +234,95 @@ def test_the_facts_about_files_import_nothing_heavy() -> None:
             if isinstance(node, ast.ImportFrom) and node.level == 0
         }
         assert imported <= {"__future__", "re", "collections", "pathlib"}, imported
+
+
+# -- no circles -----------------------------------------------------------------------------------
+
+
+def arrows(path: Path, known: dict[str, Path]) -> set[str]:
+    """The buildtrain modules `path` imports, every import counted (module level, in a function,
+    for types only). `from a.b import c` is an arrow to the module `a.b.c` when there is one, else
+    to `a.b`; the packages a module sits in run first on import, but are not what it uses."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            found |= {owner(alias.name, known) for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = known_module(f"{node.module}.{alias.name}", known)
+                found.add(submodule.removesuffix(".__init__") if submodule else owner(node.module, known))
+    return {name for name in found if name.startswith("buildtrain")}
+
+
+def circles(known: dict[str, Path]) -> list[list[str]]:
+    """Every import circle, as the modules on it (the strongly connected components of more than
+    one module; Tarjan's algorithm)."""
+    graph = {m.removesuffix(".__init__"): arrows(p, known) for m, p in known.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module] & graph.keys()):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_the_import_graph_has_no_circles() -> None:
+    found = circles(modules())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_circle_rule_catches_a_function_level_circle(tmp_path: Path) -> None:
+    """Two probes that import each other, one of them only inside a function, are a circle; a
+    probe that imports a package's module through the package is not one with the package."""
+    one, other = tmp_path / "one.py", tmp_path / "other.py"
+    one.write_text("from buildtrain.store.probe_other import x\n")
+    other.write_text("def f():\n    import buildtrain.store.probe_one\n")
+    known = {**modules(), "buildtrain.store.probe_one": one, "buildtrain.store.probe_other": other}
+    assert circles(known) == [["buildtrain.store.probe_one", "buildtrain.store.probe_other"]]
+    through = tmp_path / "through.py"
+    through.write_text("from buildtrain.cli import commands\n")
+    assert circles({**modules(), "buildtrain.cli.probe": through}) == []
+
+
+# The plan model sits below the kinds, and the planner above them: kinds build steps of the
+# model's `Step` and read the toolchain; the planner asks the kinds.
+PLAN_MODEL = (
+    "buildtrain.plan.plan",
+    "buildtrain.plan.toolchain",
+    "buildtrain.plan.sources_digest",
+    "buildtrain.plan.normal_form",
+)
+
+
+def test_the_kinds_sit_between_the_plan_model_and_the_planner() -> None:
+    known = modules()
+    wrong = []
+    for module, path in known.items():
+        plan_side = [t for t in arrows(path, known) if t.startswith(("buildtrain.plan.", "buildtrain.kinds"))]
+        if module in PLAN_MODEL:
+            wrong += [f"{module} imports {t}" for t in plan_side if t not in PLAN_MODEL]
+        elif module.startswith("buildtrain.kinds"):
+            wrong += [
+                f"{module} imports {t}"
+                for t in plan_side
+                if t.startswith("buildtrain.plan.") and t not in PLAN_MODEL
+            ]
+    assert not wrong, "arrows up from the plan model or the kinds:\n" + "\n".join(wrong)

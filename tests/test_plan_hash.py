@@ -42,6 +42,7 @@ from buildtrain.config.convert import converter
 from buildtrain.config.preflight import cuda_available
 from buildtrain.config.schema import SECTIONS, Config, NumericsConfig, SyntheticConfig
 from buildtrain.errors import ConfigError
+from buildtrain.kinds import KINDS
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import Planned, plan_preset
 from buildtrain.plan.stored import load_plan
@@ -331,7 +332,7 @@ def test_the_portable_hash_names_neither_the_cpu_vendor_nor_the_model() -> None:
     portable, native = NumericsConfig(), NumericsConfig(profile="native", threads=1)
 
     def facts(numerics: NumericsConfig, on: Machine) -> dict[str, Any]:
-        return fingerprint("train", numerics, torch=True, machine=on)
+        return fingerprint(KINDS["train"].computes, numerics, torch=True, machine=on)
 
     assert facts(portable, xeon) == facts(portable, other_xeon) == facts(portable, epyc)
     assert facts(native, xeon) != facts(native, other_xeon)
@@ -400,11 +401,11 @@ def test_plans_round_trip_through_the_store(spec: PresetSpec) -> None:
         write_preset(root / "p.toml", spec, random.Random(0))
         store = Store(root / ".bt")
         planned = plan_preset(root / "p.toml", [], store).plan
-        assert Plan.from_body(planned.to_body()) == planned
+        assert Plan.from_body(planned.to_body(), kinds=KINDS) == planned
         loaded = load_plan(store, planned.hash[:8])
         assert loaded == planned
         assert loaded.hash == planned.hash
-        assert Plan.from_body(json.loads(json.dumps(planned.to_body()))) == planned
+        assert Plan.from_body(json.loads(json.dumps(planned.to_body())), kinds=KINDS) == planned
 
 
 def test_a_tampered_plan_body_is_refused(tmp_path: Path) -> None:
@@ -412,11 +413,19 @@ def test_a_tampered_plan_body_is_refused(tmp_path: Path) -> None:
     body = json.loads(json.dumps(planned.to_body()))
     body["steps"][1]["config"]["train"]["lr"] = 1.0
     with pytest.raises(ValueError, match="recorded hash does not match"):
-        Plan.from_body(body)
+        Plan.from_body(body, kinds=KINDS)
     body = json.loads(json.dumps(planned.to_body()))
     body["steps"] = list(reversed(body["steps"]))
     with pytest.raises(ValueError, match="does not precede it"):
-        Plan.from_body(body)
+        Plan.from_body(body, kinds=KINDS)
+
+
+def test_a_plan_naming_a_kind_outside_the_registry_is_refused(tmp_path: Path) -> None:
+    """The plan model does not know the kinds (they sit above it): its reader is given them."""
+    body = json.loads(json.dumps(plan(write(tmp_path / "p.toml", "")).plan.to_body()))
+    Plan.from_body(body, kinds=KINDS)
+    with pytest.raises(ValueError, match="unknown step kind 'train'"):
+        Plan.from_body(body, kinds=set(KINDS) - {"train"})
 
 
 # -- the stat cache -------------------------------------------------------------------------------

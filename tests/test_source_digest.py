@@ -1,7 +1,7 @@
 """The toolchain digest covers exactly the code that computes a step: both ways.
 
-Each test copies the package, edits one module of the copy (a comment is enough: the digest is
-over bytes), and compiles the two-stage micro preset with a trained BPE (so the plan holds every
+Each test copies the package, edits one module of the copy (a line of code: comments, docstrings
+and help texts leave the digest, `plan/normal_form.py`), and compiles the two-stage micro preset with a trained BPE (so the plan holds every
 step kind) against the copy. A module a step kind computes with changes exactly the hashes of
 that kind's steps and of the steps downstream of them; a module no step computes with changes no
 hash at all.
@@ -10,6 +10,7 @@ hash at all.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from buildtrain.kinds import KINDS
 from buildtrain.plan import sources_digest
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
-from buildtrain.plan.sources_digest import computing_modules, module_path
+from buildtrain.plan.sources_digest import module_path
 from buildtrain.store.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +37,11 @@ PRESENTATION = (
     "buildtrain.verify.fsck",
     "buildtrain.config.reference",
 )
+
+
+def computing_modules(kind: str, root: Path) -> list[str]:
+    """The modules that compute steps of `kind`, read from the package at `root`."""
+    return sources_digest.computing_modules(KINDS[kind].computes, root)
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +105,15 @@ def downstream(plan: Plan, labels: set[str]) -> set[str]:
     return found
 
 
+EDIT = b"\n_AN_EDIT = 1\n"  # a statement: code the digest must see
+
+
 def edited(root: Path, module: str) -> Path:
-    """Append a comment to `module` in the copy at `root`; returns the file, to restore it."""
+    """Append a statement to `module` in the copy at `root`; returns the file, to restore it."""
     path = module_path(root, module)
     assert path is not None, module
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write("\n# an edit\n")
+    with path.open("ab") as handle:
+        handle.write(EDIT)
     return path
 
 
@@ -120,7 +129,7 @@ def changed_labels(
     root: Path, store: Store, module: str, before: dict[str, str], overrides: list[str] = WITH_BPE
 ) -> set[str]:
     path = edited(root, module)
-    original = path.read_bytes()[: -len(b"\n# an edit\n")]
+    original = path.read_bytes()[: -len(EDIT)]
     try:
         after = {step.label: step.hash for step in compiled(root, store, overrides).steps}
     finally:
@@ -204,7 +213,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
 
 def digests(root: Path) -> dict[str, str]:
     sources_digest.clear_cache()
-    return {kind: sources_digest.source_digest(kind, root) for kind in KINDS}
+    return {kind: sources_digest.source_digest(KINDS[kind].computes, root) for kind in KINDS}
 
 
 def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(package: Path) -> None:
@@ -228,7 +237,7 @@ def test_per_kind_an_edit_changes_exactly_the_kinds_whose_closure_holds_it(
     before = digests(package)
     for module in all_modules(package):
         path = edited(package, module)
-        original = path.read_bytes()[: -len(b"\n# an edit\n")]
+        original = path.read_bytes()[: -len(EDIT)]
         try:
             after = digests(package)
         finally:
@@ -289,7 +298,7 @@ def cold_digests(root: Path) -> dict[str, str]:
     sources_digest.clear_cache()
     sources_digest._CACHE.append(sources_digest.ImportCache(None))
     try:
-        return {kind: sources_digest.source_digest(kind, root) for kind in KINDS}
+        return {kind: sources_digest.source_digest(KINDS[kind].computes, root) for kind in KINDS}
     finally:
         sources_digest.clear_cache()
 
@@ -338,7 +347,8 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
     (cache,) = private_cache.rglob("code-imports-*.json")
     raw = cache.read_bytes()
     body = json.loads(raw.partition(b"\n")[2])
-    wrong = {key: ["buildtrain.views.text"] for key in body["imports"]}  # every module imports the CLI side
+    # Every module imports the CLI side.
+    wrong = {key: {"imports": ["buildtrain.views.text"], "code": "0" * 64} for key in body["modules"]}
     if damage == "flip":  # a wrong entry in a file whose digest no longer matches
         cache.write_bytes(raw[:70] + raw[70:].replace(b"buildtrain.steps", b"buildtrain.views", 1))
     elif damage == "truncate":
@@ -346,10 +356,10 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
     elif damage == "garbage":
         cache.write_bytes(b"\x00\xff" * 100)
     elif damage == "foreign":  # another parser's entries, sealed correctly: not read
-        cache.write_bytes(framed(json.dumps({"parser": "another", "imports": wrong}).encode()))
+        cache.write_bytes(framed(json.dumps({"parser": "another", "modules": wrong}).encode()))
     else:  # entries of the wrong shape under this parser
-        entries = {key: "buildtrain.views.text" for key in body["imports"]}
-        cache.write_bytes(framed(json.dumps({"parser": body["parser"], "imports": entries}).encode()))
+        entries = {key: {"imports": "buildtrain.views.text", "code": "0" * 64} for key in body["modules"]}
+        cache.write_bytes(framed(json.dumps({"parser": body["parser"], "modules": entries}).encode()))
     assert digests(package) == cold, damage
     assert sources_digest.import_cache().parsed > 0  # parsed again instead
 
@@ -368,7 +378,7 @@ def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(
     before = {step.label: step.hash for step in plan.steps}
     source = package / c_source
     original = source.read_bytes()
-    source.write_bytes(original + b"\n/* an edit */\n")
+    source.write_bytes(original + b"\nstatic const int an_edit = 1;\n")
     try:
         after = step_hashes(package, store)
     finally:
@@ -376,3 +386,80 @@ def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(
     changed = {label for label in before if before[label] != after[label]}
     computing = {step.label for step in plan.steps if step.kind in kinds}
     assert computing and changed == downstream(plan, computing)
+
+
+# -- what cannot change a result leaves the digest ------------------------------------------------
+
+TINY = REPO / "presets" / "tiny.toml"
+# (module file, text, replacement): each is an edit that cannot change a number.
+WORDING = [
+    ("executor/numerics.py", "# cuBLAS needs a fixed", "# cuBLAS wants, for deterministic sums, a fixed"),
+    ("config/schema.py", '"width of the residual stream"', '"the width of the residual stream"'),
+    (
+        "executor/numerics.py",
+        '"""The numerics profile, in three parts',
+        '"""The numerics profile, in 3 parts',
+    ),
+]
+
+
+def tiny_plan_hash(root: Path, store: Store) -> str:
+    previous = sources_digest.PACKAGE_ROOT
+    sources_digest.PACKAGE_ROOT = root
+    sources_digest.clear_cache()
+    try:
+        return plan_preset(TINY, [], store).plan.hash
+    finally:
+        sources_digest.PACKAGE_ROOT = previous
+
+
+def rewritten(root: Path, file: str, text: str, replacement: str) -> bytes:
+    """Replace the one `text` in `root/file`; returns the original bytes, to restore them."""
+    path = root / file
+    original = path.read_bytes()
+    assert original.count(text.encode()) == 1, (file, text)
+    path.write_bytes(original.replace(text.encode(), replacement.encode()))
+    return original
+
+
+@pytest.mark.parametrize(("file", "text", "replacement"), WORDING, ids=["comment", "help", "docstring"])
+def test_a_comment_a_help_text_or_a_docstring_edit_keeps_the_plan_hash(
+    package: Path, tmp_path: Path, private_cache: Path, file: str, text: str, replacement: str
+) -> None:
+    store = Store(tmp_path / "store")
+    before = tiny_plan_hash(package, store)
+    original = rewritten(package, file, text, replacement)
+    try:
+        assert tiny_plan_hash(package, store) == before
+    finally:
+        (package / file).write_bytes(original)
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "replacement"),
+    [
+        ("executor/numerics.py", '":4096:8"', '":4096:16"'),  # a constant in a string
+        ("steps/train/kernels.c", "1.0f / 120", "1.0f / 121"),  # a constant in a C kernel
+    ],
+)
+def test_a_constant_edit_moves_the_plan_hash(
+    package: Path, tmp_path: Path, private_cache: Path, file: str, text: str, replacement: str
+) -> None:
+    store = Store(tmp_path / "store")
+    before = tiny_plan_hash(package, store)
+    original = rewritten(package, file, text, replacement)
+    try:
+        assert tiny_plan_hash(package, store) != before
+    finally:
+        (package / file).write_bytes(original)
+
+
+def test_no_computing_module_reads_what_the_normal_form_drops(package: Path) -> None:
+    """Docstrings live on as `__doc__`, a setting's help as its `DOC` metadata: were a computing
+    module to read either, a dropped text could change a result."""
+    computing = {m for kind in KINDS for m in computing_modules(kind, package)}
+    for module in sorted(computing):
+        source = module_path(package, module).read_text(encoding="utf-8")
+        assert "__doc__" not in source and "getdoc" not in source, module
+        if module != "buildtrain.config.checks":  # where DOC is defined and written
+            assert not re.search(r"\bDOC\b", source), module

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from buildtrain.cli.commands import err
+from buildtrain.cli.common import err
 from buildtrain.cli.parser import build_parser
 from buildtrain.errors import BuildtrainError, ConfigError, ExitCode, accept_stop_signals
 

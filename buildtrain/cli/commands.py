@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buildtrain.cli.common import err, store_of
 from buildtrain.errors import ExitCode, Interrupted, UsageError
 from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
 from buildtrain.plan.stored import load_plan
@@ -23,14 +23,6 @@ if TYPE_CHECKING:
     from buildtrain.executor.run import RunOptions
     from buildtrain.plan.plan import Plan
     from buildtrain.plan.toolchain import Machine, WorkerProbe
-
-
-def store_of(args: argparse.Namespace) -> Store:
-    return Store.at(args.store)
-
-
-def err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def experiments(args: argparse.Namespace) -> Path:

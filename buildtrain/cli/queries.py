@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from buildtrain.cli.commands import err, experiments, plan_named, store_of
+from buildtrain.cli.commands import experiments, plan_named
+from buildtrain.cli.common import err, store_of
 from buildtrain.errors import ExitCode, UsageError
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from buildtrain.cli.commands import err, store_of
+from buildtrain.cli.common import err, store_of
 from buildtrain.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:

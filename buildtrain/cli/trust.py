@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from buildtrain.cli.commands import err
+from buildtrain.cli.common import err
 from buildtrain.errors import ExitCode, UsageError
 
 

@@ -101,7 +101,7 @@ def _compute(store: Store, plan: Plan, step: Step, inputs: dict[str, Any], weigh
     before torch is imported, on one thread, and checked after, as a step process does)."""
     from buildtrain.config.steps import EvalStep
     from buildtrain.executor import numerics
-    from buildtrain.executor.spawn import source_paths
+    from buildtrain.executor.step_sources import source_paths
     from buildtrain.steps.sources import planned_sources
 
     settings = plan.numerics

@@ -31,7 +31,7 @@ from buildtrain.executor.faults import test_hooks_from_environment
 from buildtrain.executor.job import PLAIN_RUN, Job, JobNumerics, JobOptions
 from buildtrain.executor.launch import SINGLE_PROCESS, Launch
 from buildtrain.executor.policy import step_launch
-from buildtrain.executor.spawn import source_paths
+from buildtrain.executor.step_sources import source_paths
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import Machine

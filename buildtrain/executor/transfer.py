@@ -11,6 +11,7 @@ import attrs
 
 from buildtrain.errors import ExitCode, RemoteDamaged, UsageError
 from buildtrain.executor.remote import RemoteCache
+from buildtrain.kinds import KINDS
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
 from buildtrain.store.remote.remote import Remote
@@ -58,7 +59,7 @@ def remote_plan(store: Store, url: RemoteUrl, plan_hash: str) -> None:
 
     def belongs(raw: bytes) -> str | None:
         try:
-            plan = Plan.from_body(json.loads(raw))
+            plan = Plan.from_body(json.loads(raw), kinds=KINDS)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return f"not a plan: {exc}"
         return None if plan.hash == plan_hash else f"it is plan {plan.hash[:12]}"
@@ -66,7 +67,7 @@ def remote_plan(store: Store, url: RemoteUrl, plan_hash: str) -> None:
     raw = RemoteCache(url, lambda *_: None).remote.pull_plan(plan_hash, belongs)
     if raw is None:
         raise UsageError(f"plan {plan_hash[:12]} is neither in {store.root} nor on {url}")
-    save_plan(store, Plan.from_body(json.loads(raw)), pulled_from=str(url))
+    save_plan(store, Plan.from_body(json.loads(raw), kinds=KINDS), pulled_from=str(url))
 
 
 def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations: int = 0) -> Transfer:

@@ -79,7 +79,7 @@ class StepKind:
         the one that will execute the step, default this one)."""
         machine = machine or Machine.here(cuda=numerics.device == "cuda")
         facts = fingerprint(
-            self.name,
+            self.computes,
             numerics,
             torch=self.torch_toolchain,
             threads=threads,

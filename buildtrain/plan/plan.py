@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import attrs
@@ -23,19 +23,12 @@ from buildtrain.config.schema import NumericsConfig
 PLAN_FORMAT = 1
 
 
-def _known_kind(_: object, __: object, kind: str) -> None:
-    from buildtrain.kinds import KINDS  # the kinds build steps: they import this module
-
-    if kind not in KINDS:
-        raise ValueError(f"unknown step kind {kind!r}")
-
-
 @attrs.frozen(kw_only=True)
 class Step:
     """One unit of work with declared inputs; `hash` names its output in the store."""
 
     label: str
-    kind: str = attrs.field(validator=_known_kind)
+    kind: str  # a name in the kinds' registry: checked where a stored plan is read (`from_body`)
     config: Mapping[str, Any]
     inputs: Mapping[str, Any]
     toolchain: Mapping[str, Any]
@@ -71,7 +64,9 @@ class Step:
         }
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Step:
+    def from_body(cls, body: Mapping[str, Any], kinds: Container[str]) -> Step:
+        if body["kind"] not in kinds:
+            raise ValueError(f"unknown step kind {body['kind']!r}")
         step = cls.create(body["label"], body["kind"], body["config"], body["inputs"], body["toolchain"])
         if step.hash != body["hash"]:
             raise ValueError(f"step {body['label']}: recorded hash does not match its content")
@@ -122,11 +117,13 @@ class Plan:
         return json.dumps({"hash": self.hash, **self._shared_body()}, indent=2).encode()
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Plan:
-        """Rebuild a stored plan, checking every step hash and the DAG's references."""
+    def from_body(cls, body: Mapping[str, Any], *, kinds: Container[str]) -> Plan:
+        """Rebuild a stored plan, checking every step hash, that each step's kind is in `kinds`
+        (the caller passes the registry, `buildtrain.kinds.KINDS`, which sits above this module)
+        and the DAG's references."""
         if body.get("format") != PLAN_FORMAT:
             raise ValueError(f"unknown plan format {body.get('format')!r}")
-        steps = tuple(Step.from_body(step) for step in body["steps"])
+        steps = tuple(Step.from_body(step, kinds) for step in body["steps"])
         plan = cls.create(body["name"], body["config"], steps, tuple(body["targets"]))
         # Names become paths (export folders, temporary folders): an edited plan must not choose them.
         problem = name_problem(plan.name) if isinstance(plan.name, str) else "the name is not a string"

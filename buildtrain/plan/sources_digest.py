@@ -8,12 +8,17 @@ followed); a module with a C source of the same name beside it (the kernels it b
 `buildtrain/native.py`) brings that source in too. Presentation code (the CLI, progress, reports,
 help texts, verification, the kinds' descriptions), the store and its locks are never reached from
 them, so improving a message keeps every cached step, while a change to anything a step computes
-with changes that kind's hash and no other.
+with changes that kind's hash and no other. A kind passes its computing module in (`StepKind.computes`):
+this module sits below the kinds and never asks them.
 
-Reading each module's imports means parsing it, which cost about 210 ms of a 345 ms `bt plan`
-(154 parses of 51 modules). A module's imports are a function of its bytes, so they are cached on
-disk (`ImportCache`) under the blake3 of those bytes: an edited module has another key, whatever
-its size or mtime, and the digest itself is always computed from the bytes read now.
+Each module enters as its normal form (`normal_form.py`): its syntax tree without comments,
+docstrings and help texts, so rewording those keeps every hash too; a C source without comments
+and spare whitespace. The digest names the Python minor version the trees were written under.
+
+Reading each module's imports and normal form means parsing it, which cost about 210 ms of a
+345 ms `bt plan` (154 parses of 51 modules). Both are functions of the module's bytes, so they
+are cached on disk (`ImportCache`) under the blake3 of those bytes: an edited module has another
+key, whatever its size or mtime.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ import os
 import sys
 from pathlib import Path
 
+import attrs
 import blake3
 
+from buildtrain.plan.normal_form import PYTHON, c_form, python_form
 from buildtrain.store.objects import framed, unframed, write_bytes_durably
 
 PACKAGE = "buildtrain"
@@ -76,11 +83,26 @@ def _type_checking_only(node: ast.AST) -> bool:
     )
 
 
-def parse_imports(source: bytes, filename: str = "<module>") -> list[str]:
-    """Every buildtrain name that `source` imports where it can run, and the packages they sit in
+@attrs.frozen
+class Parsed:
+    """What a module's bytes say for a code digest: the buildtrain names it imports where they can
+    run (`parse_imports`) and the blake3 of its normal form (`normal_form.python_form`)."""
+
+    imports: tuple[str, ...]
+    code: str
+
+
+def parse_module(source: bytes, filename: str = "<module>") -> Parsed:
+    tree = ast.parse(source, filename=filename)
+    imports = tuple(parse_imports(tree))  # before the normal form, which edits the tree
+    return Parsed(imports, blake3.blake3(python_form(tree)).hexdigest())
+
+
+def parse_imports(tree: ast.Module) -> list[str]:
+    """Every buildtrain name that `tree` imports where it can run, and the packages they sit in
     (a package's `__init__` runs on import); sorted. Not yet filtered to existing modules."""
     found: set[str] = set()
-    pending: list[ast.AST] = [ast.parse(source, filename=filename)]
+    pending: list[ast.AST] = [tree]
     while pending:
         node = pending.pop()
         if _type_checking_only(node):
@@ -106,32 +128,33 @@ def cache_location() -> Path:
 
 @functools.cache
 def parser_identity() -> str:
-    """What else decides a parse: the Python grammar and this module's own extraction rules. An
-    entry written under another identity is never read."""
-    own = Path(__file__).read_bytes()
+    """What else decides a parse: the Python grammar and `ast.dump`, and the extraction and
+    normal-form rules (this module and `normal_form.py`). An entry written under another identity
+    is never read."""
+    own = Path(__file__).read_bytes() + Path(__file__).with_name("normal_form.py").read_bytes()
     return blake3.blake3(f"{sys.version_info[0]}.{sys.version_info[1]}\n".encode() + own).hexdigest()
 
 
 class ImportCache:
-    """Each module's imports (`parse_imports`) under the blake3 of its bytes, kept in one file
-    whose body is checked against its own digest. A damaged or foreign file, or an entry of the
-    wrong shape, is ignored (and rewritten): it can cost a parse, never change a digest."""
+    """Each module's `Parsed` under the blake3 of its bytes, kept in one file whose body is
+    checked against its own digest. A damaged or foreign file, or an entry of the wrong shape,
+    is ignored (and rewritten): it can cost a parse, never change a digest."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.entries: dict[str, list[str]] = {}
+        self.entries: dict[str, Parsed] = {}
         self.used: set[str] = set()
         self.dirty = False
         self.parsed = 0  # parses this process needed (the cache's misses)
         if path is not None:
             self.entries = _read_entries(path)
 
-    def imports(self, source: bytes, content: str, filename: str) -> list[str]:
-        """The imports of `source`, whose blake3 is `content`."""
+    def parse(self, source: bytes, content: str, filename: str) -> Parsed:
+        """What `source`, whose blake3 is `content`, says for a code digest."""
         self.used.add(content)
         found = self.entries.get(content)
         if found is None:
-            found = parse_imports(source, filename)
+            found = parse_module(source, filename)
             self.parsed += 1
             self.entries[content] = found
             self.dirty = True
@@ -141,10 +164,9 @@ class ImportCache:
         """Best effort: a cache that cannot be written (a read-only home) only costs time."""
         if not self.dirty or self.path is None:
             return
-        entries = self.entries
-        if len(entries) > CACHE_ENTRIES:
-            entries = {key: entries[key] for key in self.used}
-        body = json.dumps({"parser": parser_identity(), "imports": entries}, sort_keys=True).encode()
+        keep = self.entries if len(self.entries) <= CACHE_ENTRIES else {k: self.entries[k] for k in self.used}
+        modules = {key: {"imports": list(p.imports), "code": p.code} for key, p in keep.items()}
+        body = json.dumps({"parser": parser_identity(), "modules": modules}, sort_keys=True).encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_durably(self.path, framed(body), durable=False)
@@ -153,7 +175,7 @@ class ImportCache:
         self.dirty = False
 
 
-def _read_entries(path: Path) -> dict[str, list[str]]:
+def _read_entries(path: Path) -> dict[str, Parsed]:
     try:
         body = unframed(path.read_bytes())
         loaded = json.loads(body) if body is not None else None
@@ -161,15 +183,22 @@ def _read_entries(path: Path) -> dict[str, list[str]]:
         return {}
     if not isinstance(loaded, dict) or loaded.get("parser") != parser_identity():
         return {}
-    entries = loaded.get("imports")
+    entries = loaded.get("modules")
     if not isinstance(entries, dict):
         return {}
-    return {
-        key: names
-        for key, names in entries.items()
-        if isinstance(names, list)
-        and all(isinstance(n, str) and (n == PACKAGE or n.startswith(PACKAGE + ".")) for n in names)
-    }
+    return {key: parsed for key, entry in entries.items() if (parsed := _entry(entry)) is not None}
+
+
+def _entry(entry: object) -> Parsed | None:
+    """A cached entry, if it has the shape `save` writes."""
+    if not isinstance(entry, dict) or set(entry) != {"imports", "code"}:
+        return None
+    names, code = entry["imports"], entry["code"]
+    if not isinstance(names, list) or not isinstance(code, str) or len(code) != 64:
+        return None
+    if not all(isinstance(n, str) and (n == PACKAGE or n.startswith(PACKAGE + ".")) for n in names):
+        return None
+    return Parsed(tuple(names), code)
 
 
 _CACHE: list[ImportCache] = []  # this process's cache, loaded on first use
@@ -182,10 +211,10 @@ def import_cache() -> ImportCache:
 
 
 @functools.cache
-def _source(path: Path) -> tuple[bytes, str]:
-    """A module's bytes and their blake3, read once per process (per `clear_cache`)."""
+def _parsed(path: Path) -> Parsed:
+    """A module's `Parsed`, its bytes read once per process (per `clear_cache`)."""
     raw = path.read_bytes()
-    return raw, blake3.blake3(raw).hexdigest()
+    return import_cache().parse(raw, blake3.blake3(raw).hexdigest(), str(path))
 
 
 def imported_modules(root: Path, module: str) -> set[str]:
@@ -194,9 +223,7 @@ def imported_modules(root: Path, module: str) -> set[str]:
     path = module_path(root, module)
     if path is None:
         return set()
-    raw, content = _source(path)
-    names = import_cache().imports(raw, content, str(path))
-    return {name for name in names if module_path(root, name) is not None}
+    return {name for name in _parsed(path).imports if module_path(root, name) is not None}
 
 
 def closure(root: Path, starts: tuple[str, ...]) -> list[str]:
@@ -212,44 +239,45 @@ def closure(root: Path, starts: tuple[str, ...]) -> list[str]:
     return sorted(seen)
 
 
-def computing_root(kind: str) -> str:
-    """Where a kind's computation starts: the module its kind names (`kinds/`), which the
-    executor's worker runs."""
-    from buildtrain.kinds import kind_of  # the kinds' toolchains read this module
-
-    return kind_of(kind).computes
-
-
-def computing_modules(kind: str, root: Path | None = None) -> list[str]:
-    return closure(root or PACKAGE_ROOT, (computing_root(kind), *SHARED_ROOTS))
+def computing_modules(computes: str, root: Path | None = None) -> list[str]:
+    """The modules that compute a step whose kind names `computes` (`StepKind.computes`, the
+    module the executor's worker runs) as where its computation starts."""
+    return closure(root or PACKAGE_ROOT, (computes, *SHARED_ROOTS))
 
 
 @functools.cache
-def _digest(kind: str, root: Path) -> str:
-    hasher = blake3.blake3()
-    for module in computing_modules(kind, root):
+def _c_form(path: Path) -> bytes:
+    return c_form(path.read_bytes())
+
+
+@functools.cache
+def _digest(computes: str, root: Path) -> str:
+    hasher = blake3.blake3(PYTHON.encode() + b"\n")  # the trees' encoding is this version's
+    for module in computing_modules(computes, root):
         path = module_path(root, module)
         assert path is not None  # closure() keeps only modules with a source file
-        name, (content, _) = module.encode(), _source(path)
+        name, code = module.encode(), _parsed(path).code.encode()
         hasher.update(len(name).to_bytes(8, "little") + name)
-        hasher.update(len(content).to_bytes(8, "little") + content)
+        hasher.update(len(code).to_bytes(8, "little") + code)
         native_source = path.with_suffix(".c")
         if native_source.is_file():  # C kernels the module builds and calls (buildtrain/native.py)
-            code = _source(native_source)[0]
-            hasher.update(b"c" + len(code).to_bytes(8, "little") + code)
+            form = _c_form(native_source)
+            hasher.update(b"c" + len(form).to_bytes(8, "little") + form)
     import_cache().save()
     return hasher.hexdigest()
 
 
-def source_digest(kind: str, root: Path | None = None) -> str:
-    """blake3 over the name and bytes of every module that computes steps of `kind`."""
-    return _digest(kind, root or PACKAGE_ROOT)
+def source_digest(computes: str, root: Path | None = None) -> str:
+    """blake3 over the name and normal form of every module that computes a step whose kind's
+    computation starts at the module `computes`."""
+    return _digest(computes, root or PACKAGE_ROOT)
 
 
 def clear_cache() -> None:
     """Forget computed digests and the bytes read (files do not change under a running bt; they
     do in tests). The on-disk import cache stays: it is keyed by content."""
     _digest.cache_clear()
-    _source.cache_clear()
+    _parsed.cache_clear()
+    _c_form.cache_clear()
     _package_modules.cache_clear()
     _CACHE.clear()

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from buildtrain.errors import BuildtrainError, CorruptObject
+from buildtrain.kinds import KINDS
 from buildtrain.plan.plan import Plan
 from buildtrain.store.store import Store
 
@@ -23,7 +24,7 @@ def load_plan(store: Store, ref: str) -> Plan:
     """The stored plan that `ref` (a hash or unique prefix) names, checked against its name."""
     plan_hash, raw = store.plan_bytes(ref)
     try:
-        plan = Plan.from_body(json.loads(raw))
+        plan = Plan.from_body(json.loads(raw), kinds=KINDS)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptObject(
             f"plan {plan_hash[:12]} in {store.root} is damaged ({exc}); run bt fsck, "

@@ -176,7 +176,7 @@ def resolved_threads(numerics: NumericsConfig, machine: Machine | None = None) -
 
 
 def fingerprint(
-    kind: str,
+    computes: str,
     numerics: NumericsConfig,
     *,
     torch: bool,
@@ -185,15 +185,16 @@ def fingerprint(
     extra: Mapping[str, Any] | None = None,
     machine: Machine | None = None,
 ) -> dict[str, Any]:
-    """The toolchain part of a step's hash, for a step of `kind` under `numerics`; a kind that
-    computes without `torch` depends only on buildtrain's own code (its kind says which).
+    """The toolchain part of a step's hash, for a step whose kind computes in the module
+    `computes` (`StepKind.computes`) under `numerics`; a kind that computes without `torch`
+    depends only on buildtrain's own code (its kind says which).
 
     `threads` overrides the thread count a native plan pins (the executor checks a machine with
     the count the plan will run at). `world_size` is given where a step's result depends on it;
     `extra`: numerics settings the kind's bits depend on beyond the profile; `machine`: the one
     that will execute the step (default: this one).
     """
-    facts: dict[str, Any] = {"buildtrain": source_digest(kind)}
+    facts: dict[str, Any] = {"buildtrain": source_digest(computes)}
     if not torch:
         return facts
     machine = machine or Machine.here(cuda=numerics.device == "cuda")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from buildtrain.errors import BuildtrainError, ExitCode
-from buildtrain.store.remote.url import RemoteUrl, parse_url
+from buildtrain.store.remote.url import RemoteUrl
 
 CHUNK = 8 << 20  # streamed downloads arrive in pieces this large (8 MB: fewer Python round trips)
 
@@ -64,15 +64,3 @@ class Backend(Protocol):
     def delete(self, key: str) -> None:
         """Remove the object; no error when there is none."""
         ...
-
-
-def open_backend(url: str | RemoteUrl) -> Backend:
-    """The back end for a remote URL. The S3 client is imported here, only for an s3:// remote."""
-    parsed = parse_url(url) if isinstance(url, str) else url
-    if parsed.scheme == "file":
-        from buildtrain.store.remote.folder import FolderBackend
-
-        return FolderBackend(parsed)
-    from buildtrain.store.remote.s3 import S3Backend
-
-    return S3Backend(parsed)

@@ -34,7 +34,8 @@ from buildtrain.errors import CorruptObject, RemoteDamaged
 from buildtrain.store import checkpoints, layout, objects, trace
 from buildtrain.store.layout import TRACE, trace_segments
 from buildtrain.store.remote import keys
-from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing, open_backend
+from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing
+from buildtrain.store.remote.connect import open_backend
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
 
