@@ -36,7 +36,7 @@ def name_problem(value: str) -> str | None:
 
 
 def setting(default: Any, doc: str, *validators: Validator, **marks: Any) -> Any:
-    """An attrs field that carries its one-line documentation for the preset reference (README)."""
+    """An attrs field that carries its one-line documentation for the preset reference (docs/reference.md)."""
     return attrs.field(default=default, validator=list(validators) or None, metadata={DOC: doc, **marks})
 
 

@@ -1,7 +1,7 @@
 """The preset reference, rendered from the config classes so that it cannot drift from them.
 
 Every key comes with its type, its default (as TOML), its allowed values and the one-line doc
-that `setting()` attached to the field. The README embeds the output of
+that `setting()` attached to the field. docs/reference.md embeds the output of
 
     python -m buildtrain.config.reference
 """

@@ -11,7 +11,7 @@ shard's gradient is the sum an unsharded run computes, bit for bit. AdamW is ele
 sharded update is the unsharded one. The clipping norm is summed row by row (FSDP2 cuts shards
 between rows of dim 0), so it does not depend on where the cuts fall either; it is not summed in
 the order of torch's `clip_grad_norm_`, which is why a clipped update can differ from the
-unsharded run's in its last bits (README, "Sharded training").
+unsharded run's in its last bits (docs/clusters.md, "Sharded training (FSDP2)").
 
 Checkpoints are torch.distributed.checkpoint's: every rank writes its shards as one safetensors
 file (no pickle on any path) with the offsets of its rows, and a load at another world size
