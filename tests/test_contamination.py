@@ -95,3 +95,11 @@ def test_planted_halves_are_found_novel_sentences_are_not_and_lm_eval_reports_it
     assert found["planted"] >= 38 and found["novel"] == 0 and found["harness"] >= 38, found
     assert row["suites"]["strict"]["refused"].endswith("(max_overlap 37)")
     assert row["suites"]["strict"].get("accuracy") is None
+    # The end of `bt run` says so where a person looks: each suite's score and overlap, or the refusal.
+    printed = built.stderr[built.stderr.index("suites of eval:") :].splitlines()[1:5]
+    shown = {line.split()[0]: line for line in printed}
+    assert set(shown) == {"planted", "novel", "strict", "harness"}, printed
+    assert f"overlap {found['planted']}/40 ({found['planted'] / 40:.1%}), 13-grams" in shown["planted"]
+    assert "accuracy " in shown["novel"] and "overlap 0/40 (0.0%)" in shown["novel"]
+    assert f"refused: {row['suites']['strict']['refused']}" in shown["strict"]
+    assert f"overlap {found['harness']}/40" in shown["harness"] and "acc_norm" in shown["harness"]

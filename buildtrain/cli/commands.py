@@ -121,13 +121,24 @@ def cmd_run(args: argparse.Namespace) -> int:
                 args.plan, store, args.set, args.sweep, launch.world_size, workers=workers
             )
         if len(targets) == 1:
-            return run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
+            code = run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
+            _say_suites(store, targets[0].plan)
+            return code
         from buildtrain.executor.batch import run_plans
         from buildtrain.views.sweep import batch_text
 
         summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets], engine=engine)
     err(batch_text(summary))
     return summary.code
+
+
+def _say_suites(store: Store, plan: Plan) -> None:
+    """The plan's suite scores and overlaps where a person looks: the end of `bt run`."""
+    from buildtrain.views.results import suites_text
+
+    text = suites_text(store, plan)
+    if text:
+        err(text)
 
 
 @contextlib.contextmanager
