@@ -7,7 +7,7 @@ heavy dependency): the split the file holds, the output type, the metric entries
 budget against the model's context, and each record through the task's templates (rendered in
 the same bounded sandbox the eval step renders them in, `config/templates.py`), with a
 multiple-choice record's choices and gold answer. Not mirrored: the harness's metric registry
-(a metric name it lacks fails at run time) and the Arrow types `datasets` infers for the file.
+(a metric name it lacks fails at run time).
 """
 
 from __future__ import annotations
