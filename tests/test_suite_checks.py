@@ -73,6 +73,9 @@ MCQ, GEN = ("arithmetic_mc.yaml", "arithmetic.jsonl"), ("sums_gen.yaml", "sums.j
     ("task", "edit", "drop", "expected"),
     [
         (MCQ, {}, ("test_split",), "t.yaml: test_split: missing"),
+        (MCQ, {"validation_split": "validation"}, (), "t.yaml: validation_split: 'validation' is no split of the suite's file, which holds 'test' only"),
+        (MCQ, {"fewshot_split": "train", "num_fewshot": 2}, (), "t.yaml: fewshot_split: 'train' is no split"),
+        (MCQ, {"num_fewshot": -1}, (), "t.yaml: num_fewshot: expected a whole number >= 0"),
         (MCQ, {"output_type": "loglikelihood_rolling"}, (), "t.yaml: output_type: loglikelihood_rolling (perplexity) is not supported"),
         (MCQ, {"output_type": "mc"}, (), "t.yaml: output_type: 'mc' is none of"),
         (MCQ, {}, ("doc_to_choice",), "t.yaml: doc_to_choice: a multiple_choice task names its choices"),
@@ -86,7 +89,7 @@ MCQ, GEN = ("arithmetic_mc.yaml", "arithmetic.jsonl"), ("sums_gen.yaml", "sums.j
         (GEN, {"generation_kwargs": {"until": 5, "max_gen_toks": 8}}, (), "t.yaml: generation_kwargs.until: expected a string"),
         (GEN, {"doc_to_target": "{{answer}}"}, (), "sums.jsonl:1: doc_to_target: UndefinedError: 'answer' is undefined"),
     ],
-    ids=["split", "rolling", "output-type", "no-choices", "missing-key", "syntax", "choices-not-list", "gold-range", "gold-not-a-choice", "metric-list", "max-gen-toks", "until", "gen-missing-key"],
+    ids=["split", "other-split", "fewshot-split", "shots", "rolling", "output-type", "no-choices", "missing-key", "syntax", "choices-not-list", "gold-range", "gold-not-a-choice", "metric-list", "max-gen-toks", "until", "gen-missing-key"],
 )  # fmt: skip
 def test_an_lm_eval_task_the_harness_could_not_run_stops_the_plan(bt, tmp_path, task, edit, drop, expected):
     result, problems = planned(bt, tmp_path, task_with(tmp_path, *task, edit, drop))
@@ -111,3 +114,40 @@ def test_the_shipped_tasks_pass_on_their_data(base, data):
     records = check_data((SUITES / data).read_bytes(), data)
     check_task_data(task, base, records, data, 64)
     assert json.loads((SUITES / data).read_text().splitlines()[0])  # the data is what was checked
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{}, {"validation_split": "validation"}, {"training_split": "train"}, {"fewshot_split": "train", "num_fewshot": 1}, {"output_type": "mc"}],
+    ids=["shipped", "validation", "training", "fewshot", "output-type"],
+)  # fmt: skip
+def test_the_plan_refuses_a_task_exactly_when_the_harness_cannot_build_it(tmp_path, monkeypatch, edit):
+    """The plan-time check against lm-eval itself (its TaskManager, on the suite's file)."""
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    from buildtrain.errors import StepFailed
+    from buildtrain.steps.harness import load_tasks, task_config
+
+    for name, value in {
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": tmp_path / "hf",
+    }.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    raw = yaml.safe_dump({**yaml.safe_load((SUITES / MCQ[0]).read_text()), **edit}).encode()
+    data = SUITES / MCQ[1]
+    try:
+        check_task_data(
+            check_task(raw, "t.yaml"), "t.yaml", check_data(data.read_bytes(), data), str(data), 64
+        )
+        refused = False
+    except StepFailed:
+        refused = True
+    try:
+        load_tasks(task_config(raw, "t.yaml", data), "t.yaml")
+        failed = False
+    except StepFailed:
+        failed = True
+    assert refused == failed == bool(edit)

@@ -20,6 +20,7 @@ from buildtrain.errors import StepFailed
 
 OUTPUT_TYPES = ("loglikelihood", "multiple_choice", "generate_until")  # the harness's, less rolling
 DEFAULT_OUTPUT_TYPE = "generate_until"  # the harness's TaskConfig default
+SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's (and `steps/harness.generate_until`'s) default budget
 
 
@@ -41,12 +42,27 @@ def check_task_data(
             _check_choice(config, rendered, doc, f"{data}:{line}")
 
 
-def _check_settings(config: dict[str, Any], where: str, context: int) -> None:
+def _check_splits(config: dict[str, Any], where: str) -> None:
+    """The file holds one split (`steps/harness.task_config`); the harness reads every split the
+    task names, few-shot ones while it builds the task, so any other is missing there."""
     split = config.get("test_split") or config.get("validation_split")
     if not isinstance(split, str):
         raise StepFailed(
             f"{where}: test_split: missing; name the split the suite's file holds (test_split: test)"
         )
+    for key in SPLIT_KEYS:
+        if config.get(key) is not None and config[key] != split:
+            raise StepFailed(
+                f"{where}: {key}: {config[key]!r} is no split of the suite's file, which holds {split!r} "
+                "only; remove it (few-shot examples then come from that split)"
+            )
+    shots = config.get("num_fewshot")
+    if shots is not None and (isinstance(shots, bool) or not isinstance(shots, int) or shots < 0):
+        raise StepFailed(f"{where}: num_fewshot: expected a whole number >= 0")
+
+
+def _check_settings(config: dict[str, Any], where: str, context: int) -> None:
+    _check_splits(config, where)
     output_type = config.get("output_type") or DEFAULT_OUTPUT_TYPE
     if output_type == "loglikelihood_rolling":
         raise StepFailed(
