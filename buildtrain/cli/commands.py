@@ -101,6 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from buildtrain.executor.run import run_plan
     from buildtrain.plan.refs import resolve_targets
+    from buildtrain.views.results import suites_text
 
     store = store_of(args)
     launch = _launch(args)
@@ -122,7 +123,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         if len(targets) == 1:
             code = run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
-            _say_suites(store, targets[0].plan)
+            if text := suites_text(store, targets[0].plan):  # scores where a person looks
+                err(text)
             return code
         from buildtrain.executor.batch import run_plans
         from buildtrain.views.sweep import batch_text
@@ -130,15 +132,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets], engine=engine)
     err(batch_text(summary))
     return summary.code
-
-
-def _say_suites(store: Store, plan: Plan) -> None:
-    """The plan's suite scores and overlaps where a person looks: the end of `bt run`."""
-    from buildtrain.views.results import suites_text
-
-    text = suites_text(store, plan)
-    if text:
-        err(text)
 
 
 @contextlib.contextmanager
