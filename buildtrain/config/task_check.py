@@ -39,7 +39,7 @@ def check_task_data(
         doc = {key: record.get(key) for key in features}
         rendered = {key: _value(key, value, doc, f"{data}:{line}") for key, value in templates.items()}
         if output_type == "multiple_choice":
-            _check_choice(config, rendered, doc, f"{data}:{line}")
+            _check_choice(rendered, f"{data}:{line}")
 
 
 def _check_splits(config: dict[str, Any], where: str) -> None:
@@ -172,7 +172,7 @@ def _value(key: str, template: Any, doc: dict[str, Any], where: str) -> Any:
     return text  # digits stay text here: `_gold` reads them as the harness does
 
 
-def _check_choice(config: dict[str, Any], rendered: dict[str, Any], doc: dict[str, Any], where: str) -> None:
+def _check_choice(rendered: dict[str, Any], where: str) -> None:
     """A multiple-choice record's choices are strings, and its gold answer is one of them."""
     choices = rendered["doc_to_choice"]
     if isinstance(choices, dict):
