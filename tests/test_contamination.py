@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,13 +66,19 @@ def test_words_are_normalised_as_lm_eval_does_and_short_texts_are_one_ngram():
     assert ngrams.text_ngrams("a b c")[0] not in set(ngrams.text_ngrams("a b c " + words).tolist())
 
 
-def test_planted_halves_are_found_novel_sentences_are_not_and_lm_eval_reports_its_overlap(bt, tmp_path):
+def planted(folder: Path) -> tuple[list[tuple[str, str]], list[str]]:
+    """A corpus of 60 documents beside the preset, the (first half, 20-character continuation)
+    of 40 of them, and 40 novel sentences."""
     rng = random.Random(46)
     documents = [" ".join(sentence(rng, rng.randrange(8, 14)) for _ in range(6)) for _ in range(60)]
-    with (tmp_path / "corpus.jsonl").open("w") as corpus:
+    with (folder / "corpus.jsonl").open("w") as corpus:
         corpus.writelines(json.dumps({"text": d}) + "\n" for d in documents)
     halves = [(d[: len(d) // 2], d[len(d) // 2 : len(d) // 2 + 20]) for d in documents[:40]]
-    novel = [sentence(random.Random(index), 20) for index in range(40)]
+    return halves, [sentence(random.Random(index), 20) for index in range(40)]
+
+
+def test_planted_halves_are_found_novel_sentences_are_not_and_lm_eval_reports_its_overlap(bt, tmp_path):
+    halves, novel = planted(tmp_path)
     write = {
         "planted.jsonl": [{"context": c, "target": t} for c, t in halves],
         "novel.jsonl": [{"context": s[:-20], "target": s[-20:]} for s in novel],
@@ -95,3 +102,65 @@ def test_planted_halves_are_found_novel_sentences_are_not_and_lm_eval_reports_it
     assert found["planted"] >= 38 and found["novel"] == 0 and found["harness"] >= 38, found
     assert row["suites"]["strict"]["refused"].endswith("(max_overlap 37)")
     assert row["suites"]["strict"].get("accuracy") is None
+    # The end of `bt run` says so where a person looks: each suite's score and overlap, or the refusal.
+    printed = built.stderr[built.stderr.index("suites of eval:") :].splitlines()[1:5]
+    shown = {line.split()[0]: line for line in printed}
+    assert set(shown) == {"planted", "novel", "strict", "harness"}, printed
+    assert f"overlap {found['planted']}/40 ({found['planted'] / 40:.1%}), 13-grams" in shown["planted"]
+    assert "accuracy " in shown["novel"] and "overlap 0/40 (0.0%)" in shown["novel"]
+    assert f"refused: {row['suites']['strict']['refused']}" in shown["strict"]
+    assert f"overlap {found['harness']}/40" in shown["harness"] and "acc_norm" in shown["harness"]
+
+
+def test_a_suite_sets_its_n_and_the_data_steps_record_a_filter_for_it(bt, tmp_path, store):
+    """`ngram = 8` in a suite: the data steps its weights were trained on record 8-grams too
+    (`ngrams-8.bloom`, their config saying so); planted halves are found with 8-grams, novel
+    sentences are not."""
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    halves, novel = planted(tmp_path)
+    rows = {
+        "planted.jsonl": [{"context": c, "target": t} for c, t in halves],
+        "novel.jsonl": [{"context": s[:-20], "target": s[-20:]} for s in novel],
+    }
+    for name, lines in rows.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    suites = (
+        '{ name = "planted", kind = "exact_match", file = "planted.jsonl", ngram = 8 }, '
+        '{ name = "novel", kind = "exact_match", file = "novel.jsonl", ngram = 8 }'
+    )
+    built = bt("run", str(suite_preset(tmp_path, suites, extra=FILES)))
+    assert built.returncode == 0, built.stderr
+    (row,) = metrics(bt)
+    found = {name: suite["overlap"] for name, suite in row["suites"].items()}
+    assert found["planted"] >= 38 and found["novel"] == 0, found
+    assert "overlap 0/40 (0.0%), 8-grams" in built.stderr, built.stderr
+    plan = load_plan(Store(store), row["hash"])
+    (data,) = [s for s in plan.steps if s.kind == "data"]
+    assert data.config["ngrams"] == [8]
+    output = Store(store).output(data.hash)
+    assert (output / "ngrams.bloom").is_file() and ngrams.read_filter(output, 8).n == 8
+    assert bt("fsck").returncode == 0  # the second filter's declared digest re-derives
+
+
+def test_only_a_suite_with_another_n_changes_the_data_step(bt, tmp_path, store):
+    """A plan whose suites all count 13-grams plans the data step a plan without suites plans."""
+    from conftest import MICRO, plan_hash
+
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    def data_step(preset: Path) -> dict:
+        plan = load_plan(Store(store), plan_hash(bt("plan", str(preset))))
+        (data,) = [s for s in plan.steps if s.kind == "data"]
+        return {"hash": data.hash, "config": data.config}
+
+    plain = data_step(MICRO)
+    arith = '{ name = "arith", file = "arithmetic.jsonl"'
+    assert data_step(suite_preset(tmp_path, arith + " }", "a.toml")) == plain
+    assert data_step(suite_preset(tmp_path, arith + ", ngram = 13 }", "b.toml")) == plain
+    eight = data_step(suite_preset(tmp_path, arith + ", ngram = 8 }", "c.toml"))
+    assert eight["config"] == {**plain["config"], "ngrams": [8]}
+    refused = bt("plan", str(suite_preset(tmp_path, arith + ", ngram = 0 }", "d.toml")))
+    assert refused.returncode == 2 and "eval.suites[0].ngram: must be >= 1" in refused.stderr

@@ -169,11 +169,17 @@ def test_a_task_template_that_reaches_code_is_refused_at_plan_time(bt, tmp_path)
 
 def test_the_harness_renders_task_templates_in_the_sandbox(bt, tmp_path):
     """An escape the plan-time check cannot see runs nothing under `bt run`: the harness's
-    templates render in buildtrain's sandbox, and the step fails with one line."""
+    templates render in buildtrain's sandbox, and the step fails with one line. (In doc_to_text
+    the plan renders it on each record, in the same sandbox, and refuses it; `gen_prefix` is
+    rendered by the harness only.)"""
     from test_suites import suite_preset
 
     task = hostile_task(tmp_path, SPELLED)
     suites = f'{{ name = "h", kind = "lm_eval", task = "{task.name}", file = "arithmetic.jsonl" }}'
+    planned = bt("plan", str(suite_preset(tmp_path, suites)))
+    assert planned.returncode == 2 and "arithmetic.jsonl:1: doc_to_text: SecurityError" in planned.stderr
+    text = task.read_text().replace("doc_to_text: ", 'doc_to_text: "{{context}}"\ngen_prefix: ')
+    task.write_text(text)
     result = bt("run", str(suite_preset(tmp_path, suites)))
     assert result.returncode == 1, result.stderr  # ExitCode.FAILED
     assert "Traceback" not in result.stderr, result.stderr

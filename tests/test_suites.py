@@ -66,6 +66,9 @@ def test_a_suite_is_scored_listed_and_never_evaluated_twice(bt, tmp_path):
     assert null.returncode == 0 and set(actions(summaries(tmp_path / "experiments")[-1]).values()) == {
         "cached"
     }
+    # which still ends with the suite's score and overlap, read from the store
+    assert f"suites of eval:\n  arith  accuracy {arith['accuracy']:.4f}" in null.stderr, null.stderr
+    assert "; overlap 0/24 (0.0%), 13-grams" in null.stderr
 
 
 def test_gc_keeps_and_fsck_checks_every_suite_entry(bt, tmp_path, store):

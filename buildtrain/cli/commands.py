@@ -93,6 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from buildtrain.executor.run import run_plan
     from buildtrain.plan.refs import resolve_targets
+    from buildtrain.views.results import suites_text
 
     store = store_of(args)
     launch = _launch(args)
@@ -113,7 +114,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 args.plan, store, args.set, args.sweep, launch.world_size, workers=workers
             )
         if len(targets) == 1:
-            return run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
+            code = run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
+            if text := suites_text(store, targets[0].plan):  # scores where a person looks
+                err(text)
+            return code
         from buildtrain.executor.batch import run_plans
         from buildtrain.views.sweep import batch_text
 

@@ -38,6 +38,7 @@ MAX_THREADS = 4096
 # documents would fill tmp/ forever), and a corpus that large belongs in data files.
 MAX_SYNTHETIC_LINES = 100_000_000
 MAX_SYNTHETIC_DOCUMENTS = MAX_SYNTHETIC_LINES
+MAX_NGRAM = 64  # words per n-gram of a suite's overlap check: a data step keeps n words in hand
 # A shard is built in memory before it is written: 2**30 tokens is 2 to 4 GiB of buffer.
 MAX_SHARD_TOKENS = 1 << 30
 # Gradient accumulation runs in tens or hundreds of micro-batches; 2**62 of them (batch_size 2**62,
@@ -425,6 +426,12 @@ class SuiteConfig:
         "refuse to report a score when more than this many questions are among the training documents "
         "(none: always report; the overlap is reported either way)",
         attrs.validators.optional(at_least(0)),
+    )
+    ngram: int | None = setting(
+        None,
+        "words per n-gram of the overlap check (none: 13, lm-eval's and GPT-3's); the data steps the "
+        "weights were trained on record a filter for each n the suites ask for",
+        attrs.validators.optional(attrs.validators.and_(at_least(1), at_most(MAX_NGRAM))),
     )
 
     @name.validator

@@ -201,11 +201,14 @@ class TokenizerStep:
 
 @attrs.frozen(kw_only=True)
 class DataStep:
-    """A data step's config: its data settings, and the byte tokenizer's description when no
-    tokenizer step describes the tokens."""
+    """A data step's config: its data settings, the byte tokenizer's description when no
+    tokenizer step describes the tokens, and `ngrams`, the n-gram sizes other than 13 that the
+    suites checked against its documents ask for (each recorded in a filter of its own; recorded
+    in the config only when there are any, so a plan with only 13-gram suites keeps its hash)."""
 
     data: DataSettings
     tokenizer: TokenizerDescription | None = None
+    ngrams: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DataStep:
@@ -215,6 +218,8 @@ class DataStep:
         config: dict[str, Any] = {"data": self.data.to_config()}
         if self.tokenizer is not None:
             config["tokenizer"] = attrs.asdict(self.tokenizer)
+        if self.ngrams:
+            config["ngrams"] = list(self.ngrams)
         return config
 
 
@@ -256,6 +261,7 @@ class SuiteStep:
     version: int
     kind: str
     max_overlap: int | None = None  # recorded only when set
+    ngram: int | None = None  # words per n-gram of its overlap check, recorded only when set (none: 13)
 
 
 @attrs.frozen(kw_only=True)

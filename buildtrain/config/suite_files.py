@@ -54,7 +54,29 @@ def parse_line(line: bytes, where: str, fix: str) -> Any:
         raise StepFailed(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:200]}); {fix}") from None
     if depth > DEPTH and _depth(item) > DEPTH:
         raise StepFailed(f"{where}: the JSON nests more than {DEPTH} levels; {fix}")
+    if b"\\u" in line:  # only an escape can make a lone surrogate, which no tokenizer encodes
+        _check_text(item, where)
     return item
+
+
+def _check_text(item: Any, where: str) -> None:
+    for key, value in item.items() if isinstance(item, dict) else [(None, item)]:
+        if not _encodes(value):
+            raise StepFailed(
+                f"{where}: {key + ': ' if key is not None else ''}a \\u escape in D800-DFFF without its "
+                "pair is no text (UTF-8 cannot encode it); write the character or its escaped pair"
+            )
+
+
+def _encodes(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return all(_encodes(v) for v in items)
 
 
 def _depth(item: Any) -> int:
@@ -147,17 +169,18 @@ def _read(raw: bytes, path: Path | str, parse: Callable[[bytes, str], Any]) -> l
     return questions
 
 
-def check_data(raw: bytes, path: Path | str) -> int:
-    """The number of records of an lm_eval suite's JSONL data: each line a JSON object."""
-    count = 0
+def check_data(raw: bytes, path: Path | str) -> list[tuple[int, dict[str, Any]]]:
+    """The records of an lm_eval suite's JSONL data, each with its line: each line a JSON object."""
+    records = []
     for number, line in enumerate(raw.splitlines(), start=1):
         if line.strip():
-            if not isinstance(parse_line(line, f"{path}:{number}", "one JSON object per line"), dict):
+            record = parse_line(line, f"{path}:{number}", "one JSON object per line")
+            if not isinstance(record, dict):
                 raise StepFailed(f"{path}:{number}: expected a JSON object; one JSON object per line")
-            count += 1
-    if not count:
+            records.append((number, record))
+    if not records:
         raise StepFailed(f"{path}: the suite has no records; write one JSON object per line")
-    return count
+    return records
 
 
 def check_task(raw: bytes, where: str) -> dict[str, Any]:
@@ -190,8 +213,10 @@ def check_task(raw: bytes, where: str) -> dict[str, Any]:
             f"{where}: dataset_path: an lm_eval suite reads its file as json; set dataset_path: json and only dataset_kwargs.data_files"
         )
     for key in TEMPLATE_KEYS:
-        if isinstance(config.get(key), str) and unsafe_names(config[key]):
-            names = ", ".join(unsafe_names(config[key]))
+        names = ", ".join(unsafe_names(config[key])) if isinstance(config.get(key), str) else ""
+        if names.startswith("not a Jinja template"):
+            raise StepFailed(f"{where}: {key}: {names}")
+        if names:
             raise StepFailed(
                 f"{where}: {key}: the template names {names}; templates render in Jinja's sandbox, which "
                 "refuses names starting with '_' (code, not data); remove them"

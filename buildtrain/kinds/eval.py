@@ -56,7 +56,7 @@ class EvalKind(StepKind):
         final = config.final_stage.name
         version = EVAL_SUITE_VERSIONS[config.eval.suite]
         suites = tuple(
-            SuiteStep(name=s.name, version=s.version, kind=s.kind, max_overlap=s.max_overlap)
+            SuiteStep(name=s.name, version=s.version, kind=s.kind, max_overlap=s.max_overlap, ngram=s.ngram)
             for s in config.eval.suites
         )
         step_config = EvalStep(

@@ -16,6 +16,7 @@ from buildtrain.config.pretrained import Checkpoint
 from buildtrain.config.schema import TokenizerConfig
 from buildtrain.config.steps import SUITE_PATHS
 from buildtrain.config.suite_files import check_data, check_task, read_exact_match, read_multiple_choice
+from buildtrain.config.task_check import check_task_data
 from buildtrain.errors import ConfigError, StepFailed
 from buildtrain.kinds.planning import CheckpointFiles
 from buildtrain.plan.card import save_card
@@ -198,8 +199,10 @@ def _check_suite(loaded: LoadedPreset, index: int) -> None:
         elif suite.kind == "exact_match":
             read_exact_match(raw, suite.file)
         elif suite.kind == "lm_eval" and suite.task is not None:
-            check_data(raw, suite.file)
-            check_task(Path(suite.task).read_bytes(), suite.task)
+            records = check_data(raw, suite.file)
+            task = check_task(Path(suite.task).read_bytes(), suite.task)
+            context = loaded.config.final_stage.train.seq_len  # the eval step's (kinds/eval.py)
+            check_task_data(task, suite.task, records, suite.file, context)
     except StepFailed as exc:
         where = loaded.source_of(("eval", "suites", index))
         raise ConfigError([f"{where}: eval.suites[{index}]: {exc}"]) from None

@@ -203,8 +203,10 @@ def build_chat(
     tokenizer_dir: Path,
     out: Path,
     log: Any,
+    extra_ngrams: tuple[int, ...] = (),
 ) -> dict[str, str]:
-    """Token and mask shards of every chat record, each record whole in one split."""
+    """Token and mask shards of every chat record, each record whole in one split (`extra_ngrams`:
+    `DataStep.ngrams`)."""
     tokenizer, description = load(tokenizer_dir)
     width = token_width(description["vocab_size"])
     renderer = Renderer(text.chat_template, description["end_of_document_token"])
@@ -212,7 +214,9 @@ def build_chat(
     writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     masks = {s: ShardWriter(out, f"{s}-mask", shard_tokens, 1) for s in ("train", "heldout")}
     runs = split.SplitRuns(text.split_seed, text.heldout_fraction)
-    recorder = Recorder()  # each record's turns as one document, for the contamination check
+    recorder = Recorder(
+        extra=extra_ngrams
+    )  # each record's turns as one document, for the contamination check
     count = 0
     for source in sources:
         for where, messages in records(source):

@@ -97,12 +97,15 @@ def build_from_plan(
     if tokenizer is not None:
         from buildtrain.steps.tokenized import build_tokenized  # numpy and tokenizers
 
-        settings = DataStep.from_config(config).data
+        step = DataStep.from_config(config)
+        settings = step.data
         if settings.format == "chat":
             from buildtrain.steps.chat import build_chat  # jinja2
 
-            return build_chat(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
-        return build_tokenized(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
+            return build_chat(settings.text, settings.shard_tokens, sources, tokenizer, out, log, step.ngrams)
+        return build_tokenized(
+            settings.text, settings.shard_tokens, sources, tokenizer, out, log, extra_ngrams=step.ngrams
+        )
     return build(DataStep.from_config(config), sources, out, log)
 
 
@@ -119,7 +122,7 @@ def build(
     # 2 shared cores at load 4-6): a thread that holds the GIL when it is preempted stalls all.
     writers = {s: ShardWriter(out, s, settings.shard_tokens) for s in ("train", "heldout")}
     router = BlockRouter(writers, settings.split_block, settings.heldout_fraction, settings.split_seed)
-    recorder = Recorder(ngrams=ngrams)
+    recorder = Recorder(ngrams=ngrams, extra=step.ngrams)
     for _, document in recorder.documents(corpus(settings.text, sources)):
         for chunk in document:
             router.add(chunk)

@@ -25,7 +25,7 @@ import blake3
 import numpy as np
 
 from buildtrain.canonical import digest
-from buildtrain.store.layout import DOCUMENTS, NGRAMS
+from buildtrain.store.layout import DEFAULT_NGRAM, DOCUMENTS, ngram_file
 from buildtrain.store.objects import write_bytes_durably
 
 # A question is never this long: a longer document is not digested (it cannot equal one), which
@@ -82,12 +82,12 @@ class Recorder:
     (`ngrams.py`; `ngrams=False` leaves it out: benchmarks/data_step.py measures its cost), as it
     reads them."""
 
-    def __init__(self, *, ngrams: bool = True) -> None:
+    def __init__(self, *, ngrams: bool = True, extra: tuple[int, ...] = ()) -> None:
         from buildtrain.steps.ngrams import NgramFilter, NgramStream
 
         self.values = array("Q")
-        self.stream = NgramStream() if ngrams else None
-        self.filter = NgramFilter() if ngrams else None
+        sizes = dict.fromkeys((DEFAULT_NGRAM, *extra)) if ngrams else {}  # `DataStep.ngrams`: extra
+        self.streams = [(NgramStream(n), NgramFilter(n)) for n in sizes]
 
     def documents(
         self, stream: Iterable[tuple[str, Iterable[bytes]]]
@@ -101,34 +101,35 @@ class Recorder:
         document = DocumentDigest()
         for chunk in chunks:
             document.update(bytes(chunk))
-            if self.stream is not None and self.filter is not None:
-                self.filter.add(self.stream.update(chunk))
+            for stream, found in self.streams:
+                found.add(stream.update(chunk))
             yield chunk
         value = document.value()
         if value != TOO_LONG:
             self.values.append(value)
-        if self.stream is not None and self.filter is not None:
-            self.filter.add(self.stream.end())
+        for stream, found in self.streams:
+            found.add(stream.end())
 
     def add_text(self, text: str) -> None:
         """A document given whole (a chat record: its turns' contents, joined)."""
         self.values.append(digest_text(text))
-        if self.filter is not None:
+        if self.streams:
             from buildtrain.steps.ngrams import text_ngrams
 
-            self.filter.add(text_ngrams(text))
+            for _, found in self.streams:
+                found.add(text_ngrams(text, found.n))
 
     def write(self, out: Path) -> dict[str, str]:
-        """Write `documents.u64` (and `ngrams.bloom`) into `out`; the digests the output declares
-        for them, by file name."""
+        """Write `documents.u64` (and `ngrams.bloom`, `ngrams-N.bloom` for other n) into `out`; the
+        digests the output declares for them, by file name."""
         values = np.unique(np.frombuffer(self.values, dtype=np.uint64)).astype("<u8")
         raw = values.tobytes()
         write_bytes_durably(out / DOCUMENTS, raw)
         digests = {
             DOCUMENTS: digest("documents", {"file": blake3.blake3(raw).hexdigest(), "count": len(values)})
         }
-        if self.filter is not None:
-            digests[NGRAMS] = self.filter.write(out)
+        for _, found in self.streams:
+            digests[ngram_file(found.n)] = found.write(out)
         return digests
 
 

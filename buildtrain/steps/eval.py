@@ -29,6 +29,7 @@ from buildtrain.steps.eval_cache import (
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.steps.suites import subset_indices, text_codec
 from buildtrain.store.layout import CHECKPOINTS, RESULT
+from buildtrain.store.layout import DEFAULT_NGRAM as NGRAM
 
 if TYPE_CHECKING:
     from buildtrain.config.schema import NumericsConfig
@@ -188,7 +189,7 @@ def score_suite(
             scorer, read_source(task), str(task.path), read_source(data), work, config.subset, config.seed
         )
         texts = harness_texts(read_source(data), config.subset, config.seed)
-        return withheld(suite, result, overlap_of(texts, texts, inputs))
+        return withheld(suite, result, overlap_of(texts, texts, inputs, suite.ngram or NGRAM))
     read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
     questions = read(read_source(files[0]), files[0].path)
     chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
@@ -202,7 +203,7 @@ def score_suite(
         result = score(
             model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
         )
-    return withheld(suite, result, contamination(chosen, inputs))
+    return withheld(suite, result, contamination(chosen, inputs, suite.ngram or NGRAM))
 
 
 def withheld(suite: SuiteStep, result: dict[str, Any], overlap: dict[str, Any]) -> dict[str, Any]:
@@ -229,28 +230,28 @@ def harness_texts(data: bytes, subset: float, seed: int) -> list[str]:
     return [" ".join(strings(row)) for row in chosen]
 
 
-def contamination(questions: list[Any], inputs: dict[str, Path]) -> dict[str, Any]:
-    """How many questions (context and answer as one text) share an n-gram of words with the
+def contamination(questions: list[Any], inputs: dict[str, Path], n: int) -> dict[str, Any]:
+    """How many questions (context and answer as one text) share an `n`-gram of words with the
     data steps the weights were trained on (`ngrams.py`), and a few of them."""
     texts = [q.context + (q.choices[q.answer] if hasattr(q, "choices") else q.target) for q in questions]
-    return overlap_of(texts, [q.context for q in questions], inputs)
+    return overlap_of(texts, [q.context for q in questions], inputs, n)
 
 
-def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path]) -> dict[str, Any]:
+def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path], n: int) -> dict[str, Any]:
     """The overlap of `texts` with the training data: `count` (and `fraction`, `examples` from
-    `shown`) by n-grams, `documents` by whole document (`documents.py`), and the filters' `n` and
+    `shown`) by `n`-grams, `documents` by whole document (`documents.py`), and the filters' `n` and
     estimated false-positive rate per n-gram. Data outputs from before n-grams: documents only."""
     import numpy as np
 
     from buildtrain.steps.documents import overlap, read_documents
-    from buildtrain.steps.ngrams import NGRAM, read_filter, shared
+    from buildtrain.steps.ngrams import read_filter, shared
 
     trained_on = [path for name, path in sorted(inputs.items()) if name.startswith("documents:")]
     arrays = [read_documents(path) for path in trained_on]
     trained = np.unique(np.concatenate([a for a in arrays if a is not None] or [np.zeros(0, np.uint64)]))
     whole = overlap(trained, texts)
-    filters = [f for f in (read_filter(path) for path in trained_on) if f is not None]
-    found = sorted(set(shared(filters, texts)) | set(whole)) if filters else whole
+    filters = [f for f in (read_filter(path, n) for path in trained_on) if f is not None]
+    found = sorted(set(shared(filters, texts, n)) | set(whole)) if filters else whole
     examples = [shown[i][:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
     result = {
         "count": len(found),
@@ -261,6 +262,6 @@ def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path]) -> d
     return {
         **result,
         "documents": len(whole),
-        "ngram": NGRAM if filters else None,
+        "ngram": n if filters else None,
         "false_positive_rate": rate,
     }

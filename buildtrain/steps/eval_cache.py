@@ -19,7 +19,17 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
-from buildtrain.store.layout import CHECKPOINTS, DOCUMENTS, EVAL_RESULT, FROZEN, MODEL, NGRAMS, RESULT, SHARDS
+from buildtrain.store.layout import (
+    CHECKPOINTS,
+    DEFAULT_NGRAM,
+    DOCUMENTS,
+    EVAL_RESULT,
+    FROZEN,
+    MODEL,
+    RESULT,
+    SHARDS,
+    ngram_file,
+)
 from buildtrain.store.objects import read_manifest
 
 if TYPE_CHECKING:  # a step is handed the cache (`StoreResults`), never the store's code
@@ -76,15 +86,17 @@ def suite_keys(
     if "tokenizer" in step.inputs:
         tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
     # What the contamination check intersects: each trained-on data step's document digests
-    # and n-gram filter (an output from before n-grams declares none).
-    trained = [
-        [_declared(inputs[k], step.inputs[k], name) for name in (DOCUMENTS, NGRAMS) if name in declared]
-        for k in sorted(step.upstream)
-        if k.startswith("documents:")
-        for declared in [read_manifest(inputs[k])["digests"]]
-    ]
+    # and filter of the suite's n-grams (an output from before n-grams declares none).
+    declared = {
+        k: read_manifest(inputs[k])["digests"] for k in sorted(step.upstream) if k.startswith("documents:")
+    }
     found, sources = [], iter(step.inputs["sources"])
     for suite in suites:
+        names = (DOCUMENTS, ngram_file(suite.get("ngram", DEFAULT_NGRAM)))
+        trained = [
+            [_declared(inputs[k], step.inputs[k], name) for name in names if name in digests]
+            for k, digests in declared.items()
+        ]
         files = {name: next(sources)["blake3"] for name in SUITE_SOURCES[suite["kind"]]}
         harness = {"harness": step.toolchain["lm-eval"]} if "task" in files else {}  # its release
         identity = {

@@ -9,7 +9,8 @@ N-grams never cross a document's end. A document of fewer than `NGRAM` words (a 
 short training document) is one n-gram of all its words: a short question counts only when it is
 a whole short training document, as the exact tier (`documents.py`) would also find.
 
-Every data step adds its n-grams to a Bloom filter (`ngrams.bloom`), grown in segments as the text
+Every data step adds its n-grams to a Bloom filter (`ngrams.bloom`; a filter of its own,
+`ngrams-N.bloom`, for each other n its config's `ngrams` lists, which suites ask for), grown in segments as the text
 arrives (a scalable Bloom filter): segment i holds up to `FIRST_ITEMS << i` n-grams in
 `BITS_PER_ITEM` bits each, so memory and disk are at most 4 bytes per word read (8 while the
 last segment fills), and the filter's bytes depend on the text alone. Each n-gram sets `HASHES`
@@ -32,12 +33,12 @@ import numpy as np
 
 from buildtrain import native
 from buildtrain.errors import StepFailed
-from buildtrain.store.layout import NGRAMS
+from buildtrain.store.layout import DEFAULT_NGRAM, NGRAMS, ngram_file
 from buildtrain.store.ngram_file import FORMAT, filter_digest, read_header
 from buildtrain.store.objects import write_bytes_durably
 
 SOURCE = Path(__file__).with_suffix(".c")
-NGRAM = 13  # words per n-gram: the recorded filter's (GPT-3's and lm-eval's default)
+NGRAM = DEFAULT_NGRAM  # words per n-gram unless a suite asks for another (GPT-3's and lm-eval's)
 FNV_OFFSET, FNV_PRIME = 0xCBF29CE484222325, 0x100000001B3
 POLY = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1
@@ -223,9 +224,10 @@ class NgramFilter:
         return b"".join(memoryview(w) for w in words)  # one copy: 80 MB of text, 67 MB of filter
 
     def write(self, out: Path) -> str:
-        """Write `ngrams.bloom` into `out`; the digest the output declares for it."""
+        """Write the filter into `out` (`ngrams.bloom` for 13-grams, `ngrams-N.bloom` for other
+        n); the digest the output declares for it."""
         raw = self.to_bytes()
-        write_bytes_durably(out / NGRAMS, raw)
+        write_bytes_durably(out / ngram_file(self.n), raw)
         return filter_digest(raw)
 
 
@@ -268,10 +270,15 @@ class LoadedFilter:
         return rate
 
 
-def read_filter(output: Path) -> LoadedFilter | None:
-    """A data step output's n-gram filter, or None for an output that has none."""
-    path = output / NGRAMS
-    return LoadedFilter(path.read_bytes()) if path.is_file() else None
+def read_filter(output: Path, n: int = NGRAM) -> LoadedFilter | None:
+    """A data step output's filter of `n`-grams, or None for an output that has none."""
+    path = output / ngram_file(n)
+    if not path.is_file():
+        return None
+    found = LoadedFilter(path.read_bytes())
+    if found.n != n:
+        raise StepFailed(f"{path.name} holds {found.n}-grams, not {n}-grams")
+    return found
 
 
 def shared(filters: list[LoadedFilter], texts: list[str], n: int = NGRAM) -> list[int]:

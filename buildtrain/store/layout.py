@@ -106,6 +106,18 @@ DATA_INDEX = "data.json"  # a data step output's index: its splits and their sha
 # In a data step's output: the Bloom filter of its n-grams of words (steps/ngrams.py), named in the
 # manifest as DOCUMENTS is.
 NGRAMS = "ngrams.bloom"
+DEFAULT_NGRAM = 13  # words per n-gram of NGRAMS (GPT-3's and lm-eval's); other n: `ngram_file`
+
+
+def ngram_file(n: int) -> str:
+    """The file of a data step's filter of `n`-grams (a suite's `ngram` asks for one)."""
+    return NGRAMS if n == DEFAULT_NGRAM else f"ngrams-{n}.bloom"
+
+
+def is_ngram_file(name: str) -> bool:
+    return name == NGRAMS or (name.startswith("ngrams-") and name.endswith(".bloom"))
+
+
 # An export package's weights and its `<blake3>  <file>` lines (`bt why` reads both).
 EXPORT_WEIGHTS = "model.safetensors"
 CHECKSUMS = "BLAKE3SUMS"

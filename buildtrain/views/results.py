@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from buildtrain.kinds import KINDS
 from buildtrain.plan.card import Card
+from buildtrain.plan.plan import Plan
 from buildtrain.store.evals import output_result, output_suites
 from buildtrain.store.objects import MANIFEST
 from buildtrain.store.store import Store
@@ -64,3 +66,38 @@ def plan_results(store: Store, card: Card) -> dict[str, Any]:
         if count == 0
         else f"partial {count}/{len(built)}",
     }
+
+
+def suites_text(store: Store, plan: Plan) -> str:
+    """What the end of `bt run` prints of the plan's benchmark suites: each suite's accuracy and
+    its overlap with the training data (questions sharing an n-gram: count/questions and the
+    fraction), or the `max_overlap` refusal; empty when the plan scores no suite."""
+    lines = []
+    for step in plan.steps:
+        if getattr(KINDS.get(step.kind), "summary", None) != "evaluation" or not store.has_output(step.hash):
+            continue
+        suites = output_suites(store.output(step.hash))
+        width = max((len(name) for name in suites), default=0)
+        lines += [f"suites of {step.label}:"] if suites else []
+        lines += [f"  {name:<{width}}  {_score(r)}; {_overlap(r)}" for name, r in suites.items()]
+    return "\n".join(lines)
+
+
+def _score(result: dict[str, Any]) -> str:
+    if "refused" in result:
+        return f"refused: {result['refused']}"
+    accuracy = result.get("acc", result.get("exact_match"))  # a harness task's names too
+    text = "accuracy -" if not isinstance(accuracy, (int, float)) else f"accuracy {accuracy:.4f}"
+    if isinstance(result.get("acc_norm"), (int, float)):
+        text += f" (acc_norm {result['acc_norm']:.4f})"
+    return text
+
+
+def _overlap(result: dict[str, Any]) -> str:
+    overlap = result.get("overlap") or {}
+    count, fraction, questions = overlap.get("count"), overlap.get("fraction"), result.get("questions")
+    if not isinstance(count, int):
+        return "overlap -"
+    n = f", {overlap['ngram']}-grams" if overlap.get("ngram") else ", whole documents"
+    share = f" ({fraction:.1%})" if isinstance(fraction, (int, float)) else ""
+    return f"overlap {count}/{questions}{share}{n}"
