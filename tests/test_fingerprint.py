@@ -59,8 +59,8 @@ def test_every_way_of_summing_gives_the_defined_sums(sizes: list[int], dtype, ex
 
 @C_BUILT
 def test_the_c_pass_is_what_the_cpu_uses() -> None:
-    tensors = [values(100_003, 1), values(5, 2, torch.bfloat16)]
-    computed = fingerprint.in_c(fingerprint._compiled(), [words(tensor) for tensor in tensors])
+    tensors = [values(100_003, 1), values(5, 2, torch.bfloat16), values(900, 3).view(30, 30).t()]
+    computed = fingerprint.in_c(fingerprint._compiled(), tensors)
     assert computed.tolist() == lanes(tensors).tolist() == in_blocks([words(t) for t in tensors]).tolist()
 
 
