@@ -51,7 +51,7 @@ part() {  # part NAME SECONDS COMMAND...: run it, print and keep its output, rem
 
 part workspace 60 python benchmarks/gpu.py --workspace --device "$device" --budget 45 --jsonl "$figures"
 part tests 90 python -m pytest -q -n 0 -p no:cacheprovider -m "not long_cuda" \
-    tests/test_cuda.py tests/test_optimizer.py tests/test_fingerprint.py
+    tests/test_cuda.py tests/test_optimizer.py tests/test_fingerprint.py::test_a_gpu_computes_the_sums_of_the_host
 part parts 60 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
 part eager 100 python benchmarks/gpu.py --device "$device" --budget 85 --jsonl "$figures"
 part compiled 110 python benchmarks/gpu.py --device "$device" --only-compiled --budget 95 --jsonl "$figures"
