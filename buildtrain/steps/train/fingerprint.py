@@ -9,7 +9,7 @@ dtypes as words of their own width, int16 and uint8), and its fingerprint is two
 
 Both are integer ring operations, so any order of summation, any thread count, any split into
 blocks and any device gives the same two numbers; the CPU computes them in one pass of C
-(`fingerprint.c`), a GPU with a few reductions over the tensors laid out in blocks (`lanes`).
+(`fingerprint.c`), a GPU with a few reductions over the tensors laid out in blocks (`in_blocks`).
 
 What they detect, for certain: any change confined to one or two words of a tensor, swaps and
 sign flips included. One word changed by d != 0 changes `plain` by d. Two words changed by d and
