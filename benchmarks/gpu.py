@@ -4,7 +4,8 @@ Contenders, alternated, each in a fresh process, at the GPT-2-small shape (12 la
 12 heads, sequence 1024, batch 16, bf16 autocast, byte vocabulary):
 
   bt run             buildtrain's train step as `bt run` executes it (deterministic algorithms,
-                     cuBLAS workspace pinned, per-update checksums, the default digest cadence),
+                     cuBLAS workspace as torch requires,
+                     per-update fingerprints, the default digest cadence),
                      tokens/s as its log reports them; SwiGLU hidden 2048
   plain loop         buildtrain's Transformer in a hand-written loop: random batches, fused
                      torch AdamW, no determinism settings
@@ -35,11 +36,11 @@ batch stays the same where W divides it), reporting the tokens/s of all ranks to
 Both stay eager with --compile.
 
 With --parts, instead of the contenders, one process times the parts of bt's update apart at the
-same shape, each synchronized, median of 20 after 3 warm-ups: forward+backward with determinism
-off and on (alternated, 3 rounds of 7 each), gradient clipping, buildtrain's AdamW and torch's
-(fused on CUDA), the invariant reduction's gradient vector (to a vector and back), and the
-per-update record (`trace_entry`: the checksum on CUDA, blake3 on the CPU). It says where
-`bt run` loses to the plain loop, in about a minute.
+same shape (benchmarks/gpu_parts.py: forward+backward with determinism off and on, clipping, both
+AdamWs, the gradient vector, the per-update record, and the record at GPT-2 small's 124M
+parameters against blake3 on the host). It says where `bt run` loses to the plain loop, in about
+a minute. With --workspace, forward+backward as bt computes it in fresh processes alternated, with
+CUBLAS_WORKSPACE_CONFIG=:4096:8 and without (rounds fitted to --budget).
 
 Every figure is printed the moment it exists (`figure  NAME, round R: VALUE`) and, with
 --jsonl FILE, appended to FILE as a JSON line, so a lease that ends mid-run keeps what was
@@ -58,7 +59,7 @@ Issue 26: the plain loop >= 1.0 x the previous layout (the layout change must no
 With --sharding, "bt run, fsdp vs plain FSDP2" is reported as a ratio (the issue sets no goal).
 
 Run: python benchmarks/gpu.py [--quick] [--compile | --only-compiled] [--sharding] [--parts]
-     [--budget SECONDS] [--jsonl FILE] [--device cpu]
+     [--workspace] [--budget SECONDS] [--jsonl FILE] [--device cpu]
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ from common import (  # noqa: E402
     updates_per_second,
     workspace,
 )
+from gpu_parts import parts_child, report_parts, report_workspace, workspace_child  # noqa: E402
 from reference_models import nanogpt, previous_layout  # noqa: E402
 
 GOAL_EAGER, GOAL_COMPILED = 0.85, 1.0
@@ -217,88 +219,6 @@ def timed_updates(
     return timings
 
 
-def parts_child(spec: dict[str, Any]) -> dict[str, float]:
-    """Milliseconds of each part of buildtrain's update, timed apart (see --parts)."""
-    import torch
-
-    sys.path.insert(0, spec["src"])
-    from buildtrain.config.schema import TrainConfig
-    from buildtrain.executor import numerics
-    from buildtrain.steps.train.gradient import token_loss
-    from buildtrain.steps.train.optimizer import AdamW
-    from buildtrain.steps.train.record import trace_entry
-    from buildtrain.steps.train.reduce import gradients_to_vector, vector_to_gradients
-    from buildtrain.steps.train.trainer import param_groups
-
-    device = torch.device(spec["device"])
-    numerics.apply_after_import(torch, "native", device.type, 1)  # what a CUDA step process sets
-    model = build_model({**spec, "model": "buildtrain"}).to(device)
-    parameters = list(model.parameters())
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    shape = spec["shape"]
-    rows = torch.randint(
-        0, VOCAB, (shape["batch"], shape["seq"] + 1), generator=torch.Generator().manual_seed(1)
-    )
-    rows = rows.to(device)
-
-    def forward_backward() -> None:
-        for parameter in parameters:
-            parameter.grad = None
-        with autocast:
-            loss = token_loss(model(rows[:, :-1]), rows[:, 1:], None)
-        loss.backward()
-
-    ours = AdamW(param_groups(model, 0.1), lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    theirs = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, **fused)
-    record = TrainConfig(steps=10**6, checkpoint_every=10**6)  # a weights record, no checkpoint due
-    loss = torch.zeros((), device=device)
-    both: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(3):  # alternated, so that neither mode gets the warmer caches
-        for deterministic in (False, True):
-            torch.use_deterministic_algorithms(deterministic)
-            both[deterministic] += samples(forward_backward, device, count=7)
-    times = {
-        "forward+backward, determinism off": median(both[False]),
-        "forward+backward, deterministic (bt)": median(both[True]),
-    }
-    times["clip_grad_norm_"] = timed(lambda: torch.nn.utils.clip_grad_norm_(parameters, 1.0), device)
-    times["AdamW, buildtrain (bt)"] = timed(ours.update, device)
-    times["AdamW, torch " + next(iter(fused))] = timed(theirs.step, device)
-    times["gradient vector and back (bt)"] = timed(
-        lambda: vector_to_gradients(gradients_to_vector(parameters, loss), parameters), device
-    )
-    times["per-update record (bt)"] = timed(
-        lambda: trace_entry(1, 1.0, 1.0, 3e-4, 0, model, ours, record), device
-    )
-    return times
-
-
-def timed(work: Callable[[], Any], device: Any) -> float:
-    """Median milliseconds of `work` (see `samples`)."""
-    return median(samples(work, device))
-
-
-def samples(work: Callable[[], Any], device: Any, warmup: int = 3, count: int = 20) -> list[float]:
-    """Milliseconds of each call of `work` after the warm-up, the device synchronized before and
-    after each."""
-    import torch
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    found = []
-    for index in range(warmup + count):
-        sync()
-        started = time.perf_counter()
-        work()
-        sync()
-        if index >= warmup:
-            found.append(1000 * (time.perf_counter() - started))
-    return found
-
-
 # -- the parent --------------------------------------------------------------------------------------
 
 
@@ -388,6 +308,12 @@ def main() -> int:
         help="instead of the contenders, time the parts of bt's update apart (about a minute)",
     )
     parser.add_argument(
+        "--workspace",
+        action="store_true",
+        help="instead of the contenders, forward+backward with and without CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+        "fresh processes alternated",
+    )
+    parser.add_argument(
         "--only-compiled",
         action="store_true",
         help="the torch.compile contenders and the eager reference GPT alone (their goal's yardstick)",
@@ -407,7 +333,12 @@ def main() -> int:
     started = time.monotonic()
     if args.child:
         spec = json.loads(args.child)
-        result = parts_child(spec) if spec.get("parts") else child(spec)
+        if spec.get("parts"):
+            result: dict[str, float] | None = parts_child(spec, build_model)
+        elif spec.get("workspace"):
+            result = workspace_child(spec, build_model)
+        else:
+            result = child(spec)
         if result is not None:  # rank 0's, under torchrun
             print(json.dumps(result))
         return 0
@@ -426,8 +357,13 @@ def main() -> int:
         print_header(f"training throughput on {args.device}: bt run vs eager loops", args, space)
         src = str(space.src or space.root)
         base = {"device": args.device, "shape": SHAPES[args.device], "steps": steps, "warmup": 3, "src": src}
+        base["vocab"] = VOCAB
         if args.parts:
-            report_parts(space, base, figures)
+            report_parts(__file__, space, base, figures.add)
+            return 0
+        if args.workspace:
+            deadline = started + args.budget if args.budget else None
+            report_workspace(__file__, space, base, n, deadline, figures.add)
             return 0
         contenders = chosen_contenders(space, base, args)
         if world:
@@ -517,51 +453,6 @@ def sharded_batch(batch: int, world: int) -> int:
     """The sharded contenders' global batch: the others' where the world size divides it, else
     the multiple of the world size below it (at least one sequence per rank)."""
     return max(1, batch // world) * world
-
-
-def report_parts(space: Workspace, base: dict[str, Any], figures: Figures) -> None:
-    """The parts of bt's update timed apart in one fresh process with bt's numerics environment,
-    and what they add up to beyond the plain loop's own parts."""
-    note("timing the parts of bt's update")
-    space.import_buildtrain()
-    environment = numerics_environment(base["device"])
-    spec = json.dumps({**base, "parts": True})
-    done = subprocess.run(
-        [sys.executable, __file__, "--child", spec],
-        env=space.env(**environment),
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the parts process failed:\n{done.stderr[-3000:]}")
-    times = json.loads(done.stdout.strip().splitlines()[-1])
-    for name, ms in times.items():
-        figures.add(f"part: {name}", 1, ms, unit="ms")
-    print_table(
-        f"bt's update, part by part (ms, median of 20; {json.dumps(base['shape'])})",
-        ["part", "ms"],
-        [[name, f"{ms:.2f}"] for name, ms in times.items()],
-    )
-    optimizer = next(name for name in times if name.startswith("AdamW, torch"))
-    extra = {
-        "deterministic mode": times["forward+backward, deterministic (bt)"]
-        - times["forward+backward, determinism off"],
-        "buildtrain's AdamW": times["AdamW, buildtrain (bt)"] - times[optimizer],
-        "gradient vector": times["gradient vector and back (bt)"],
-        "per-update record": times["per-update record (bt)"],
-    }
-    print(
-        "what bt adds to the plain loop's update (ms): "
-        + ", ".join(f"{k} {v:+.2f}" for k, v in extra.items())
-    )
-
-
-def numerics_environment(device: str) -> dict[str, str]:
-    """The environment a step process of this device gets (cuBLAS's workspace, set before CUDA
-    starts), from the buildtrain under test."""
-    from buildtrain.executor import numerics
-
-    return numerics.environment("native", device, 1)
 
 
 def report(results: dict[str, list[float]], base: dict[str, Any], world: int) -> None:

@@ -27,15 +27,15 @@ when torch loads:
 Both loops time the same window, in the process, excluding start-up: from the end of update W
 (warm-up, default 20; --quick 5) to the end of update N-1 (the last update is left out since
 buildtrain always digests and checkpoints there). Each profile runs buildtrain twice: with the
-default train.digest_every = 1 (a blake3 digest of every weight and AdamW moment after every
-update, part of buildtrain's cost) and with digest_every = train.steps, so the digest cost is
+default train.digest_every = 1 (a fingerprint of every weight after every update, the full
+blake3 of the state at checkpoints, part of buildtrain's cost) and with digest_every = train.steps, so the digest cost is
 visible separately. Two more portable contenders price MKL's branch (executor/mkl.py): without
 the vendor shim (portable as it was before it: on an AMD CPU MKL then runs AUTO, on an Intel one
 the same AVX2,STRICT), and with the shim but MKL_CBWR=AVX2, not strict.
 
 Phases: the loops time forward+backward, clipping, the optimizer update and (buildtrain only)
 the digest of each update; in buildtrain's process by timers wrapped around the trainer's own
-functions (batch_gradient, clip_grad_norm_, AdamW.update, trace_entry), so the code timed is the
+functions (batch_gradient, clip_grad_norm_, AdamW.update, Recorder.update), so the code timed is the
 code that runs. A second table compares buildtrain native with the nanoGPT-shaped loop phase by
 phase, and the plain loops count the ATen calls of one update with torch's profiler.
 
@@ -316,7 +316,7 @@ def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
     phases.wrap(trainer, "batch_gradient", "forward+backward")
     phases.wrap(torch.nn.utils, "clip_grad_norm_", "clip")
     phases.wrap(AdamW, "update", "update")
-    phases.wrap(trainer, "trace_entry", "digest")
+    phases.wrap(trainer.Recorder, "update", "digest")
     clock = EventClock()
     log = configure(clock)
     _, plan = load_plan(spec)

@@ -4,11 +4,16 @@
 #   scripts/gpu_check.sh OUTDIR [--device cpu]
 #
 # In priority order, each part under its own time limit so that a slow one cannot eat the next:
-#   machine   the GPU, driver, torch build, CUDA, cuDNN            -> OUTDIR/machine.txt
-#   tests     the CUDA tests (tests/test_cuda.py, test_optimizer.py)  -> OUTDIR/tests.log
-#   parts     benchmarks/gpu.py --parts: bt's update part by part   -> OUTDIR/parts.log
-#   eager     bt run and the eager loops, rounds fitted to a budget  -> OUTDIR/eager.log
-#   compiled  the torch.compile contenders and the eager reference   -> OUTDIR/compiled.log
+#   machine    the GPU, driver, torch build, CUDA, cuDNN             -> OUTDIR/machine.txt
+#   workspace  forward+backward with and without CUBLAS_WORKSPACE_CONFIG=:4096:8, fresh
+#              processes alternated (gpu.py --workspace)            -> OUTDIR/workspace.log
+#   tests      the CUDA tests: two stores, dropout, compiled, verify with a resume, the fused
+#              AdamW, the fingerprints on the device                 -> OUTDIR/tests.log
+#   parts      benchmarks/gpu.py --parts: bt's update part by part    -> OUTDIR/parts.log
+#   eager      bt run and the eager loops, rounds fitted to a budget   -> OUTDIR/eager.log
+#   compiled   the torch.compile contenders and the eager reference    -> OUTDIR/compiled.log
+#   more-tests the longer CUDA tests: compiled through a kill and resume, FSDP2 at world size 1
+#              against unsharded training                            -> OUTDIR/more-tests.log
 # Every figure is printed as it comes and appended to OUTDIR/figures.jsonl, so whatever the
 # lease cuts short, what was measured before is kept. `--device cpu` runs the same sequence on
 # the CPU at a small shape, to check the script anywhere. The exit status is the first failing
@@ -44,9 +49,12 @@ part() {  # part NAME SECONDS COMMAND...: run it, print and keep its output, rem
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
 } 2>&1 | tee "$out/machine.txt"
 
-part tests 75 python -m pytest -q -n 0 -p no:cacheprovider tests/test_cuda.py tests/test_optimizer.py
-part parts 75 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
-part eager 150 python benchmarks/gpu.py --device "$device" --budget 130 --jsonl "$figures"
-part compiled 170 python benchmarks/gpu.py --device "$device" --only-compiled --budget 150 --jsonl "$figures"
+part workspace 60 python benchmarks/gpu.py --workspace --device "$device" --budget 45 --jsonl "$figures"
+part tests 90 python -m pytest -q -n 0 -p no:cacheprovider -m "not long_cuda" \
+    tests/test_cuda.py tests/test_optimizer.py tests/test_fingerprint.py::test_a_gpu_computes_the_sums_of_the_host
+part parts 60 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
+part eager 100 python benchmarks/gpu.py --device "$device" --budget 85 --jsonl "$figures"
+part compiled 110 python benchmarks/gpu.py --device "$device" --only-compiled --budget 95 --jsonl "$figures"
+part more-tests 60 python -m pytest -q -n 0 -p no:cacheprovider -m long_cuda tests/test_cuda.py
 echo "figures: $figures ($(wc -l < "$figures" 2>/dev/null || echo 0) lines)"
 exit "$status"

@@ -54,7 +54,26 @@ def test_gpu_py_prints_and_records_each_figure_before_its_table(tmp_path: Path) 
     assert all(record["round"] == 1 and record["value"] > 0 for record in records)
 
 
-@pytest.mark.parametrize("option", ["--budget", "--jsonl", "--only-compiled"])
+def test_gpu_py_compares_the_cublas_workspace_in_fresh_processes(tmp_path: Path) -> None:
+    """--workspace: forward+backward with the variable and without, each child checked to have
+    seen the setting it stands for (on the CPU the figures check the script, not cuBLAS)."""
+    figures = tmp_path / "figures.jsonl"
+    command = [sys.executable, "benchmarks/gpu.py", "--workspace", "--device", "cpu", "--budget", "1"]
+    done = subprocess.run(
+        [*command, "--jsonl", str(figures)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in figures.read_text(encoding="utf-8").splitlines()]
+    names = [record["contender"] for record in records]
+    assert names == [
+        "forward+backward, CUBLAS_WORKSPACE_CONFIG=:4096:8",
+        "forward+backward, torch's workspace",
+    ]
+    assert all(record["unit"] == "ms" and record["value"] > 0 for record in records)
+    assert "pinned workspace / torch's workspace:" in done.stdout
+
+
+@pytest.mark.parametrize("option", ["--budget", "--jsonl", "--only-compiled", "--workspace"])
 def test_gpu_py_explains_its_lease_options(option: str) -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/gpu.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120

@@ -56,11 +56,29 @@ def test_native_cpu_sets_only_threads_and_the_allocator() -> None:
 
 
 @pytest.mark.parametrize("profile", ["portable", "native"])
-def test_cuda_sets_the_cublas_workspace_and_not_the_cpu_caps(profile: str) -> None:
+def test_cuda_sets_the_cublas_workspace_only_where_torch_requires_it(profile: str) -> None:
     env = numerics.environment(profile, "cuda", 1)
-    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    required = numerics.cublas_workspace_required()
+    assert env.get("CUBLAS_WORKSPACE_CONFIG") == (":4096:8" if required else None)
     assert "MKL_CBWR" not in env and "ATEN_CPU_CAPABILITY" not in env
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1"
+
+
+def test_the_installed_torch_is_read_for_the_cublas_check(tmp_path) -> None:
+    """Read from torch's own header: a torch that declares the check gets the variable, one that
+    does not (2.13, pytorch#161749) does not, and one whose header cannot be read gets it."""
+    installed = numerics.cublas_workspace_required()
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "Context.h")
+    with open(header, "rb") as handle:
+        assert installed == (numerics.CUBLAS_CHECK in handle.read())
+    if torch.__version__.startswith("2.13."):
+        assert not installed
+    for declares, folder in ((True, tmp_path / "old"), (False, tmp_path / "new")):
+        (folder / "include" / "ATen").mkdir(parents=True)
+        declaration = b"  void alertCuBLASConfigNotDeterministic() const;\n" if declares else b""
+        (folder / "include" / "ATen" / "Context.h").write_bytes(b"namespace at {\n" + declaration + b"}\n")
+        assert numerics.cublas_workspace_required(folder) is declares
+    assert numerics.cublas_workspace_required(tmp_path / "headerless") is True
 
 
 def test_check_before_import_refuses_when_torch_is_already_loaded() -> None:

@@ -333,3 +333,28 @@ def test_a_resume_point_the_plan_never_reaches_is_refused(micro_built, tmp_path,
     result = run_bt("verify", micro_built[1], *options, store=store)
     assert result.returncode == ExitCode.USAGE
     assert result.stderr.strip() == f"bt verify: {said.format(h=micro_built[1][:12])}"
+
+
+def test_lines_written_in_batches_by_bt_run_verify_update_by_update(tmp_path):
+    """`bt run` writes the trace's lines between checkpoints in batches of RECORD_EVERY (their
+    fingerprints wait on the device); the re-execution compares every update as it happens, so a
+    line put under the wrong update would fail the plain verify, and a perturbation after the
+    first batch is still named at its own update."""
+    from buildtrain.steps.train.record import RECORD_EVERY
+
+    steps = RECORD_EVERY + 6  # lines written at RECORD_EVERY, at the checkpoint 4 later, at the end
+    store = tmp_path / ".bt"
+    cadence = ("--set", f"train.steps={steps}", "--set", f"train.checkpoint_every={RECORD_EVERY + 4}")
+    planned = plan_hash(run_bt("plan", str(MICRO), *cadence, store=store))
+    env = {"BT_EXPERIMENTS": str(tmp_path / "records")}
+    assert run_bt("run", planned, "--target", "train:main", store=store, env=env).returncode == 0
+    result, report = verify(store, planned, "--threads", "1", env=env)
+    assert result.returncode == ExitCode.OK, result.stderr
+    assert f"all {steps} steps match the recorded trace" in by_label(report)["train:main"]["detail"]
+    tensor, at = "blocks.0.attention.wo.weight", RECORD_EVERY + 2
+    perturbed = {**env, "BT_TEST_PERTURB": f"{at}:{tensor}:1e-3"}
+    result, report = verify(store, planned, "--threads", "1", env=perturbed)
+    assert result.returncode == ExitCode.NOT_REPRODUCED, result.stderr
+    divergence = by_label(report)["train:main"]["divergence"]
+    assert divergence["step"] == at and divergence["tensors"] == [f"model.{tensor}"]
+    assert divergence["compared_at"] == RECORD_EVERY + 4

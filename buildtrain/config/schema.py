@@ -322,7 +322,7 @@ class TrainConfig:
     keep_checkpoints: int = setting(2, "checkpoints kept (the last one is the final state)", at_least(1))
     digest_every: int = setting(
         1,
-        "steps between weight digests in the trace (the full state is digested at each checkpoint)",
+        "steps between weight fingerprints in the trace (the full state is digested at each checkpoint)",
         at_least(1),
     )
     lora: LoraConfig | None = since(

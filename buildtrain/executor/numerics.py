@@ -22,8 +22,11 @@ world size.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 # Pin MKL to its AVX2 code path in strict CNR mode and cap ATen's and oneDNN's kernels at AVX2, so
@@ -44,8 +47,12 @@ PORTABLE_CPU = {
 # placement never changes the arithmetic, so the bits do not depend on these; other C libraries
 # ignore them.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-# cuBLAS needs a fixed workspace configuration for deterministic results; read when CUDA starts.
+# cuBLAS's workspace configuration, read when CUDA starts, set only where the installed torch
+# requires it (`cublas_workspace_required`).
 CUDA_DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# The check in torch that refuses a cuBLAS call under use_deterministic_algorithms(True) without
+# that variable: declared in ATen/Context.h for as long as torch has it.
+CUBLAS_CHECK = b"alertCuBLASConfigNotDeterministic"
 
 # A train step under `portable` shares its cores out as single-threaded ranks only when the step is
 # big enough for the extra start-up (torchrun and one more `import torch`, about 3 s here) to pay.
@@ -82,9 +89,38 @@ def environment(profile: str, device: str, threads: int) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count, **KEEP_FREED_MEMORY}
     if portable_cpu(profile, device):
         env.update(PORTABLE_CPU)
-    if device == "cuda":
+    if device == "cuda" and cublas_workspace_required():
         env.update(CUDA_DETERMINISTIC)
     return env
+
+
+@functools.cache
+def cublas_workspace_required(torch_folder: Path | None = None) -> bool:
+    """Whether the installed torch needs CUBLAS_WORKSPACE_CONFIG for deterministic cuBLAS.
+
+    Torch used to refuse any cuBLAS call under use_deterministic_algorithms(True) on CUDA >= 10.2
+    unless the variable was ":4096:8" or ":16:8" (`Context::alertCuBLASConfigNotDeterministic`,
+    declared in ATen/Context.h). pytorch/pytorch#161749 removed that check: since CUDA 11 torch
+    gives cuBLAS a workspace of its own per handle and stream (#85447), which is what cuBLAS's
+    reproducibility notes ask for, so the variable no longer decides the bits. torch 2.13 has no
+    such check (not in ATen/Context.h, not in libtorch_cpu's strings, not in
+    use_deterministic_algorithms' documentation; read on 2.13.0+cpu, cf30153). The variable is
+    not free: it fixes cuBLAS's workspace where torch sizes it per GPU (pytorch#120925; #109856
+    measured 9.0 against 3.45 it/s); its cost here is for a GPU to measure (`benchmarks/gpu.py
+    --parts`, the "cuBLAS workspace" rows). So the step process sets it only where the installed
+    torch still declares the check, read from torch's header without importing torch; where the
+    header cannot be read, it is set (never wrong for the bits, at worst slower).
+    """
+    if torch_folder is None:
+        spec = importlib.util.find_spec("torch")  # finds torch, imports nothing
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not locations:
+            return True
+        torch_folder = Path(locations[0])
+    try:
+        return CUBLAS_CHECK in (torch_folder / "include" / "ATen" / "Context.h").read_bytes()
+    except OSError:
+        return True
 
 
 def check_before_import(profile: str, device: str, threads: int) -> None:
@@ -129,7 +165,8 @@ def apply_after_import(torch: Any, profile: str, device: str, threads: int) -> d
         torch.backends.cudnn.deterministic = True
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        applied.update(cudnn_benchmark=False, tf32=False)
+        workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "torch's default")
+        applied.update(cudnn_benchmark=False, tf32=False, cublas_workspace=workspace)
     applied["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return applied
 

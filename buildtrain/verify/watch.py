@@ -66,6 +66,12 @@ class Watcher(Observer):
         retained = [at for at in map(checkpoint_update, names) if at is not None]
         return cls(recorded, Path(job["findings"]), retained, job.get("stop_after"), log)
 
+    def wants_record(self, update: int) -> bool:
+        """Every update's line at once: each is compared as it is made, and the state measured
+        at a divergence is that update's (one copy from the device per update, which a
+        re-execution pays and `bt run` does not)."""
+        return True
+
     def recorded(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         """Compare the record of an update as it is made; True ends training here."""
         step = entry["step"]

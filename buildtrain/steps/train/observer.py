@@ -6,7 +6,7 @@ and `bt verify`) and the divergence watcher of `bt verify` (`buildtrain/verify/w
 it, which lets verification plug into training without the steps knowing about verify.
 
 Order within one update (`trainer.train`): forward, loss, backward, clip, optimizer update, zero
-grads, `updated`, record (`recorded`, rank 0), then a checkpoint if due or `wants_checkpoint`
+grads, `updated`, record (`recorded`, rank 0, for each line written; see `wants_record`), then a checkpoint if due or `wants_checkpoint`
 (`checkpoint_half_written` in the middle of writing it, `checkpoint_written` after).
 """
 
@@ -30,8 +30,15 @@ class Observer:
         return False
 
     def recorded(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        """After rank 0 recorded the update (`entry` is its trace line, `tensors` the whole
-        training state). True: end training here."""
+        """After rank 0 wrote an update's trace line (`entry`; `tensors` the whole training state
+        as it is when the line is written). Lines are written in batches (at checkpoints, every
+        `record.RECORD_EVERY` updates) unless `wants_record` asks for each at once, which makes
+        `tensors` the state of `entry`'s update. True: end training here."""
+        return False
+
+    def wants_record(self, update: int) -> bool:
+        """Whether the line of `update` is wanted at once (its fingerprints copied from the device
+        now, one synchronisation) rather than with the next batch."""
         return False
 
     def wants_checkpoint(self, update: int) -> bool:
@@ -61,6 +68,9 @@ class Observers(Observer):
 
     def recorded(self, entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return any([observer.recorded(entry, tensors) for observer in self.observers])
+
+    def wants_record(self, update: int) -> bool:
+        return any([observer.wants_record(update) for observer in self.observers])
 
     def wants_checkpoint(self, update: int) -> bool:
         return any([observer.wants_checkpoint(update) for observer in self.observers])

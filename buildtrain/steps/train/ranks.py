@@ -125,8 +125,15 @@ class Ranks:
         import torch.distributed as dist
 
         if self.world == 1 and not dist.is_initialized():
-            backend = "nccl" if device == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            if device != "cuda":
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                return
+            # NCCL bound to this process's GPU at once (not at the first collective, on whatever
+            # device is current then): FSDP2's mesh, the norm's all-gather and DCP's object
+            # collectives all run on it.
+            gpu = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(gpu)
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=gpu)
 
     def barrier(self, during: str) -> None:
         """Wait for every rank (sharded checkpoints: the folder exists before anyone writes into it)."""

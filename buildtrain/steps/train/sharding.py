@@ -13,6 +13,25 @@ between rows of dim 0), so it does not depend on where the cuts fall either; it 
 the order of torch's `clip_grad_norm_`, which is why a clipped update can differ from the
 unsharded run's in its last bits (docs/clusters.md, "Sharded training (FSDP2)").
 
+On CUDA (NCCL; at world size 1 too, where the process group is one in memory), FSDP2 works on
+streams of its own, and the exchange and the tree follow them. The backward pass computes a
+unit's gradient on the default stream; FSDP2 copies it into the reduce-scatter input there, makes
+its reduce-scatter stream wait for the default stream, and calls the exchange under that stream:
+NCCL starts the all-to-all only after the work queued on the current stream, and a call that is
+not async makes the current stream wait for NCCL's, so `received` is complete on the
+reduce-scatter stream when the call returns. (At world size 1 FSDP2 copies the input to its
+output on that stream instead; no exchange is called.) FSDP2 then makes its all-reduce stream
+wait for the reduce-scatter stream and calls the hook (`_reduced`) under the all-reduce stream,
+so the tree adds leaves that are complete, in order, on one stream, and its total is copied into
+FSDP2's output there; FSDP2 makes the default stream wait for that stream before the gradient is
+read (clipping, AdamW). One hazard is left to us: the tree keeps a leaf from one pass to the next,
+memory allocated on the reduce-scatter stream and read on the all-reduce stream. The caching
+allocator would hand that memory back to the reduce-scatter stream once the leaf is dropped, while
+an addition queued on the all-reduce stream may still read it, so every leaf is recorded on the
+all-reduce stream (`record_stream`), which makes the allocator wait for that stream first.
+Clipping and the loss exchange run on the default stream, like the update, with NCCL ordered
+after them in the same way.
+
 Checkpoints are torch.distributed.checkpoint's: every rank writes its shards as one safetensors
 file (no pickle on any path) with the offsets of its rows, and a load at another world size
 reads the rows it now owns. Those files are the work folder's, for resume; the step's output
@@ -109,6 +128,8 @@ class Sharded:
         leaves = exchange.received if self.ranks.world > 1 else output.view(1, -1)
         exchange.received = None
         assert leaves is not None
+        if leaves.is_cuda:  # kept past this call, read on this stream: see the module's note
+            leaves.record_stream(torch.cuda.current_stream(leaves.device))
         tree = self.trees[unit]
         for leaf in leaves:
             tree.push(leaf)

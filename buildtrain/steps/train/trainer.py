@@ -32,11 +32,11 @@ from buildtrain.steps.train.gradient import batch_gradient, seeded
 from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
-from buildtrain.steps.train.record import recorded_state, trace_entry
+from buildtrain.steps.train.record import RECORD_EVERY, Recorder, recorded_state, update_entry
 from buildtrain.steps.train.schedule import checkpoint_due, learning_rate
 from buildtrain.steps.train.setup import TrainSetup
 from buildtrain.steps.train.sharding import Sharded, require_shared_folder
-from buildtrain.steps.train.state import FrozenDigests, load_model, state_tensors
+from buildtrain.steps.train.state import load_model, state_tensors
 from buildtrain.store.layout import SHARDS, checkpoint_name
 
 
@@ -114,7 +114,7 @@ class Training:
     update: int = 0
     cursor: int = 0
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
-    frozen: FrozenDigests = attrs.Factory(lambda self: FrozenDigests(self.model), takes_self=True)
+    recorder: Recorder = attrs.Factory(lambda self: Recorder.of(self.model), takes_self=True)
     frozen_file: checkpoint.FrozenFile = attrs.Factory(checkpoint.FrozenFile)  # LoRA: linked, not rewritten
 
     @classmethod
@@ -240,23 +240,16 @@ class Training:
         gathered: dict[str, torch.Tensor] | None,
         evaluated: dict[str, Any] | None,
     ) -> bool:
-        """Rank 0's part of an update: trace, log, observe. True: the observer says stop."""
+        """Rank 0's part of an update: record, log, and at a checkpoint, every RECORD_EVERY
+        updates or when the observer wants each update, write the trace and observe. True: the
+        observer says stop."""
         setup, at = self.setup, self.update
-        entry, tensors = trace_entry(
-            at,
-            loss,
-            grad_norm,
-            lr,
-            self.cursor,
-            self.model,
-            self.optimizer,
-            setup.train,
-            gathered,
-            self.frozen,
-        )
-        self.trace.append(entry)
+        wanted = recorded_state(at, setup.train)
+        whole = self.optimizer if wanted == "state" else None
+        tensors = lambda: gathered if gathered is not None else state_tensors(self.model, whole)  # noqa: E731
+        self.recorder.update(update_entry(at, loss, grad_norm, lr, self.cursor), wanted, tensors)
         if evaluated is not None:
-            self.trace.append({"step": at, "eval": evaluated})
+            self.recorder.evaluated(at, evaluated)
             self.log.info("eval", step=at, **evaluated)
         self.log.info(
             "train_step",
@@ -270,12 +263,27 @@ class Training:
             ),
             max_rss_mb=round(max_rss_mb(), 1),
         )
-        return self.controls.observer.recorded(entry, tensors or state_tensors(self.model, self.optimizer))
+        observer = self.controls.observer
+        if wanted == "state" or observer.wants_record(at) or len(self.recorder) >= RECORD_EVERY:
+            return self.flush(gathered)
+        return False
+
+    def flush(self, gathered: dict[str, torch.Tensor] | None = None) -> bool:
+        """Rank 0: the waiting lines into the trace (one copy from the device), each update's
+        shown to the observer with the state as it is now (`gathered`, whole, when sharded
+        training gathered it for this update). True: the observer says stop."""
+        written = self.recorder.flush(self.trace.append)
+        if not written:
+            return False
+        tensors = gathered or state_tensors(self.model, self.optimizer)
+        return any([self.controls.observer.recorded(entry, tensors) for entry in written])
 
     def save(self) -> None:
         """Rank 0 writes the checkpoint of the update done last (sharded: every rank writes its
         shards, rank 0 the rest); every rank tells the observer."""
         at, observer = self.update, self.controls.observer
+        if self.controls.ranks.lead:
+            self.flush()  # an interruption's or a fault's checkpoint: its trace holds every update
         if self.sharded is not None:
             self.save_sharded()
         elif self.controls.ranks.lead:
@@ -379,6 +387,8 @@ def _train(setup: TrainSetup, log: Any, controls: TrainControls) -> TrainResult:
             ended = run.record(loss, grad_norm, lr, started, gathered, evaluated) or ended
         stopping, ended = ranks.any(stop.signal_name is not None, ended)
         if ended:
+            if ranks.lead:
+                run.flush()
             return TrainResult(run.update, run.trace)  # a spot check or a divergence ends here
         if checkpoint_due(run.update, cfg) or stopping or observer.wants_checkpoint(run.update):
             run.save()
