@@ -67,7 +67,7 @@ class EvalKind(StepKind):
             subset=config.eval.subset,
             seed=config.eval.seed,
             context=config.final_stage.train.seq_len,
-            eval_every=config.eval.eval_every,
+            checkpoints_every=config.eval.checkpoints_every,
             lora=config.final_stage.train.lora,
         ).to_config()
         inputs: dict[str, Any] = {

@@ -2,7 +2,7 @@
 
 The held-out loss, then each benchmark suite of `[eval] suites` (multiple_choice, exact_match,
 lm_eval; `suites.py`), with its overlap with the training documents (`documents.py`), and with
-`eval_every` each suite again at the train step's kept checkpoints. Every result is keyed in the
+`checkpoints_every` each suite again at the train step's kept checkpoints. Every result is keyed in the
 evaluation cache (`eval_cache.py`) by what determines it, so weights evaluated before are not
 evaluated again, and the model is loaded only for what the cache lacks.
 """
@@ -40,7 +40,7 @@ complete_from_store = complete_from_cache
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
     wanted = [(key, identity), *suite_keys(ctx.step, ctx.inputs)]
-    points = curve_keys(ctx.step, ctx.inputs)  # the suites at kept checkpoints (eval_every)
+    points = curve_keys(ctx.step, ctx.inputs)  # the suites at kept checkpoints (checkpoints_every)
     keys = [k for k, _ in wanted] + [k for _, _, k, _ in points]
     cached = [ctx.results.lookup(k) if ctx.results is not None else None for k in keys]
     for each, hit in zip(keys, cached, strict=True):
