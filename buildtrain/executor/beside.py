@@ -4,8 +4,9 @@ is scored as soon as its train step seals it, in a process of its own, while tra
 A thread of `bt run` looks into the train step's checkpoint folder (as the remote's pusher does,
 `remote.py`): a checkpoint folder exists under its `step-NNNNNN` name only once its manifest is
 written and it is renamed into place, so what the thread sees is sealed. Each wanted checkpoint
-becomes one job (one work unit), sent to one evaluation worker (`worker.py`, started under the
-plan's numerics on one thread: the second core), which runs its jobs one after another. Each
+becomes one job (one work unit): locally, sent to one evaluation worker (`worker.py --serve`,
+started under the plan's numerics on one thread: the second core), which runs its jobs one after
+another; on a cluster engine, a task of its own (a Ray task, a Slurm job) on one core. Each
 result is recorded in the evaluation cache as it is computed, under its own key (checkpoint
 digest, suite, version, subset, ...; `steps/eval_cache.py`): a worker killed midway loses at most
 the result it was computing, and whatever is missing is scored by the eval step (or by the next
@@ -13,7 +14,8 @@ the result it was computing, and whatever is missing is scored by the eval step 
 are the same with or without it.
 
 Only where the train step's process writes into this run's store (the local engine, or a cluster
-sharing its folder); a step built in a node's store of its own is evaluated by its eval step.
+sharing its folder, without a remote); a step built in a node's store of its own (a run with a
+remote on a cluster) is evaluated by its eval step, after training.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from buildtrain.errors import BuildtrainError
 from buildtrain.executor import numerics
-from buildtrain.executor.engine import Submission, job_of
+from buildtrain.executor.engine import Engine, Handle, Submission, job_of
 from buildtrain.executor.job import JobOptions
 from buildtrain.executor.launch import PARENT_PID
 from buildtrain.executor.processes import JOB_EXIT, Worker, start
@@ -62,29 +65,40 @@ def planned(plan: Plan, train: Step) -> list[tuple[Step, list[int]]]:
 class Beside:
     """The evaluation beside one train step's build (see the module's docstring)."""
 
-    def __init__(self, store: Store, plan: Plan, train: Step, on_event: OnEvent, say: Say) -> None:
+    def __init__(
+        self, store: Store, plan: Plan, train: Step, engine: Engine, on_event: OnEvent, say: Say
+    ) -> None:
         self.store, self.plan, self.train = store, plan, train
         self.wanted = planned(plan, train)
-        self.on_event, self.say = on_event, say
+        self.on_event = lambda line: on_event({**line, "beside": True})
         self._sent: set[tuple[str, int]] = set()  # (evaluating step, update): one job each
-        self._jobs: list[Path] = []
-        self._worker: Worker | None = None
-        self._reader: threading.Thread | None = None
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="bt-beside", daemon=True)
 
+        def failed(problem: str) -> None:
+            self.on_event({"event": "eval_beside_failed", "level": "warning", "problem": problem})
+            say(
+                train.label,
+                f"evaluation beside training stopped ({problem}); the eval step scores what it left",
+            )
+
+        runner: LocalWorker | EngineTasks = (
+            EngineTasks(engine, failed) if engine.concurrent else LocalWorker(store, plan, failed)
+        )
+        self.runner = runner
+
     def start(self) -> Beside:
-        """Start the worker now, so that its `import torch` overlaps the train step's, and the
-        watcher."""
+        """Start the runner now (a local worker's `import torch` then overlaps the train
+        step's), and the watcher."""
         if self.wanted:
-            self._start()
+            self.runner.start(self.on_event)
             self._watcher.start()
         return self
 
     def finish(self, *, trained: bool) -> None:
         """Training ended: `trained`, hand over the checkpoints sealed since the last look (the
-        output holds them once it is published) and let the worker finish its jobs; else (a
-        failure, Ctrl-C) stop the worker now: what it did not record, a later run scores."""
+        output holds them once it is published) and let the jobs finish; else (a failure,
+        Ctrl-C) stop them now: what they did not record, a later run scores."""
         if not self.wanted:
             return
         self._stop.set()
@@ -92,18 +106,7 @@ class Beside:
         if trained:
             self._dispatch(self.store.checkpoints_dir(self.train.hash))
             self._dispatch(self.store.output(self.train.hash) / layout.CHECKPOINTS)
-        worker = self._worker
-        if worker is not None:
-            with contextlib.suppress(OSError):
-                worker.control.shutdown(socket.SHUT_WR)  # no more jobs: it ends after the last
-            if not trained and worker.process.poll() is None:
-                worker.process.terminate()
-            worker.process.wait()
-            assert self._reader is not None
-            self._reader.join()
-            worker.control.close()
-        for job in self._jobs:
-            job.unlink(missing_ok=True)
+        self.runner.close(now=not trained)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -121,41 +124,62 @@ class Beside:
                 if (step.hash, update) in self._sent or path is None or path.is_symlink():
                     continue
                 self._sent.add((step.hash, update))
-                self._send(step, path)
+                options = JobOptions(checkpoint=str(path), hooks=_test_hooks())
+                submission = Submission(
+                    store=self.store, plan=self.plan, step=step, threads=1, lock_fd=-1, options=options
+                )
+                self.runner.send(submission, self.on_event)
 
-    def _send(self, step: Step, checkpoint: Path) -> None:
-        """Hand one checkpoint to the worker (started on the first); a worker that died is not
-        replaced: the eval step scores what it left."""
-        worker = self._worker
-        if worker is None or worker.process.poll() is not None:
-            return
-        options = JobOptions(checkpoint=str(checkpoint), hooks=_test_hooks())
-        job = job_of(
-            Submission(store=self.store, plan=self.plan, step=step, threads=1, lock_fd=-1, options=options),
-            self.on_event,
-        )
-        path = self.store.tmp / f"job-beside-{step.hash[:16]}-{checkpoint.name}-{os.getpid()}.json"
-        job.write(path)
-        self._jobs.append(path)
-        with contextlib.suppress(OSError):  # it died meanwhile: its reader says so
-            socket.send_fds(worker.control, [os.fsencode(path)], [])
 
-    def _start(self) -> Worker:
+class LocalWorker:
+    """The jobs of a local run: one evaluation worker (`worker.py --serve`) on one thread, which
+    runs them one after another; one that died is not replaced (the eval step scores the rest)."""
+
+    def __init__(self, store: Store, plan: Plan, failed: Callable[[str], None]) -> None:
+        self.store, self.plan, self.failed = store, plan, failed
+        self._jobs: list[Path] = []
+        self._worker: Worker | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self, on_event: OnEvent) -> None:
         settings = self.plan.numerics
         env = {**os.environ, **numerics.environment(settings.profile, settings.device, 1)}
         env[PARENT_PID] = str(os.getpid())  # it dies with this run
         self.store.tmp.mkdir(parents=True, exist_ok=True)
         self._worker = start(env)
         self._reader = threading.Thread(
-            target=self._read, args=(self._worker,), name="bt-beside-events", daemon=True
+            target=self._read, args=(self._worker, on_event), name="bt-beside-events", daemon=True
         )
         self._reader.start()
-        self.on_event(
-            {"event": "eval_beside_started", "step": self.train.label, "pid": self._worker.process.pid}
-        )
-        return self._worker
+        on_event({"event": "eval_beside_started", "pid": self._worker.process.pid})
 
-    def _read(self, worker: Worker) -> None:
+    def send(self, submission: Submission, on_event: OnEvent) -> None:
+        worker = self._worker
+        if worker is None or worker.process.poll() is not None:
+            return
+        job = job_of(submission, on_event)
+        name = Path(job.options.checkpoint or "").name
+        path = self.store.tmp / f"job-beside-{submission.step.hash[:16]}-{name}-{os.getpid()}.json"
+        job.write(path)
+        self._jobs.append(path)
+        with contextlib.suppress(OSError):  # it died meanwhile: its reader says so
+            socket.send_fds(worker.control, [os.fsencode(path)], [])
+
+    def close(self, *, now: bool) -> None:
+        worker = self._worker
+        if worker is not None:
+            with contextlib.suppress(OSError):
+                worker.control.shutdown(socket.SHUT_WR)  # no more jobs: it ends after the last
+            if now and worker.process.poll() is None:
+                worker.process.terminate()
+            worker.process.wait()
+            assert self._reader is not None
+            self._reader.join()
+            worker.control.close()
+        for job in self._jobs:
+            job.unlink(missing_ok=True)
+
+    def _read(self, worker: Worker, on_event: OnEvent) -> None:
         """Forward the worker's events to the run record until it ends; say how it ended when
         not by finishing its jobs."""
         failed = None
@@ -166,24 +190,57 @@ class Beside:
                 continue
             if line.get("event") == JOB_EXIT and line.get("status") != 0:
                 failed = f"exit {line.get('status')}"
-            self.on_event({**line, "beside": True})
+            on_event(line)
         worker.events.close()
         status = worker.process.wait()
         if failed is None and status != 0:
-            failed = f"killed by signal {-status}" if status < 0 else f"exit {status}"
+            failed = _ended(status)
         if failed is not None:
-            self.on_event(
-                {
-                    "event": "eval_beside_failed",
-                    "level": "warning",
-                    "step": self.train.label,
-                    "problem": failed,
-                }
-            )
-            self.say(
-                self.train.label,
-                f"evaluation beside training stopped ({failed}); the eval step scores what it left",
-            )
+            self.failed(failed)
+
+
+class EngineTasks:
+    """The jobs of a run on a cluster engine: each a task of its own (a Ray task, a Slurm job),
+    placed wherever the engine has a free core; one that fails is said once."""
+
+    def __init__(self, engine: Engine, failed: Callable[[str], None]) -> None:
+        self.engine, self.failed = engine, failed
+        self._handles: list[Handle] = []
+        self._waiters: list[threading.Thread] = []
+
+    def start(self, on_event: OnEvent) -> None:
+        on_event({"event": "eval_beside_started", "engine": self.engine.name})
+
+    def send(self, submission: Submission, on_event: OnEvent) -> None:
+        try:
+            handle = self.engine.start(submission, on_event)
+        except BuildtrainError as exc:  # the cluster refused it: the eval step scores it
+            self.failed(str(exc))
+            return
+        self._handles.append(handle)
+        waiter = threading.Thread(target=self._wait, args=(handle,), name="bt-beside-task", daemon=True)
+        waiter.start()
+        self._waiters.append(waiter)
+
+    def close(self, *, now: bool) -> None:
+        if now:
+            for handle in self._handles:
+                handle.cancel()
+        for waiter in self._waiters:
+            waiter.join()
+
+    def _wait(self, handle: Handle) -> None:
+        try:
+            outcome = handle.wait()
+        except Exception as exc:  # a task lost with its node: the eval step scores it
+            self.failed(f"{type(exc).__name__}: {exc}")
+            return
+        if outcome.status != 0:
+            self.failed(_ended(outcome.status))
+
+
+def _ended(status: int) -> str:
+    return f"killed by signal {-status}" if status < 0 else f"exit {status}"
 
 
 def _test_hooks() -> dict[str, Any]:

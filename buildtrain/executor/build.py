@@ -177,7 +177,9 @@ class Builder:
 
         if not planned(self.plan, step):
             return None
-        return Beside(self.store, self.plan, step, self.record.forward, self.reporter.step).start()
+        return Beside(
+            self.store, self.plan, step, self.engine, self.record.forward, self.reporter.step
+        ).start()
 
     def _collect(self, step: Step, node: str) -> None:
         """Pull the output that the engine's process built on `node` and pushed to the remote."""
