@@ -15,6 +15,7 @@ Run: python benchmarks/eval_beside.py [--quick] [--rounds N]
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import sys
 
@@ -57,6 +58,7 @@ def main() -> int:
         print_header("bt run with and without evaluation beside training", args, space)
         shutil.copyfile(SUITE, space.path("arithmetic.jsonl"))
         weights: dict[str, set[str]] = {"with": set(), "without": set()}
+        cpu: dict[str, list[float]] = {"with": [], "without": []}  # CPU seconds of bt and its children
         counter = iter(range(10**6))
 
         def run(name: str, every: int) -> float:
@@ -64,9 +66,12 @@ def main() -> int:
             preset = space.path(f"{name}.toml")
             preset.write_text(preset_text(every))
             store, records = space.path(f"store-{index}"), space.path(f"records-{index}")
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             seconds, _ = space.run_bt(
                 "run", str(preset), "--progress", "off", store=store, experiments=records
             )
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
             for manifest in store.glob("steps/*/MANIFEST.json"):
                 digests = json.loads(manifest.read_text()).get("digests", {})
                 if "state" in digests:  # the train step's output
@@ -84,6 +89,21 @@ def main() -> int:
             [
                 [name, fmt_seconds(median(v)), fmt_spread(v), fmt_ratio(ratio(median(v), base))]
                 for name, v in results.items()
+            ],
+        )
+        # On a busy machine the wall time says how long the evaluation worker waited for a core;
+        # the CPU time says what it costs, whatever the load (the warm-up round's included).
+        print_table(
+            "CPU time of bt run and every process it started (median, warm-up included)",
+            ["contender", "median", "min..max", "vs without"],
+            [
+                [
+                    name,
+                    fmt_seconds(median(v)),
+                    fmt_spread(v),
+                    fmt_ratio(ratio(median(v), median(cpu["without"]))),
+                ]
+                for name, v in cpu.items()
             ],
         )
         same = len(weights["with"] | weights["without"]) == 1

@@ -43,6 +43,8 @@ from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
+    from buildtrain.config.schema import NumericsConfig
+    from buildtrain.plan.plan import Step
     from buildtrain.steps.train.controls import StopRequest, TrainControls
     from buildtrain.steps.train.observer import Observer
 
@@ -122,7 +124,7 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         objects.remove_tree(out)
 
 
-def _evaluate_checkpoint(job: Job, store: Store, settings: Any, step: Any, log: Any) -> int:
+def _evaluate_checkpoint(job: Job, store: Store, settings: NumericsConfig, step: Step, log: Any) -> int:
     """Evaluation beside training: score the kept checkpoint the job names, of the train step
     that is the step's `checkpoints_of` input (whose output does not exist yet), and record each
     result in the evaluation cache; nothing is published."""
