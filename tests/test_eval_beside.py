@@ -11,6 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 from conftest import MICRO, REPO, plan_hash, run_bt, step_digests
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ARITHMETIC = REPO / "tests" / "suites" / "arithmetic.jsonl"
 SUITES = '[{ name = "arith", file = "arithmetic.jsonl" }, { name = "sums", file = "arithmetic.jsonl" }]'
@@ -112,3 +114,27 @@ def test_the_old_name_is_refused_with_the_new_one(tmp_path: Path) -> None:
         )
         assert "Traceback" not in refused.stderr
     assert not (store / "plans").exists() or not list((store / "plans").iterdir())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.integers(1, 400),
+    checkpoint_every=st.integers(1, 60),
+    keep=st.integers(1, 8),
+    every=st.integers(0, 120),
+    suites=st.booleans(),
+)
+def test_beside_training_are_exactly_the_curves_points_before_the_final_weights(
+    steps: int, checkpoint_every: int, keep: int, every: int, suites: bool
+) -> None:
+    """The updates scored beside training are the kept checkpoints that are multiples of
+    `checkpoints_every`, the final one left to the eval step, oldest first; none without suites."""
+    from buildtrain.kinds import kind_of
+
+    train = {"train": {"steps": steps, "checkpoint_every": checkpoint_every, "keep_checkpoints": keep}}
+    kept = kind_of("train").kept_updates(train)
+    config = {"checkpoints_every": every, **({"suites": [{"name": "arith"}]} if suites else {})}
+    beside = kind_of("eval").checkpoints_evaluated(config, kept)
+    assert beside == sorted(beside) and len(set(beside)) == len(beside)
+    wanted = {u for u in kept if suites and every and u % every == 0 and u != steps}
+    assert set(beside) == wanted
