@@ -363,7 +363,9 @@ def test_a_document_digest_ignores_ascii_case_and_spacing(text):
     assert digest_text(text) == digest_text("  " + text.upper() + "\n")
 
 
-def test_checkpoints_every_draws_each_suite_over_the_kept_checkpoints_and_leaves_the_weights(bt, tmp_path, store):
+def test_checkpoints_every_draws_each_suite_over_the_kept_checkpoints_and_leaves_the_weights(
+    bt, tmp_path, store
+):
     from conftest import step_digests
 
     from buildtrain.plan.stored import load_plan

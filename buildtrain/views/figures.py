@@ -134,7 +134,11 @@ def suites_svg(series: Sequence[tuple[str, Sequence[tuple[int, float]]]]) -> str
     for label, points in series:
         at, values = zip(*points, strict=True) if points else ((), ())
         ax.plot(at, values, "o-", linewidth=1.2, markersize=3.5, label=label)
-    ax.set(xlabel="update", ylabel="accuracy", title="Benchmark suites at the kept checkpoints (checkpoints_every)")
+    ax.set(
+        xlabel="update",
+        ylabel="accuracy",
+        title="Benchmark suites at the kept checkpoints (checkpoints_every)",
+    )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     buffer = io.StringIO()
     with plt.rc_context({"svg.hashsalt": "bt-suites", "svg.id": "figure-suites"}), _quiet():
