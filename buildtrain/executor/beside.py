@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from buildtrain.errors import BuildtrainError
+from buildtrain.errors import BuildtrainError, ExitCode
 from buildtrain.executor import numerics
 from buildtrain.executor.engine import Engine, Handle, Submission, job_of
 from buildtrain.executor.job import JobOptions
@@ -140,6 +140,7 @@ class LocalWorker:
         self._jobs: list[Path] = []
         self._worker: Worker | None = None
         self._reader: threading.Thread | None = None
+        self._stopped = False
 
     def start(self, on_event: OnEvent) -> None:
         settings = self.plan.numerics
@@ -171,6 +172,7 @@ class LocalWorker:
             with contextlib.suppress(OSError):
                 worker.control.shutdown(socket.SHUT_WR)  # no more jobs: it ends after the last
             if now and worker.process.poll() is None:
+                self._stopped = True  # by this run: not a failure to report
                 worker.process.terminate()
             worker.process.wait()
             assert self._reader is not None
@@ -188,14 +190,13 @@ class LocalWorker:
                 line = json.loads(raw)
             except ValueError:
                 continue
-            if line.get("event") == JOB_EXIT and line.get("status") != 0:
-                failed = f"exit {line.get('status')}"
+            if line.get("event") == JOB_EXIT:
+                failed = failed or _ended(int(line.get("status", 1)))
             on_event(line)
         worker.events.close()
         status = worker.process.wait()
-        if failed is None and status != 0:
-            failed = _ended(status)
-        if failed is not None:
+        failed = failed or _ended(status)
+        if failed is not None and not self._stopped:
             self.failed(failed)
 
 
@@ -235,11 +236,16 @@ class EngineTasks:
         except Exception as exc:  # a task lost with its node: the eval step scores it
             self.failed(f"{type(exc).__name__}: {exc}")
             return
-        if outcome.status != 0:
-            self.failed(_ended(outcome.status))
+        failed = _ended(outcome.status)
+        if failed is not None:
+            self.failed(failed)
 
 
-def _ended(status: int) -> str:
+def _ended(status: int) -> str | None:
+    """How a job (or the worker) ended, when that was a failure; an interruption (Ctrl-C) is the
+    run's own, which the run reports."""
+    if status in (0, ExitCode.INTERRUPTED):
+        return None
     return f"killed by signal {-status}" if status < 0 else f"exit {status}"
 
 
