@@ -357,7 +357,7 @@ def evals(draw: st.DrawFn) -> dict[str, Any]:
         "suites": [],
         "subset": 1.0,
         "seed": 0,
-        "eval_every": 0,
+        "checkpoints_every": 0,
     }
 
 

@@ -126,13 +126,13 @@ def test_verify_with_a_kill_and_resume_at_four_threads_reproduces(lora_built: tu
 def test_a_curve_scores_the_kept_checkpoints_with_their_adapters_merged(
     lora_built: tuple[Path, Path, str],
 ) -> None:
-    """eval.eval_every after LoRA: a kept checkpoint holds the frozen weights and the adapters
+    """eval.checkpoints_every after LoRA: a kept checkpoint holds the frozen weights and the adapters
     apart, and the eval step scores them merged (the unmerged model's logits within 1e-5, not the
     base model's); `bt eval --update` finds the point the step scored in the evaluation cache."""
     root, store, _ = lora_built
     shutil.copyfile(ARITHMETIC, root / "arithmetic.jsonl")
     curve = root / "curve.toml"  # the fixture's preset ends with its [eval] table
-    curve.write_text((root / "imported.toml").read_text() + f"suites = [{ARITH}]\neval_every = 2\n")
+    curve.write_text((root / "imported.toml").read_text() + f"suites = [{ARITH}]\ncheckpoints_every = 2\n")
     plan = plan_hash(run_bt("plan", str(curve), store=store))
     built = run_bt("run", plan, store=store)
     assert built.returncode == 0, built.stderr

@@ -218,7 +218,10 @@ def _hashed_leaves(config: Config) -> list[tuple[tuple[str | int, ...], Any]]:
             continue
         if path[:2] == ("eval", "suites"):  # tables naming files: tests/test_suites.py changes them
             continue
-        if path in (("eval", "subset"), ("eval", "seed"), ("eval", "eval_every")) and not config.eval.suites:
+        if (
+            path in (("eval", "subset"), ("eval", "seed"), ("eval", "checkpoints_every"))
+            and not config.eval.suites
+        ):
             continue  # they draw the suites' questions: read (and hashed) only with suites
         if path[0] == "stages" and path[3:] in (("text_field",), ("text_column",)):
             # read only under their format (jsonl, parquet), and hashed only there

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -390,3 +391,31 @@ def error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("bt run: ")]
     assert len(errors) == 1, stderr
     return errors[0]
+
+
+def test_kept_checkpoints_are_scored_by_ray_tasks_beside_training(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster, micro_built: tuple[Path, str, dict]
+) -> None:
+    """Evaluation beside training under `--executor ray` (no remote: the local cluster shares the
+    store): each kept checkpoint is scored by a Ray task of its own while the train step's task
+    trains, to the weights of a local build; a task's worker SIGKILLed midway, and `bt run` again
+    scores only what is missing."""
+    from test_eval_beside import BESIDE, KILL_AFTER, curves, preset, scored
+
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(preset(tmp_path, 4)), store=store))
+    env = {**ray_cluster.env(), "BT_EXECUTOR": "ray"}
+    first = run_bt(
+        "run", planned, *ONE_THREAD, "--target", "train:main", store=store, env={**env, KILL_AFTER: "1"}
+    )
+    assert first.returncode == 0, first.stderr
+    assert "evaluation beside training stopped (killed by signal 9)" in first.stderr
+    assert step_digests(store, planned)["train:main"] == micro_built[2]["train:main"]
+    beside = scored(tmp_path / "experiments")
+    assert len(beside) == 2 and all(by for _, _, by in beside)  # one result per task (checkpoints 4, 8)
+
+    again = run_bt("run", planned, *ONE_THREAD, store=store, env=env)
+    assert again.returncode == 0, again.stderr
+    every = Counter((s, u) for s, u, _ in scored(tmp_path / "experiments"))
+    assert every == Counter(BESIDE | {("arith", 12), ("sums", 12)})  # each once over both runs
+    assert curves(store, planned) == {"arith": [4, 8, 12], "sums": [4, 8, 12]}

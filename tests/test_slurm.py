@@ -419,3 +419,31 @@ def test_a_plan_for_the_slurm_workers_names_their_toolchain_and_nodes_refuse_ano
     assert "train:main: node " in last and "torch: plan has" in last and "'2.99.0+test'" in last, last
     assert "bt plan PRESET --executor ENGINE" in last
     assert "Traceback" not in refused.stderr
+
+
+def test_kept_checkpoints_are_scored_by_slurm_jobs_beside_training(
+    slurm_cluster: slurm.Slurm, tmp_path: Path, micro_built: Reference
+) -> None:
+    """Evaluation beside training under `--executor slurm`: each kept checkpoint is scored by a
+    Slurm job of its own while the train step's job trains, to the weights of a local build; a
+    job's worker SIGKILLed midway, and `bt run` again scores only what is missing."""
+    from collections import Counter
+
+    from test_eval_beside import BESIDE, KILL_AFTER, curves, preset, scored
+
+    store = tmp_path / ".bt"
+    planned = plan_hash(run_bt("plan", str(preset(tmp_path, 4)), store=store))
+    env = on_slurm(slurm_cluster)
+    args = ("--executor", "slurm", "--threads", "1", "--progress", "off")
+    first = run_bt("run", planned, *args, "--target", "train:main", store=store, env={**env, KILL_AFTER: "1"})
+    assert first.returncode == 0, first.stderr
+    assert "evaluation beside training stopped (killed by signal 9)" in first.stderr
+    assert step_digests(store, planned)["train:main"] == micro_built[2]["train:main"]
+    beside = scored(tmp_path / "experiments")
+    assert len(beside) == 2 and all(by for _, _, by in beside)  # one result per job (checkpoints 4, 8)
+
+    again = run_bt("run", planned, *args, store=store, env=env)
+    assert again.returncode == 0, again.stderr
+    every = Counter((s, u) for s, u, _ in scored(tmp_path / "experiments"))
+    assert every == Counter(BESIDE | {("arith", 12), ("sums", 12)})  # each once over both runs
+    assert curves(store, planned) == {"arith": [4, 8, 12], "sums": [4, 8, 12]}

@@ -366,14 +366,16 @@ def test_a_document_digest_ignores_ascii_case_and_spacing(text):
     assert digest_text(text) == digest_text("  " + text.upper() + "\n")
 
 
-def test_eval_every_draws_each_suite_over_the_kept_checkpoints_and_leaves_the_weights(bt, tmp_path, store):
+def test_checkpoints_every_draws_each_suite_over_the_kept_checkpoints_and_leaves_the_weights(
+    bt, tmp_path, store
+):
     from conftest import step_digests
 
     from buildtrain.plan.stored import load_plan
     from buildtrain.store.store import Store
 
     curve = plan_hash(
-        bt("plan", str(suite_preset(tmp_path, ARITH, "curve.toml", "eval_every = 4\nsubset = 0.5\n")))
+        bt("plan", str(suite_preset(tmp_path, ARITH, "curve.toml", "checkpoints_every = 4\nsubset = 0.5\n")))
     )
     flat = plan_hash(bt("plan", str(suite_preset(tmp_path, ARITH, "flat.toml", "subset = 0.5\n"))))
     assert bt("run", curve).returncode == 0

@@ -51,6 +51,16 @@ def since(field: Any) -> Any:
     return field
 
 
+FORMERLY = "buildtrain.formerly"  # the name a setting had before it was renamed
+
+
+def renamed_from(old: str, field: Any) -> Any:
+    """Mark a `setting` that was called `old`: a preset that still writes `old` is refused with a
+    message naming the new key (a silently ignored or defaulted setting would change the run)."""
+    field.metadata = types.MappingProxyType({**field.metadata, FORMERLY: old})
+    return field
+
+
 def never_hashed(field: Any) -> Any:
     """Mark a `setting` that names a place (a path): its content enters hashes elsewhere."""
     field.metadata = types.MappingProxyType({**field.metadata, NEVER_HASHED: True})

@@ -24,6 +24,7 @@ from buildtrain.config.checks import (
     never_hashed,
     one_of,
     reads,
+    renamed_from,
     setting,
     since,
 )
@@ -482,11 +483,15 @@ class EvalConfig:
         at_most(1.0),
     )
     seed: int = setting(0, "seed of the subset drawn from each suite", at_least(0))
-    eval_every: int = setting(
-        0,
-        "also score each suite (on eval.subset) at every kept checkpoint whose update is a multiple of N, "
-        "after training: a curve in bt report and TensorBoard (0: the final weights only)",
-        at_least(0),
+    checkpoints_every: int = renamed_from(
+        "eval_every",
+        setting(
+            0,
+            "also score each suite (on eval.subset) at every kept checkpoint whose update is a multiple of "
+            "N, as soon as training seals it, in a process beside training: a curve in bt report and "
+            "TensorBoard (0: the final weights only; eval.every is the held-out loss during training)",
+            at_least(0),
+        ),
     )
 
     @suites.validator

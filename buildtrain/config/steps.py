@@ -225,7 +225,7 @@ class DataStep:
 
 # The eval section's suite settings: recorded (in the plan's config and the eval step's) only where
 # suites are set, so a plan without suites keeps the form, and the hashes, it had before suites.
-SUITE_SETTINGS = ("suites", "subset", "seed", "eval_every")
+SUITE_SETTINGS = ("suites", "subset", "seed", "checkpoints_every")
 
 
 SUITE_PATHS = ("file", "task")  # a suite's files, sources of the eval step in this order
@@ -238,7 +238,7 @@ def heldout_settings(config: EvalConfig) -> dict[str, Any]:
 
 def heldout_only(config: EvalConfig) -> EvalConfig:
     """The eval section with its suite settings at their defaults (what a train step records)."""
-    return attrs.evolve(config, suites=(), subset=1.0, seed=0, eval_every=0)
+    return attrs.evolve(config, suites=(), subset=1.0, seed=0, checkpoints_every=0)
 
 
 def eval_view(config: EvalConfig) -> dict[str, Any]:
@@ -301,7 +301,7 @@ class EvalStep:
     subset: float = 1.0
     seed: int = 0
     context: int = 0
-    eval_every: int = 0  # a curve of each suite over the kept checkpoints (only when set)
+    checkpoints_every: int = 0  # a curve of each suite over the kept checkpoints (only when set)
     lora: LoraConfig | None = None  # only after LoRA training
 
     @classmethod
@@ -316,8 +316,8 @@ class EvalStep:
                 {k: v for k, v in attrs.asdict(suite).items() if v is not None} for suite in self.suites
             ]
             config.update(subset=self.subset, seed=self.seed, context=self.context)
-            if self.eval_every:
-                config["eval_every"] = self.eval_every
+            if self.checkpoints_every:
+                config["checkpoints_every"] = self.checkpoints_every
         if self.lora is not None:
             config["lora"] = converter.unstructure(self.lora)
         return config

@@ -27,9 +27,9 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
-from buildtrain.config.checks import reads_of, validators_of
+from buildtrain.config.checks import FORMERLY, reads_of, validators_of
 from buildtrain.config.convert import converter, describe
-from buildtrain.config.problems import KeyPath, unknown_key
+from buildtrain.config.problems import KeyPath, key_text, unknown_key
 
 T = TypeVar("T")
 
@@ -137,7 +137,11 @@ def _walk_structure_error(exc: BaseException, key: KeyPath) -> list[tuple[KeyPat
     """Flatten cattrs' grouped errors into (key path, message) pairs."""
     if isinstance(exc, ForbiddenExtraKeysError):
         fields = [a.name for a in attrs.fields(exc.cl)]
-        return [((*key, extra), unknown_key(extra, fields)) for extra in sorted(exc.extra_fields)]
+        renamed = {a.metadata[FORMERLY]: a.name for a in attrs.fields(exc.cl) if FORMERLY in a.metadata}
+        return [
+            ((*key, extra), _renamed(key, renamed[extra]) if extra in renamed else unknown_key(extra, fields))
+            for extra in sorted(exc.extra_fields)
+        ]
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
         found: list[tuple[KeyPath, str]] = []
         for sub in exc.exceptions:
@@ -150,6 +154,11 @@ def _walk_structure_error(exc: BaseException, key: KeyPath) -> list[tuple[KeyPat
             found.extend(_walk_structure_error(sub, sub_key))
         return found
     return [(key, "is required" if isinstance(exc, KeyError) else str(exc))]
+
+
+def _renamed(key: KeyPath, new: str) -> str:
+    """A key that was renamed: refused (never read as the new one) with the name to write instead."""
+    return f"was renamed to {key_text((*key, new))}; write {new} instead"
 
 
 def _named_prefix(key: KeyPath) -> tuple[str, ...]:

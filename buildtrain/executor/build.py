@@ -27,6 +27,7 @@ from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
+    from buildtrain.executor.beside import Beside
     from buildtrain.executor.remote import RemoteCache
 
 
@@ -148,6 +149,8 @@ class Builder:
         )
         handle = self.engine.start(submission, on_event)
         self.live.add(handle)
+        beside = self._beside(step, shares_store=not via_remote)
+        outcome = None
         try:
             outcome = handle.wait()
         except BaseException:  # this run is stopping (Ctrl-C): stop the step too
@@ -156,12 +159,27 @@ class Builder:
         finally:
             self.live.discard(handle)
             self.reporter.progress_finished()
+            if beside is not None:
+                beside.finish(trained=outcome is not None and outcome.status == 0)
         if handle.node != "local":
             self.record.event("step_placed", step=step.label, hash=step.hash, node=handle.node)
         raise_for_status(step, outcome, self.plan)
         if via_remote:
             self._collect(step, handle.node)
         return handle.node, via_remote
+
+    def _beside(self, step: Step, *, shares_store: bool) -> Beside | None:
+        """Evaluation beside a train step whose kept checkpoints the plan evaluates, where its
+        process writes them into this store (`beside.py`); None for any other step."""
+        if not shares_store or not kind_of(step.kind).resumable:
+            return None
+        from buildtrain.executor.beside import Beside, planned
+
+        if not planned(self.plan, step):
+            return None
+        return Beside(
+            self.store, self.plan, step, self.engine, self.record.forward, self.reporter.step
+        ).start()
 
     def _collect(self, step: Step, node: str) -> None:
         """Pull the output that the engine's process built on `node` and pushed to the remote."""

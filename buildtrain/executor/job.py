@@ -33,6 +33,9 @@ class JobOptions:
     hooks: Mapping[str, Any] = attrs.Factory(dict)  # fault injection (steps/train/faults.py)
     watch: Mapping[str, Any] | None = None  # compare with a recorded build (read by verify's watcher)
     commit: bool = True  # publish the output (a spot check does not)
+    # Evaluation beside training: score this kept checkpoint folder of the step's `checkpoints_of`
+    # input (recording each result in the evaluation cache) instead of building the step.
+    checkpoint: str | None = None
 
 
 PLAIN_RUN = JobOptions()

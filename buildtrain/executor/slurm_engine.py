@@ -16,6 +16,7 @@ anything.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -56,6 +57,8 @@ VARIABLES: Mapping[str, str] = {
 DEFAULT_TIME_MIN = 60
 # Seconds between two looks at a job (one `scontrol` call each); a step takes seconds at least.
 POLL_S = 0.5
+# Numbers the job files this process writes (see `SlurmEngine.start`).
+_SUBMITTED = itertools.count()
 # How long `bt run` keeps asking a controller that stopped answering before it gives up.
 CONTROLLER_GRACE_S = 60.0
 PING_TIMEOUT_S = 30.0
@@ -384,7 +387,11 @@ class SlurmEngine:
         resources = resources_of(submission)
         folder = submission.store.tmp / "slurm"
         folder.mkdir(parents=True, exist_ok=True)
-        job_file = folder / f"{step.hash[:16]}-{os.getpid()}-{threading.get_ident()}.job.json"
+        # One file per submission: one thread submits several jobs of one step at once (evaluation
+        # beside training, a job per checkpoint), and a shared name handed each the last one's job.
+        job_file = (
+            folder / f"{step.hash[:16]}-{os.getpid()}-{threading.get_ident()}-{next(_SUBMITTED)}.job.json"
+        )
         job_of(submission, on_event).write(job_file)
         executor = submitit.SlurmExecutor(folder=folder)
         executor.update_parameters(**self.parameters(step.label, resources))

@@ -43,6 +43,8 @@ from buildtrain.store import objects
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
+    from buildtrain.config.schema import NumericsConfig
+    from buildtrain.plan.plan import Step
     from buildtrain.steps.train.controls import StopRequest, TrainControls
     from buildtrain.steps.train.observer import Observer
 
@@ -89,6 +91,8 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
             raise Interrupted(f"stopped by {stop.signal_name} before {step.label} began; nothing was written")
         signal.signal(signal.SIGTERM, _interrupt_now)
         signal.signal(signal.SIGINT, _interrupt_now)
+    if job.options.checkpoint is not None:
+        return _evaluate_checkpoint(job, store, plan.numerics, step, log)
 
     ctx = StepContext(
         step=step,
@@ -118,6 +122,50 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         return ExitCode.OK
     finally:
         objects.remove_tree(out)
+
+
+def _evaluate_checkpoint(job: Job, store: Store, settings: NumericsConfig, step: Step, log: Any) -> int:
+    """Evaluation beside training: score the kept checkpoint the job names, of the train step
+    that is the step's `checkpoints_of` input (whose output does not exist yet), and record each
+    result in the evaluation cache; nothing is published."""
+    from buildtrain.executor.inputs import verified_inputs
+    from buildtrain.steps.context import StepContext
+    from buildtrain.steps.eval_cache import StoreResults
+    from buildtrain.steps.sources import planned_sources
+    from buildtrain.store.layout import CHECKPOINTS
+
+    kind = kind_of(step.kind)
+    assert job.options.checkpoint is not None and kind.checkpoints_of is not None
+    folder = Path(job.options.checkpoint)
+    published = store.output(step.upstream[kind.checkpoints_of]) / CHECKPOINTS / folder.name
+    work = store.new_temp(f"{step.label}-beside")
+    ctx = StepContext(
+        step=step,
+        numerics=settings,
+        inputs=verified_inputs(store, step, only=set(step.upstream) - {kind.checkpoints_of}),
+        sources=planned_sources(step.inputs.get("sources", []), list(job.sources)),
+        work=work,
+        results=StoreResults(store=store),
+        log=log,
+    )
+    kill_after = job.options.hooks.get("kill_eval_after")  # tests only: a worker killed midway
+
+    def before_scoring() -> None:
+        if kill_after is not None and SCORED["results"] >= kill_after:
+            log.info("hard_kill", scored=SCORED["results"])
+            signal.raise_signal(signal.SIGKILL)
+        SCORED["results"] += 1
+
+    try:
+        computation = importlib.import_module(kind.computes)
+        computation.evaluate_checkpoint(ctx, [folder, published], before_scoring)
+    finally:
+        objects.remove_tree(work)
+    return ExitCode.OK
+
+
+# Results this process began to score beside training (read by the test-only kill_eval_after).
+SCORED = {"results": 0}
 
 
 def _import_torch(settings: JobNumerics, log: Any) -> None:

@@ -50,6 +50,7 @@ class EvalKind(StepKind):
     summary = "evaluation"
     completes_from_store = "same weights evaluated before"  # found in the evaluation cache
     reads_sources = True  # the suites' files, located by content before it runs
+    checkpoints_of = "weights"  # the suites at kept checkpoints (eval.checkpoints_every), beside training
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         config = planning.config
@@ -67,7 +68,7 @@ class EvalKind(StepKind):
             subset=config.eval.subset,
             seed=config.eval.seed,
             context=config.final_stage.train.seq_len,
-            eval_every=config.eval.eval_every,
+            checkpoints_every=config.eval.checkpoints_every,
             lora=config.final_stage.train.lora,
         ).to_config()
         inputs: dict[str, Any] = {
@@ -84,6 +85,11 @@ class EvalKind(StepKind):
                 inputs[f"{DOCUMENTS}{name}"] = planning.required("data", name).hash
         toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
+
+    def checkpoints_evaluated(self, config: Mapping[str, Any], kept: list[int]) -> list[int]:
+        # The final weights are the step's own result, scored after training with the held-out loss.
+        every = config.get("checkpoints_every", 0) if config.get("suites") else 0
+        return sorted(u for u in kept[1:] if every and u % every == 0)
 
     def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
         # A harness task's numbers are the harness's: its release enters the hash where one runs.

@@ -59,6 +59,11 @@ class StepKind:
     # what the store holds, without a process; the run says why in these words.
     completes_from_store: ClassVar[str | None] = None
     sources: ClassVar[str] = "source files"  # what its files are, as `bt diff` names a change of them
+    # The input whose kept checkpoints this kind evaluates while that step trains (evaluation
+    # beside training), each as soon as it is sealed: its `computes` module then has
+    # `evaluate_checkpoint(ctx, folders, before_scoring)`, and `checkpoints_evaluated(config,
+    # kept)` says which updates. None: it waits for its inputs' outputs, as any step does.
+    checkpoints_of: ClassVar[str | None] = None
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -120,6 +125,11 @@ class StepKind:
     def updates(self, config: Mapping[str, Any]) -> int:
         """How many updates verify compares one by one (kinds verified by updates)."""
         return 0
+
+    def checkpoints_evaluated(self, config: Mapping[str, Any], kept: list[int]) -> list[int]:
+        """Of the `checkpoints_of` input's kept updates (`kept`, newest first: the final one
+        first), those this step evaluates beside training, oldest first."""
+        return []
 
     def kept_updates(self, config: Mapping[str, Any]) -> list[int]:
         """The updates whose checkpoints a finished output keeps, newest first (resumable kinds):

@@ -2,13 +2,16 @@
 
 The held-out loss, then each benchmark suite of `[eval] suites` (multiple_choice, exact_match,
 lm_eval; `suites.py`), with its overlap with the training documents (`documents.py`), and with
-`eval_every` each suite again at the train step's kept checkpoints. Every result is keyed in the
-evaluation cache (`eval_cache.py`) by what determines it, so weights evaluated before are not
-evaluated again, and the model is loaded only for what the cache lacks.
+`checkpoints_every` each suite again at the train step's kept checkpoints: each scored as soon as
+training seals it, in a process beside the train step (`evaluate_checkpoint`), and whatever that
+left is scored here. Every result is keyed in the evaluation cache (`eval_cache.py`) by what
+determines it, so weights evaluated before are not evaluated again, and the model is loaded only
+for what the cache lacks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,7 @@ from buildtrain.steps.eval_cache import (
     SUITE_SOURCES,
     assemble,
     cache_key,
+    checkpoint_weights_digest,
     complete_from_cache,
     curve_keys,
     suite_keys,
@@ -28,7 +32,8 @@ from buildtrain.steps.eval_cache import (
 )
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.steps.suites import subset_indices, text_codec
-from buildtrain.store.layout import CHECKPOINTS, RESULT
+from buildtrain.store import objects
+from buildtrain.store.layout import CHECKPOINTS, RESULT, checkpoint_update
 from buildtrain.store.layout import DEFAULT_NGRAM as NGRAM
 
 if TYPE_CHECKING:
@@ -41,7 +46,7 @@ complete_from_store = complete_from_cache
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
     key, identity = cache_key(ctx.step, ctx.inputs["weights"], ctx.inputs["data"])
     wanted = [(key, identity), *suite_keys(ctx.step, ctx.inputs)]
-    points = curve_keys(ctx.step, ctx.inputs)  # the suites at kept checkpoints (eval_every)
+    points = curve_keys(ctx.step, ctx.inputs)  # the suites at kept checkpoints (checkpoints_every)
     keys = [k for k, _ in wanted] + [k for _, _, k, _ in points]
     cached = [ctx.results.lookup(k) if ctx.results is not None else None for k in keys]
     for each, hit in zip(keys, cached, strict=True):
@@ -58,6 +63,59 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         for each, result in zip(keys, [*results, *curve], strict=True):
             ctx.results.record(each, result)  # type: ignore[arg-type]
     return digests
+
+
+def evaluate_checkpoint(
+    ctx: StepContext, folders: list[Path], before_scoring: Callable[[], None] = lambda: None
+) -> int:
+    """Each suite at one kept checkpoint of the train step, sealed while it trains (evaluation
+    beside training; `ctx.inputs` lacks the weights, not built yet). The checkpoint is read from
+    the first of `folders` that holds it (the train step's work folder, then its output, which
+    holds the same files once it is published). What the cache lacks is scored with the weights
+    loaded once and recorded at once, each result under its own key: a process killed midway
+    loses only the result it was computing, and no result is computed twice. Returns how many
+    were scored (0 also where the checkpoint is gone or damaged: the eval step scores it)."""
+    config = EvalStep.from_config(ctx.step.config)
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        try:
+            return _at_checkpoint(ctx, config, folder, before_scoring)
+        except FileNotFoundError:  # moved into the output (training ended) while it was read
+            continue
+    ctx.log.warning("eval_checkpoint_gone", checkpoint=folders[0].name, message="left to the eval step")
+    return 0
+
+
+def _at_checkpoint(
+    ctx: StepContext, config: EvalStep, folder: Path, before_scoring: Callable[[], None]
+) -> int:
+    update = checkpoint_update(folder.name)
+    problems = objects.verify(folder)
+    if problems:
+        if not folder.is_dir():
+            raise FileNotFoundError(folder)
+        ctx.log.warning("eval_checkpoint_refused", checkpoint=folder.name, problem=problems[0])
+        return 0
+    assert ctx.results is not None
+    weights = checkpoint_weights_digest(folder, ctx.step.config.get("lora"))
+    wanted = [
+        (index, key, identity)
+        for index, (key, identity) in enumerate(suite_keys(ctx.step, ctx.inputs, weights))
+        if ctx.results.lookup(key) is None
+    ]
+    if not wanted:
+        ctx.log.info("eval_cache_hit", checkpoint=folder.name)
+        return 0
+    loaded = load(config, ctx.inputs["data"], folder, ctx.numerics)
+    files = suite_files(config, ctx.sources)
+    for index, key, identity in wanted:
+        before_scoring()
+        suite = config.suites[index]
+        result = score_suite(loaded, config, suite, files[index], ctx.inputs, ctx.work / suite.name)
+        ctx.log.info("eval_suite", suite=suite.name, step=update, beside=True, **result)
+        ctx.results.record(key, {"identity": identity, "result": result})
+    return len(wanted)
 
 
 def suite_files(config: EvalStep, sources: list[Source]) -> list[list[Source]]:

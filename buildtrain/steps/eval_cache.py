@@ -117,12 +117,12 @@ def suite_keys(
 
 
 def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, str, dict[str, Any]]]:
-    """(update, suite index, key, identity) of each point of the suites' curves (`eval_every`):
+    """(update, suite index, key, identity) of each point of the suites' curves (`checkpoints_every`):
     every suite at every kept checkpoint of the train step whose update is a multiple of
-    `eval_every`, the final one excepted (it is the step's own result). Each point is a suite
+    `checkpoints_every`, the final one excepted (it is the step's own result). Each point is a suite
     result like any other, keyed by its checkpoint's weights digest (computed as the train step
     computes its final one). Torch-free."""
-    every = step.config.get("eval_every", 0)
+    every = step.config.get("checkpoints_every", 0)
     if not every:
         return []
     output = inputs["weights"]

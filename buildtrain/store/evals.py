@@ -106,7 +106,7 @@ def output_suites(output: Path) -> dict[str, dict[str, Any]]:
 
 
 def output_curves(output: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each suite's (update, accuracy) points an eval step's output records (`eval_every`)."""
+    """Each suite's (update, accuracy) points an eval step's output records (`checkpoints_every`)."""
     try:
         curves = json.loads((output / EVAL_RESULT).read_bytes()).get("curves", {})
         found = {}

@@ -126,7 +126,7 @@ def write_pngs(folder: Path, curves: Sequence[Curve], heldout: Sequence[float | 
 
 
 def suites_svg(series: Sequence[tuple[str, Sequence[tuple[int, float]]]]) -> str:
-    """Each suite's accuracy over the kept checkpoints (`eval.eval_every`), one line per plan and
+    """Each suite's accuracy over the kept checkpoints (`eval.checkpoints_every`), one line per plan and
     suite, as an inline `<svg>`."""
     plt = _pyplot()
     height = max(3.2, LEGEND_ENTRY_INCHES * len(series) + 0.6)
@@ -134,7 +134,11 @@ def suites_svg(series: Sequence[tuple[str, Sequence[tuple[int, float]]]]) -> str
     for label, points in series:
         at, values = zip(*points, strict=True) if points else ((), ())
         ax.plot(at, values, "o-", linewidth=1.2, markersize=3.5, label=label)
-    ax.set(xlabel="update", ylabel="accuracy", title="Benchmark suites at the kept checkpoints (eval_every)")
+    ax.set(
+        xlabel="update",
+        ylabel="accuracy",
+        title="Benchmark suites at the kept checkpoints (checkpoints_every)",
+    )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     buffer = io.StringIO()
     with plt.rc_context({"svg.hashsalt": "bt-suites", "svg.id": "figure-suites"}), _quiet():
