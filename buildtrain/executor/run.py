@@ -151,13 +151,14 @@ def run_plan(
 
     def build(step: Step) -> StepResult:
         joins = launch.follower and kind_of(step.kind).ranks
-        return builder.join(step) if joins else builder.build(step)
+        result = builder.join(step) if joins else builder.build(step)
+        record.step_result(result)  # now: a later step's interruption must not lose it
+        return result
 
     try:
         with signals_interrupt(plan), store.running(plan.hash):
             concurrent = engine.concurrent and not launch.follower
-            for result in build_in_order(steps, build, concurrent=concurrent, cancel=builder.live.cancel_all):
-                record.step_result(result)
+            build_in_order(steps, build, concurrent=concurrent, cancel=builder.live.cancel_all)
         outcome, code = "done", int(ExitCode.OK)
     except KeyboardInterrupt:  # SIGINT where no handler of ours was installed (another thread)
         outcome, code = "interrupted", int(ExitCode.INTERRUPTED)
