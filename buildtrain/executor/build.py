@@ -75,6 +75,8 @@ class Builder:
                         if not build:  # only a remote hands out a pull instead of a build
                             assert self.remote is not None
                             return self._result(step, started, "pulled", f"from {self.remote.url}")
+                        if self.remote is not None:
+                            self.remote.share_plan(self.plan, step)
                         node, collected = self._compute(step, lock_fd, started)
                         # Holding the lease: a waiter then pulls it. An engine whose process
                         # built it in a store of its own has pushed it (and this run pulled it).
