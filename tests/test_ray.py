@@ -81,6 +81,10 @@ def test_a_sweep_on_ray_gives_the_local_bits_then_a_null_build(
     assert again.stderr.count("0 executed, 4 cached") == 4, again.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in again.stderr.splitlines() if "|" in line}
     assert not {name for name in imported if name == "ray" or name.startswith("ray.")}
+    # Four plans ran at once: each line of a plan's run says whose it is (announce, 4 steps, done).
+    said = [line for line in again.stderr.splitlines() if "|" not in line]
+    for plan in plans:
+        assert sum(line.startswith(f"[{plan[:12]}] ") for line in said) == 6, said
 
 
 def test_a_null_build_of_a_preset_on_ray_asks_no_worker_and_loads_no_ray(

@@ -116,7 +116,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_options(args, args.threads or threads or None, launch)
 
     with engine_of(args) as engine:  # one engine plans (a preset, for its workers) and runs
-        workers = worker_probe(engine, store)
+        workers = worker_probe(engine, store, quiet=args.quiet)
         with remote_hint(url):
             targets = resolve_targets(
                 args.plan, store, args.set, args.sweep, launch.world_size, workers=workers
@@ -160,14 +160,16 @@ def engine_of(args: argparse.Namespace) -> Iterator[Engine | None]:
         engine.close()
 
 
-def worker_probe(engine: Engine | None, store: Store, *, fresh: bool = False) -> WorkerProbes | None:
+def worker_probe(
+    engine: Engine | None, store: Store, *, fresh: bool = False, quiet: bool = False
+) -> WorkerProbes | None:
     """What a preset is planned for: the machine of `engine`'s workers (asked once per device,
     only when a preset is planned; kept in the store unless `fresh`), else this machine (None)."""
     if engine is None:
         return None
     from buildtrain.executor.probes import WorkerProbes
 
-    return WorkerProbes(engine=engine, store=store, say=err, fresh=fresh)
+    return WorkerProbes(engine=engine, store=store, say=(lambda _: None) if quiet else err, fresh=fresh)
 
 
 def _built(store: Store, targets: list[Target]) -> bool:
@@ -187,6 +189,7 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
         wait=not args.no_wait,
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
+        quiet=args.quiet,
         target=args.target,
         launch=launch,
         remote=remote_of(args),
