@@ -155,6 +155,7 @@ ENTRY_POINTS = {
         "buildtrain.executor.deliver",
         "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
         "buildtrain.executor.engine",  # --executor: which engine, with what options
+        "buildtrain.executor.probes",  # --executor: what a preset is planned for (the workers, kept)
         "buildtrain.executor.adhoc",  # bt eval: one suite scored on a built plan's weights
     ),
 }

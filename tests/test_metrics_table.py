@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_bt
+from conftest import MICRO, plan_hash, run_bt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mixed_built import BuiltMixed, built_mixed
@@ -16,7 +17,7 @@ from sweeps_built import BuiltSweep, built_sweep
 
 from buildtrain.errors import ExitCode
 from buildtrain.plan.card import Card
-from buildtrain.views.table import RESULT_COLUMNS, differing, fitted_table, short_names, table_text
+from buildtrain.views.table import RESULT_COLUMNS, cell, differing, fitted_table, short_names, table_text
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,34 @@ def test_diff_has_a_metrics_section(sweep: BuiltSweep) -> None:
     assert "metrics:" in result.stdout and "held-out" in result.stdout
     body = json.loads(run_bt("diff", sweep.plans[0], sweep.plans[-1], "--json", store=sweep.store).stdout)
     assert {m["metric"] for m in body["metrics"]} >= {"train_loss", "heldout_loss", "tokens_per_s"}
+
+
+def test_diff_shows_only_what_exists_and_says_when_a_plan_never_ran(micro_built, tmp_path) -> None:
+    """Issue 48: two plans never run share a built data step; `bt diff` showed its wall time as
+    theirs and "partial 1/4". Now: said in one line; against a built plan, only its values."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    built = micro_built[1]
+    a, b = (
+        plan_hash(run_bt("plan", str(MICRO), "--set", f"train.lr={lr}", store=store)) for lr in (1e-3, 2e-3)
+    )
+    neither = run_bt("diff", a, b, store=store)
+    assert neither.returncode == 0, neither.stderr
+    assert neither.stdout.splitlines()[-1] == "metrics: neither plan has been run (bt run builds them)"
+    assert "wall s" not in neither.stdout and "partial" not in neither.stdout
+    body = json.loads(run_bt("diff", a, b, "--json", store=store).stdout)["metrics"]
+    assert all(m["before"] is None and m["after"] is None for m in body if m["metric"] != "status")
+    one = run_bt("diff", a, built, store=store).stdout
+    section = one[one.index("metrics:") :].splitlines()
+    (ours,) = json.loads(run_bt("ls", built, "--metrics", "--json", store=store).stdout)
+    assert section[1:] == [
+        f"  train loss  - -> {cell(ours['train_loss'])}",
+        f"  held-out    - -> {cell(ours['heldout_loss'])}",
+        f"  bits/token  - -> {cell(ours['bits_per_token'])}",
+        f"  tokens/s    - -> {cell(ours['tokens_per_s'])}",
+        f"  wall s      - -> {cell(ours['wall_s'])}",
+        "  status      not run -> built",
+    ]
 
 
 def test_tables_and_reports_do_not_import_torch(sweep: BuiltSweep, tmp_path) -> None:

@@ -5,8 +5,10 @@ never loads Ray; two ranks placed by Ray; a killed worker retried and resumed; t
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -80,6 +82,56 @@ def test_a_sweep_on_ray_gives_the_local_bits_then_a_null_build(
     assert again.stderr.count("0 executed, 4 cached") == 4, again.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in again.stderr.splitlines() if "|" in line}
     assert not {name for name in imported if name == "ray" or name.startswith("ray.")}
+    # Four plans ran at once: each line of a plan's run says whose it is (announce, 4 steps, done).
+    said = [line for line in again.stderr.splitlines() if "|" not in line]
+    for plan in plans:
+        assert sum(line.startswith(f"[{plan[:12]}] ") for line in said) == 6, said
+
+
+def test_a_null_build_of_a_preset_on_ray_asks_no_worker_and_loads_no_ray(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster, micro_built: tuple
+) -> None:
+    """Issue 48: `bt run PRESET --executor ray` plans for the workers' toolchain. Once they have
+    answered, a null build plans from the answer the store keeps: Ray is never imported, and it
+    says what a local null build says. A kept answer that no longer holds is found out before a
+    step is built: the workers are asked again and the preset planned again."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    local = run_bt("run", str(MICRO), "--progress", "off", store=store)
+    assert local.returncode == 0, local.stderr
+    env = {**ray_cluster.env(), "BT_EXECUTOR": "ray"}
+    asked = run_bt("run", str(MICRO), "--progress", "off", store=store, env=env)
+    assert asked.returncode == 0, asked.stderr
+    assert "planning for the ray workers: torch " in asked.stderr and "answered before" not in asked.stderr
+
+    def result(stderr: str) -> list[str]:  # the plan, its steps and its outcome, without times or paths
+        lines = [line for line in stderr.splitlines() if "|" not in line and "planning for" not in line]
+        return [re.sub(r"\S*experiments\S*|done in [0-9.]+s", "", line) for line in lines]
+
+    argv = [sys.executable, "-X", "importtime", "-m", "buildtrain", "run", str(MICRO), "--progress", "off"]
+    environment = {
+        **os.environ,
+        **env,
+        "BT_STORE": str(store),
+        "BT_EXPERIMENTS": str(tmp_path / "experiments"),
+    }
+    null = subprocess.run(argv, env=environment, capture_output=True, text=True, timeout=120)
+    assert null.returncode == 0, null.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in null.stderr.splitlines() if "|" in line}
+    assert not {name for name in imported if name == "ray" or name.startswith("ray.")}
+    assert "(as they answered before)" in null.stderr
+    assert result(null.stderr) == result(local.stderr) and "0 executed, 4 cached" in local.stderr
+
+    # A kept answer for another torch: the plan made from it is not built, so the workers are
+    # asked again, answer with the real one, and the preset's plan is the built one again.
+    (kept,) = (store / "cache" / "workers").iterdir()
+    answer = json.loads(kept.read_text())
+    kept.write_text(json.dumps({**answer, "torch": "0.0.0+other"}))
+    again = run_bt("run", str(MICRO), "--progress", "off", store=store, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "toolchain changed since asked before: planning again" in again.stderr
+    assert result(again.stderr)[-6:] == result(local.stderr)[-6:]
+    assert json.loads(kept.read_text()) == answer
 
 
 def test_two_ranks_placed_by_ray_give_the_bits_of_two_local_ranks(

@@ -373,6 +373,47 @@ def test_a_train_step_killed_on_one_machine_resumes_on_another(
     assert "resuming from step-" not in strict.stderr and step_digests(c, plan) == micro_built[2]
 
 
+def test_a_run_stopped_before_any_push_resumes_on_another_machine_from_the_hash_alone(
+    tmp_path: Path, micro_built: Reference, seaweed_server: seaweed.Seaweed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 48: the plan is uploaded before its first step builds, not when a push first
+    happens. Store A's data step was built without the remote, so nothing of the run had been
+    pushed when A is killed after its first checkpoint reached S3; store B, which never saw the
+    preset, runs the plan by hash and gets the weights of an uninterrupted build."""
+    import signal
+    import time
+
+    for name, value in seaweed_server.env().items():
+        monkeypatch.setenv(name, value)
+    url = seaweed_server.url(f"r-{uuid.uuid4().hex[:12]}")
+    a, b = tmp_path / "a" / ".bt", tmp_path / "b" / ".bt"
+    plan = plan_hash(bt_at(a, "plan", str(MICRO)))
+    assert bt_at(a, "run", plan, "--target", "data:main").returncode == 0
+    train = load_plan(Store(a), plan).steps[1].hash
+    env = {**os.environ, "BT_STORE": str(a), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    slow = subprocess.Popen(
+        [sys.executable, "-m", "buildtrain", "run", plan, "--remote", url],
+        env={**env, "BT_TEST_STEP_DELAY": "0.4"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its step process too goes down with the group
+    )
+    remote = Remote.open(url)
+    deadline = time.monotonic() + 120
+    while not remote.checkpoints(train) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(slow.pid, signal.SIGKILL)
+    slow.wait()
+    assert remote.checkpoints(train), "no checkpoint reached the remote"
+    assert not remote.has_output(train) and plan in remote.plans()
+    for key in remote.backend.list("leases"):  # A's lease would expire in a minute: skip the wait
+        remote.backend.delete(key)
+    run = bt_at(b, "run", plan, "--remote", url)
+    assert run.returncode == 0, run.stderr
+    assert "resuming from step-" in run.stderr
+    assert step_digests(b, plan) == micro_built[2]
+
+
 def test_a_remote_out_of_reach_is_one_warning_and_the_run_builds_locally(
     tmp_path: Path, micro_built: Reference
 ) -> None:

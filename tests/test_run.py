@@ -424,3 +424,52 @@ def test_progress_lines_off_a_terminal_and_a_bar_when_asked():
     assert "20/20" in drawn and "loss 2.5000" in drawn and "1,234 tok/s" in drawn
     assert "\x1b[" in drawn  # a terminal's drawing, redrawn in place
     assert drawn.rstrip().endswith("executed  1.0s") and "step 10/20" not in drawn
+
+
+def test_quiet_run_says_only_what_the_run_came_to(tmp_path):
+    """`bt run -q` (issue 48): one 'done' line on stderr for a build and for a null build, nothing
+    on stdout; an error is still said."""
+    store = tmp_path / ".bt"
+    plan = plan_hash(run_bt("plan", str(MICRO), store=store))
+    for executed in ("1 executed, 0 cached", "0 executed, 1 cached"):
+        quiet = run_bt("run", plan, "-q", "--target", "data:main", store=store)
+        assert quiet.returncode == 0, quiet.stderr
+        assert quiet.stdout == ""
+        (line,) = quiet.stderr.splitlines()
+        assert line.startswith("done in ") and f": {executed}; record: " in line
+    refused = run_bt("run", "ffff", "-q", store=store)
+    assert refused.returncode == ExitCode.USAGE and refused.stderr.startswith("bt run: ")
+
+
+def test_the_lines_of_plans_running_at_once_say_whose_they_are():
+    import io
+
+    from buildtrain.executor.progress import Reporter
+
+    stream = io.StringIO()
+    reporter = Reporter(False, log_every=1, stream=stream, plan="ae4b709d87ac")
+    reporter.say("bt run ae4b709d87ac 'micro'")
+    reporter.step("data:main", "cached")
+    reporter.progress_started("train:main")
+    reporter.event(
+        {
+            "event": "train_step",
+            "step": 1,
+            "steps": 2,
+            "loss": 2.5,
+            "lr": 3e-3,
+            "grad_norm": 0.5,
+            "tokens_per_s": 9.0,
+        }
+    )
+    reporter.result("done in 0.1s")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 4 and all(line.startswith("[ae4b709d87ac] ") for line in lines), lines
+    quiet = io.StringIO()
+    silent = Reporter(True, log_every=1, stream=quiet, quiet=True)
+    silent.say("announce")
+    silent.step("data:main", "cached")
+    silent.progress_started("train:main")
+    silent.progress_finished()
+    silent.result("done in 0.1s")
+    assert quiet.getvalue() == "done in 0.1s\n"

@@ -153,6 +153,18 @@ def test_a_sweep_on_slurm_gives_the_local_bits_and_then_a_null_build(
     assert again.returncode == 0, again.stderr
     records = summaries(tmp_path / "slurm" / "experiments")[-len(plans) :]
     assert all(set(actions(summary).values()) == {"cached"} for summary in records)
+    # The preset too (issue 48): planned from the toolchain the first run's probe job reported,
+    # which the store keeps, so no probe job is submitted (without submitit none could be).
+    preset = bt_without_submitit(
+        "run", str(MICRO), *SWEEP, "--executor", "slurm", "--progress", "off", store=remote, env=env
+    )
+    assert preset.returncode == 0, preset.stderr
+    assert (
+        "planning for the slurm workers: " in preset.stderr and "(as they answered before)" in preset.stderr
+    )
+    records = summaries(tmp_path / "slurm" / "experiments")[-len(plans) :]
+    assert all(set(actions(summary).values()) == {"cached"} for summary in records)
+    assert {summary["plan"] for summary in records} == set(plans)
 
 
 def test_a_two_rank_train_step_is_one_job_of_two_tasks_with_the_local_bits(

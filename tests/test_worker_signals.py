@@ -15,6 +15,8 @@ import sys
 
 from conftest import MICRO, plan_hash, run_bt
 
+from buildtrain.executor.faults import SIGNAL_AFTER_PUBLISH
+
 IN_IMPORT = {"BT_TEST_SIGNAL_IN_IMPORT": "torch.nn"}  # deep inside `import torch`
 
 
@@ -68,3 +70,23 @@ def test_a_worker_whose_parent_died_before_it_could_ask_for_its_signal_exits():
     assert result.returncode == 137 and result.stderr == ""
     same = f"from buildtrain.executor.launch import die_with_parent; die_with_parent({os.getpid()})"
     assert subprocess.run([sys.executable, "-c", same], timeout=60).returncode == 0
+
+
+def test_a_ctrl_c_as_a_train_step_publishes_its_output_loses_none_of_its_metrics(tmp_path):
+    """SIGINT to bt and the step process right after the train output is published, before the
+    process says so (issue 48): the run stops (exit 3), and the step's summary is written anyway,
+    so the tables show its loss and speed after the resume, not a blank for good."""
+    store = tmp_path / ".bt"
+    plan = plan_hash(run_bt("plan", str(MICRO), store=store))
+    stopped = run_bt("run", plan, store=store, env={SIGNAL_AFTER_PUBLISH: "train:main"})
+    assert stopped.returncode == 3, stopped.stderr
+    assert "stopped after train:main completed" in stopped.stderr and "Traceback" not in stopped.stderr
+    (log,) = (tmp_path / "experiments").glob("*/metrics.jsonl")
+    trained = [json.loads(line) for line in log.read_text().splitlines()]
+    last = [line for line in trained if line["event"] == "train_step"][-1]
+    resumed = run_bt("run", plan, store=store)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "train:main       cached" in resumed.stderr  # the summary could only come from the stopped run
+    (row,) = json.loads(run_bt("ls", "--metrics", "--json", store=store).stdout)
+    assert row["train_loss"] == last["loss"] and row["status"] == "built"
+    assert isinstance(row["tokens_per_s"], float) and row["tokens_per_s"] > 0

@@ -20,9 +20,10 @@ from buildtrain.store.store import Store
 if TYPE_CHECKING:
     from buildtrain.executor.engine import Engine
     from buildtrain.executor.launch import Launch
+    from buildtrain.executor.probes import WorkerProbes
     from buildtrain.executor.run import RunOptions
     from buildtrain.plan.plan import Plan
-    from buildtrain.plan.toolchain import Machine, WorkerProbe
+    from buildtrain.plan.refs import Target
 
 
 def experiments(args: argparse.Namespace) -> Path:
@@ -75,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     with engine_of(args) as engine:
-        workers = worker_probe(engine, store)
+        workers = worker_probe(engine, store, fresh=True)
         planned = plan_sweep(args.preset, args.set, args.sweep, store, args.nproc * args.nnodes, workers)
     if isinstance(planned, SweepPlans):  # one hash per point on stdout; what they share on stderr
         from buildtrain.views.sweep import sweep_summary
@@ -108,11 +109,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_options(args, args.threads or threads or None, launch)
 
     with engine_of(args) as engine:  # one engine plans (a preset, for its workers) and runs
-        workers = worker_probe(engine, store)
+        workers = worker_probe(engine, store, quiet=args.quiet)
         with remote_hint(url):
             targets = resolve_targets(
                 args.plan, store, args.set, args.sweep, launch.world_size, workers=workers
             )
+            # Planned from the workers' kept answer: good for a null build; before a step is
+            # built they are asked again, and plans made for what they answer now.
+            if workers is not None and workers.kept and not _built(store, targets) and workers.confirm():
+                targets = resolve_targets(
+                    args.plan, store, args.set, args.sweep, launch.world_size, workers=workers
+                )
         if len(targets) == 1:
             code = run_plan(store, targets[0].plan, options_for(targets[0].threads), engine=engine)
             if text := suites_text(store, targets[0].plan):  # scores where a person looks
@@ -149,25 +156,21 @@ def engine_of(args: argparse.Namespace) -> Iterator[Engine | None]:
         engine.close()
 
 
-def worker_probe(engine: Engine | None, store: Store) -> WorkerProbe | None:
+def worker_probe(
+    engine: Engine | None, store: Store, *, fresh: bool = False, quiet: bool = False
+) -> WorkerProbes | None:
     """What a preset is planned for: the machine of `engine`'s workers (asked once per device,
-    only when a preset is planned), else this machine (None)."""
+    only when a preset is planned; kept in the store unless `fresh`), else this machine (None)."""
     if engine is None:
         return None
-    asked: dict[str, Machine | None] = {}
+    from buildtrain.executor.probes import WorkerProbes
 
-    def machine(device: str) -> Machine | None:
-        if device not in asked:
-            asked[device] = found = engine.worker_machine(device, store)
-            if found is not None:
-                gpu = f", {found.gpu['gpu']}" if found.gpu.get("gpu") else ""
-                err(
-                    f"planning for the {engine.name} workers: torch {found.torch}, {found.cpu['arch']} "
-                    f"{found.cpu['isa']}{gpu}, {found.cores} cores"
-                )
-        return asked[device]
+    return WorkerProbes(engine=engine, store=store, say=(lambda _: None) if quiet else err, fresh=fresh)
 
-    return machine
+
+def _built(store: Store, targets: list[Target]) -> bool:
+    """Whether every step of every target is in the store (a null build, but for damage)."""
+    return all(store.has_output(step.hash) for target in targets for step in target.plan.steps)
 
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
@@ -182,6 +185,7 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
         wait=not args.no_wait,
         progress=None if args.progress == "auto" else args.progress == "on",
         log_every=args.log_every,
+        quiet=args.quiet,
         target=args.target,
         launch=launch,
         remote=remote_of(args),

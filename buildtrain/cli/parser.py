@@ -253,6 +253,12 @@ def _add_run(command: Command) -> None:
         metavar="N",
         help="log a training line every N steps (default 10)",
     )
+    sub.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="say only what each run came to (its 'done' line, a sweep's summary); errors still on stderr",
+    )
     _add_remote(
         sub,
         "a team cache (default: $BT_REMOTE): a step not in this store is pulled from it when it is "

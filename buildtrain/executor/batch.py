@@ -24,6 +24,7 @@ from buildtrain.executor.processes import StepProcesses
 from buildtrain.executor.run import LOCAL, RunOptions, engine_for, run_plan, signals_interrupt
 from buildtrain.executor.schedule import LiveSteps
 from buildtrain.plan.plan import Plan
+from buildtrain.store.layout import SHORT
 from buildtrain.store.store import Store
 
 
@@ -148,6 +149,8 @@ def _run_together(
     def one(index: int, plan: Plan, options: RunOptions) -> tuple[int, str | None, Path | None]:
         if on_plan is not None:
             on_plan(index, plan)
+        if len(plans) > 1:  # their lines interleave: each says whose it is
+            options = attrs.evolve(options, label=plan.hash[:SHORT])
         created: list[Path] = []
         message: str | None = None
         try:

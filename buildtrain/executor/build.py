@@ -76,7 +76,9 @@ class Builder:
                         if not build:  # only a remote hands out a pull instead of a build
                             assert self.remote is not None
                             return self._result(step, started, "pulled", f"from {self.remote.url}")
-                        node, collected = self._compute(step, lock_fd)
+                        if self.remote is not None:
+                            self.remote.share_plan(self.plan, step)
+                        node, collected = self._compute(step, lock_fd, started)
                         # Holding the lease: a waiter then pulls it. An engine whose process
                         # built it in a store of its own has pushed it (and this run pulled it).
                         if self.remote is not None and not collected:
@@ -121,9 +123,13 @@ class Builder:
                 return self._result(step, started, "cached", kind.completes_from_store)
         return None
 
-    def _compute(self, step: Step, lock_fd: int) -> tuple[str, bool]:
+    def _compute(self, step: Step, lock_fd: int, started: float) -> tuple[str, bool]:
         """Run the step's process (or ranks) on the engine holding its lock; raises for how it
-        ended, else returns the node it ran on and whether the output came through the remote."""
+        ended, else returns the node it ran on and whether the output came through the remote.
+
+        The step's metrics summary is written when its process says the output is published
+        (`step_done`): while the process runs, this run's signals are forwarded to it, never
+        raised here, so a Ctrl-C that lands as the step ends cannot leave an output without one."""
         self.record.event("step_started", step=step.label, hash=step.hash, threads=self.threads)
         if kind_of(step.kind).ranks:
             self.reporter.progress_started(step.label)
@@ -133,6 +139,8 @@ class Builder:
         def on_event(line: dict[str, Any]) -> None:
             self.record.forward(line)
             self.reporter.event(line)
+            if line.get("event") == "step_done" and line.get("label") == step.label:
+                self.record.step_built(step.label, step.hash, round(time.perf_counter() - started, 3))
 
         # An engine whose processes build in stores of their own hands outputs over through the
         # remote; without one (or with one out of reach) they build in this store, which they

@@ -155,6 +155,11 @@ class Engine(Protocol):
         plans for it, so the steps' hashes name the workers' results."""
         ...
 
+    def cluster(self) -> str:
+        """What names the workers `worker_machine` asks (an address, a partition): with the
+        device and this machine's toolchain, the key its kept answer is found by (`probes.py`)."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds (processes, a connection, a cluster it started)."""
         ...

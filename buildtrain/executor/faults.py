@@ -66,3 +66,23 @@ def signal_inside_import_for_tests() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     sys.meta_path.insert(0, SignalOnImport())
+
+
+# The step (by label) whose process, right after publishing its output and before saying so,
+# sends SIGINT to itself and to the bt that started it (tests only): a terminal's Ctrl-C at the
+# very end of a step, exactly.
+SIGNAL_AFTER_PUBLISH = "BT_TEST_SIGNAL_AFTER_PUBLISH"
+
+
+def signal_after_publish_for_tests(label: str) -> None:
+    """Where `BT_TEST_SIGNAL_AFTER_PUBLISH` names `label`, SIGINT bt and this process."""
+    if os.environ.get(SIGNAL_AFTER_PUBLISH) != label:
+        return
+    import signal
+
+    from buildtrain.executor.launch import PARENT_PID
+
+    parent = os.environ.get(PARENT_PID)
+    if parent:
+        os.kill(int(parent), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)

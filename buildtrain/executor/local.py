@@ -69,6 +69,9 @@ class LocalEngine:
     def worker_machine(self, device: str, store: Store) -> Machine | None:
         return None  # this machine: the planner's own
 
+    def cluster(self) -> str:
+        return ""  # this machine, which no probe asks
+
     def close(self) -> None:
         if self.processes is not None and self.owns_processes:
             self.processes.close()

@@ -32,6 +32,7 @@ class MetricsCollector:
         self.writer = EventWriter(folder)
         self._steps: dict[str, dict[str, Any]] = {}
         self._last_step: dict[str, int] = {}
+        self._written: set[str] = set()  # steps whose summary this run wrote
 
     def event(self, line: dict[str, Any]) -> None:
         label = line.get("label")
@@ -57,9 +58,11 @@ class MetricsCollector:
                 seen["eval"] = {k: line[k] for k in EVAL_SCALARS if isinstance(line.get(k), (int, float))}
 
     def step_finished(self, result: dict[str, Any], kind: str) -> None:
-        """Write the summary of a step this run executed (a cache hit keeps the builder's)."""
-        if self.store_root is None or result.get("action") != "executed":
+        """Write the summary of a step this run executed (a cache hit keeps the builder's), once:
+        when its process said the output is published, else when its result came back."""
+        if self.store_root is None or result.get("action") != "executed" or result["hash"] in self._written:
             return
+        self._written.add(result["hash"])
         seen = self._steps.get(result["label"], {"train": [], "eval": None})
         body: dict[str, Any] = {
             "label": result["label"],

@@ -9,15 +9,37 @@ from typing import Any, TextIO
 
 
 class Reporter:
-    def __init__(self, progress: bool | None, log_every: int, stream: TextIO | None = None) -> None:
+    """`quiet` (`bt run -q`): only `result` lines; `plan`: a label put before every line, where
+    several plans run at once and their lines interleave (a sweep on Ray or Slurm)."""
+
+    def __init__(
+        self,
+        progress: bool | None,
+        log_every: int,
+        stream: TextIO | None = None,
+        *,
+        quiet: bool = False,
+        plan: str = "",
+    ) -> None:
         self.stream = stream or sys.stderr
-        self.progress_bar = self.stream.isatty() if progress is None else progress
+        self.quiet = quiet
+        self.progress_bar = not quiet and (self.stream.isatty() if progress is None else progress)
         self.log_every = log_every
+        self.prefix = f"[{plan}] " if plan else ""
         self._progress: Any = None
         self._task: Any = None
         self._label = ""
 
     def say(self, text: str) -> None:
+        if not self.quiet:
+            self._write(text)
+
+    def result(self, text: str) -> None:
+        """What a run came to: said even when quiet."""
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        text = self.prefix + text
         if self._progress is not None:
             self._progress.console.print(text, highlight=False, markup=False)
         else:
@@ -37,7 +59,7 @@ class Reporter:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._progress = Progress(
-            TextColumn(f"  {label:<16}"),
+            TextColumn(f"{self.prefix}  {label:<16}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  {task.fields[speed]} tok/s"),

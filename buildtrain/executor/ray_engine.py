@@ -302,6 +302,11 @@ class RayEngine:
         machine: Machine = ray.get(ref)
         return machine
 
+    def cluster(self) -> str:
+        # Without RAY_ADDRESS the workers are a local instance's: this machine, whose toolchain
+        # is part of the probe's key too.
+        return f"ray {self.address or 'local instance'}"
+
     def close(self) -> None:
         if self._connected:
             import ray

@@ -34,6 +34,7 @@ class RunRecord:
         self.plan = plan
         self.metrics = MetricsCollector(folder, store_root)  # TensorBoard scalars, step summaries
         self.steps: list[StepResult] = []
+        self._order = {step.hash: index for index, step in enumerate(plan.steps)}  # summary order
         self._log = open(folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._metrics = open(folder / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self._writing = threading.Lock()
@@ -83,9 +84,20 @@ class RunRecord:
                 append_flushed(self._metrics, json.dumps(metric, sort_keys=True) + "\n")
                 self.metrics.event(line)
 
+    def step_built(self, label: str, step_hash: str, wall_s: float) -> None:
+        """A step process of this run published the step's output: write its metrics summary now
+        (the run may yet be stopped before the step's result comes back)."""
+        with self._writing:
+            self.metrics.step_finished(
+                {"label": label, "hash": step_hash, "action": "executed", "duration_s": wall_s},
+                self.plan.step(step_hash).kind,
+            )
+
     def step_result(self, result: StepResult) -> None:
-        self.steps.append(result)
-        self.metrics.step_finished(attrs.asdict(result), self.plan.step(result.hash).kind)
+        """Recorded as each step ends (an interrupted run's summary lists what it built)."""
+        with self._writing:  # a concurrent engine's steps end in threads of their own
+            self.steps.append(result)
+            self.metrics.step_finished(attrs.asdict(result), self.plan.step(result.hash).kind)
 
     def close(self, outcome: str, exit_code: int, duration: float) -> None:
         summary = {
@@ -99,7 +111,7 @@ class RunRecord:
             "cached": sum(s.action == "cached" for s in self.steps),
             "pulled": sum(s.action == "pulled" for s in self.steps),  # from a remote (team cache)
             "joined": sum(s.action == "joined" for s in self.steps),  # trained with node 0
-            "steps": [attrs.asdict(s) for s in self.steps],
+            "steps": [attrs.asdict(s) for s in sorted(self.steps, key=lambda s: self._order[s.hash])],
             "pid": os.getpid(),
         }
         write_bytes_durably(self.folder / "summary.json", json.dumps(summary, indent=2).encode())

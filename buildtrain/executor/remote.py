@@ -155,9 +155,7 @@ class RemoteCache:
         that is not `independent` (it resumed from a checkpoint another builder made) is pushed
         and never attested. Never raises for the remote: a failure comes back in `failed`."""
         try:
-            if plan.hash not in self._plans_pushed:
-                self.remote.push_plan(plan.hash, plan.canonical())
-                self._plans_pushed.add(plan.hash)
+            self._push_plan(plan)
             pushed = self.remote.push_output(store, step.hash)
             for key in evals.keys_of_output(store.output(step.hash)):  # an evaluation's cache entries
                 if evals.entry_problem(store.eval_path(key), key)[0] is not None:
@@ -173,6 +171,21 @@ class RemoteCache:
             bytes_uploaded=pushed.bytes_uploaded,
             conflict=pushed.conflict,
         )
+
+    def _push_plan(self, plan: Plan) -> None:
+        if plan.hash not in self._plans_pushed:
+            self.remote.push_plan(plan.hash, plan.canonical())
+            self._plans_pushed.add(plan.hash)
+
+    def share_plan(self, plan: Plan, step: Step) -> None:
+        """Upload the plan before `step`, its first to build here, starts: should this run stop,
+        another machine resumes it by hash (`bt run HASH --remote`). Never raises for the remote."""
+        if self.offline:
+            return
+        try:
+            self._push_plan(plan)
+        except (BuildtrainError, OSError, ValueError) as exc:
+            self.say_once(step, f"warning: plan not uploaded ({exc}); only this store can resume this run")
 
     def independent(self, store: Store, step: Step) -> bool:
         """Whether this store's build of a step is its own: False once any of it started from a

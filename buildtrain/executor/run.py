@@ -57,6 +57,8 @@ class RunOptions:
     remote: RemoteUrl | None = None  # a team cache (never part of a hash: where, not what)
     min_attestations: int = 0  # trusted signers a step pulled from the remote needs (0: any)
     executor: EngineOptions = LOCAL  # where the steps' processes run (never part of a hash)
+    quiet: bool = False  # say only what the run came to (`bt run -q`)
+    label: str = ""  # put before every line said (several plans running at once)
 
 
 def with_inputs(steps: list[Step], wanted: set[str]) -> list[Step]:
@@ -130,7 +132,7 @@ def run_plan(
     record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
     if on_record is not None:
         on_record(record.folder)
-    reporter = Reporter(options.progress, options.log_every)
+    reporter = Reporter(options.progress, options.log_every, quiet=options.quiet, plan=options.label)
     _announce(plan, steps, threads, launch, record, reporter)
     outcome, code = "failed", int(ExitCode.FAILED)
     own_engine = engine is None
@@ -151,13 +153,14 @@ def run_plan(
 
     def build(step: Step) -> StepResult:
         joins = launch.follower and kind_of(step.kind).ranks
-        return builder.join(step) if joins else builder.build(step)
+        result = builder.join(step) if joins else builder.build(step)
+        record.step_result(result)  # now: a later step's interruption must not lose it
+        return result
 
     try:
         with signals_interrupt(plan), store.running(plan.hash):
             concurrent = engine.concurrent and not launch.follower
-            for result in build_in_order(steps, build, concurrent=concurrent, cancel=builder.live.cancel_all):
-                record.step_result(result)
+            build_in_order(steps, build, concurrent=concurrent, cancel=builder.live.cancel_all)
         outcome, code = "done", int(ExitCode.OK)
     except KeyboardInterrupt:  # SIGINT where no handler of ours was installed (another thread)
         outcome, code = "interrupted", int(ExitCode.INTERRUPTED)
@@ -180,7 +183,7 @@ def run_plan(
                 for action in ("executed", "joined", "pulled", "cached")
                 if counts[action] or action not in ("joined", "pulled")
             )
-            reporter.say(f"done in {duration:.1f}s: {done}; record: {record.folder}")
+            reporter.result(f"done in {duration:.1f}s: {done}; record: {record.folder}")
     return code
 
 

@@ -475,6 +475,11 @@ class SlurmEngine:
             self.checked = True
         return submitit
 
+    def cluster(self) -> str:
+        """The controller's configuration and where the jobs go (a partition's nodes differ)."""
+        where = os.environ.get("SLURM_CONF", "")
+        return f"slurm {where} {json.dumps(attrs.asdict(self.settings), sort_keys=True)}"
+
     def close(self) -> None:
         """Nothing held: each step's job is followed, and ended, by its handle."""
 

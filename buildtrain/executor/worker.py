@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed, accept_stop_signals
 from buildtrain.executor import logs, numerics
-from buildtrain.executor.faults import signal_inside_import_for_tests
+from buildtrain.executor.faults import signal_after_publish_for_tests, signal_inside_import_for_tests
 from buildtrain.executor.job import Job, JobNumerics
 from buildtrain.executor.launch import PARENT_PID, die_with_parent
 from buildtrain.executor.processes import JOB_EXIT
@@ -115,9 +115,13 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         if digests is None:
             log.info("stopped_early")
             return ExitCode.OK
+        # From here a signal is only remembered: the executor writes the step's metrics summary
+        # when `step_done` arrives, so an output published without it would stay without one.
+        stop.install()
         if job.options.commit:
             objects.publish(out, store.output(step.hash), digests)
             objects.remove_tree(store.work_dir(step.hash))  # its checkpoints are in the output now
+            signal_after_publish_for_tests(step.label)
         log.info("step_done", digests=digests)
         return ExitCode.OK
     finally:

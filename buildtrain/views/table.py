@@ -243,10 +243,22 @@ def table_json(keys: Sequence[str], rows: Sequence[dict[str, Any]]) -> list[dict
     return [{**row, "values": dict(row["values"])} for row in rows]  # suites: {name: {accuracy, ...}}
 
 
+RESULTS = ("train_loss", "heldout_loss", "bits_per_token", "tokens_per_s")  # what only a run gives
+NOT_RUN = "not run"
+
+
+def has_run(row: dict[str, Any]) -> bool:
+    """Whether a plan has a result of its own: a built plan, or one with a loss or a speed. The
+    steps of a plan never run can still be in the store (another plan's data step), with their
+    wall time: shown for it, they would be numbers it never produced."""
+    return row.get("status") == "built" or any(row.get(column) is not None for column in RESULTS)
+
+
 def metrics_diff(store: Store, a: str, b: str) -> list[dict[str, Any]]:
-    """The results of plan a and plan b side by side (`bt diff`), with the change where both have one."""
+    """The results of plan a and plan b side by side (`bt diff`), with the change where both have
+    one; a plan that has not run has none (every value null, its status "not run")."""
     _, rows = metrics_rows(store, [a, b] if a != b else [a])
-    before, after = rows[0], rows[-1]
+    before, after = (row if has_run(row) else {"status": NOT_RUN} for row in (rows[0], rows[-1]))
     out = []
     for column in RESULT_COLUMNS:
         old, new = before.get(column), after.get(column)
@@ -256,12 +268,14 @@ def metrics_diff(store: Store, a: str, b: str) -> list[dict[str, Any]]:
 
 
 def metrics_diff_text(entries: Sequence[dict[str, Any]]) -> str:
-    """The metrics section of `bt diff`; empty while neither plan has a result to compare."""
-    if all(e["before"] is None and e["after"] is None for e in entries if e["metric"] != "status"):
-        return ""
+    """The metrics section of `bt diff`: only the rows that either plan has a value in."""
+    status = next(e for e in entries if e["metric"] == "status")
+    if status["before"] == NOT_RUN and status["after"] == NOT_RUN:
+        return "metrics: neither plan has been run (bt run builds them)"
+    shown = [e for e in entries if e["before"] is not None or e["after"] is not None]
     lines = ["metrics:"]
-    width = max(len(HEADINGS[e["metric"]]) for e in entries)
-    for entry in entries:
+    width = max(len(HEADINGS[e["metric"]]) for e in shown)
+    for entry in shown:
         change = entry["change"]
         delta = f"  ({change:+.4g})" if isinstance(change, float | int) and change else ""
         lines.append(
