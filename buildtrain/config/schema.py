@@ -202,6 +202,29 @@ class InitConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RopeScalingConfig:
+    """Llama 3's RoPE scaling: at construction, frequencies whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor are divided by factor, those shorter than
+    original_max_position_embeddings / high_freq_factor kept, and those between interpolated."""
+
+    rope_type: str = setting("llama3", "the scaling rule (llama3 only)", one_of("llama3"))
+    factor: float = setting(8.0, "how much the low frequencies are slowed", greater_than(0.0))
+    low_freq_factor: float = setting(1.0, "sets the longest wavelength kept unscaled", greater_than(0.0))
+    high_freq_factor: float = setting(4.0, "sets the shortest wavelength scaled fully", greater_than(0.0))
+    original_max_position_embeddings: int = setting(
+        8192, "the context length the base model was pretrained at", at_least(1)
+    )
+
+    @high_freq_factor.validator
+    @reads("low_freq_factor")
+    def _above_low(self, _: attrs.Attribute[Any], value: float) -> None:
+        if value <= self.low_freq_factor:
+            raise ValueError(
+                f"{value} must exceed low_freq_factor {self.low_freq_factor} (the two bound the interpolated band)"
+            )
+
+
+@attrs.frozen(kw_only=True)
 class ModelConfig:
     """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
@@ -212,6 +235,11 @@ class ModelConfig:
     """
 
     dim: int = setting(64, "width of the residual stream", at_least(1))
+    head_dim: int = since(
+        setting(
+            0, "channels per attention head (0 = dim / n_heads; qwen3 checkpoints set their own)", at_least(0)
+        )
+    )
     n_layers: int = setting(2, "number of transformer blocks", at_least(1))
     n_heads: int = setting(4, "attention (query) heads; must divide dim", at_least(1))
     n_kv_heads: int = setting(
@@ -233,6 +261,12 @@ class ModelConfig:
     )
     init_std: float = setting(0.02, "standard deviation of the initial weights", greater_than(0.0))
     qkv_bias: bool = since(setting(False, "biases on the query, key and value projections (qwen2)"))
+    qk_norm: bool = since(setting(False, "RMSNorm over each query and key head before RoPE (qwen3)"))
+    rope_scaling: RopeScalingConfig | None = since(
+        setting(
+            None, 'RoPE frequencies rescaled as Llama 3.x does: { rope_type = "llama3", factor = 8.0, ... }'
+        )
+    )
     vocab_size: int = since(
         setting(
             0,
@@ -249,13 +283,28 @@ class ModelConfig:
         )
     )
 
+    @head_dim.validator
+    def _even_head_dim(self, _: attrs.Attribute[Any], value: int) -> None:
+        if value % 2:
+            raise ValueError(f"{value} is odd; RoPE rotates pairs of channels, so a head size must be even")
+
     @n_heads.validator
-    @reads("dim")
+    @reads("dim", "head_dim")
     def _heads_divide_dim(self, _: attrs.Attribute[Any], value: int) -> None:
+        if self.head_dim:
+            return  # a head size of its own: the projections map dim to n_heads x head_dim and back
         if self.dim % value:
             raise ValueError(f"{value} does not divide model.dim {self.dim}; choose a divisor of {self.dim}")
         if (self.dim // value) % 2:
             raise ValueError(f"gives an odd head size {self.dim // value}; RoPE needs an even dim / n_heads")
+
+    @qk_norm.validator
+    @reads("norm", "mlp")
+    def _qk_norm_in_qwen3_blocks(self, _: attrs.Attribute[Any], value: bool) -> None:
+        if value and (self.norm, self.mlp) != ("rmsnorm", "swiglu"):
+            raise ValueError(
+                "needs model.norm = rmsnorm and model.mlp = swiglu (qwen3's blocks, which the export writes)"
+            )
 
     @n_kv_heads.validator
     @reads("n_heads")
