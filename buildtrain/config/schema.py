@@ -344,7 +344,12 @@ class LoraConfig:
 class TrainConfig:
     """One training stage: optimizer, schedule, batch, length, seed and checkpoint cadence."""
 
-    steps: int = setting(200, "optimizer steps", at_least(1))
+    steps: int = setting(
+        200,
+        "optimizer steps; 0: no training, the stage's weights are those it starts from (model.init or "
+        "init_from), evaluated and exported as they are",
+        at_least(0),
+    )
     seed: int = setting(0, "seed of initial weights, data order and dropout", at_least(0))
     seq_len: int = setting(64, "tokens per training sequence (packed, no padding)", at_least(2))
     batch_size: int = setting(16, "sequences per optimizer step", at_least(1))
@@ -426,7 +431,7 @@ class TrainConfig:
     @warmup_steps.validator
     @reads("steps")
     def _warmup_within_steps(self, _: attrs.Attribute[Any], value: int) -> None:
-        if value > self.steps:
+        if self.steps and value > self.steps:  # 0 steps: no schedule to warm up
             raise ValueError(f"{value} exceeds train.steps {self.steps}")
 
 
