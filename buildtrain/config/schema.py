@@ -192,7 +192,7 @@ class InitConfig:
 
     hf: str = setting(
         "",
-        "a Hugging Face checkpoint folder (llama, mistral or qwen2; safetensors), relative to the preset",
+        "a Hugging Face checkpoint folder (llama, mistral, qwen2 or qwen3; safetensors), relative to the preset",
     )
 
     @hf.validator
@@ -209,8 +209,14 @@ class RopeScalingConfig:
 
     rope_type: str = setting("llama3", "the scaling rule (llama3 only)", one_of("llama3"))
     factor: float = setting(8.0, "how much the low frequencies are slowed", greater_than(0.0))
-    low_freq_factor: float = setting(1.0, "sets the longest wavelength kept unscaled", greater_than(0.0))
-    high_freq_factor: float = setting(4.0, "sets the shortest wavelength scaled fully", greater_than(0.0))
+    low_freq_factor: float = setting(
+        1.0,
+        "wavelengths above original_max_position_embeddings / this are divided by factor",
+        greater_than(0.0),
+    )
+    high_freq_factor: float = setting(
+        4.0, "wavelengths below original_max_position_embeddings / this are kept", greater_than(0.0)
+    )
     original_max_position_embeddings: int = setting(
         8192, "the context length the base model was pretrained at", at_least(1)
     )
