@@ -70,10 +70,11 @@ def _refuse_untrained_from_nothing(loaded: LoadedPreset) -> None:
     """A stage of 0 steps is the weights it starts from, as they are: it needs some (a checkpoint
     or an earlier stage) and trains no adapters."""
     problems = []
-    for stage in loaded.config.stages:
+    for index, stage in enumerate(loaded.config.stages):
         if stage.train.steps:
             continue
-        where = loaded.source_of(("train", "steps"))
+        own = ("stages", index, "train", "steps")  # set for this stage, else for every stage
+        where = loaded.source_of(own if _set_by_user(loaded, own) else ("train", "steps"))
         if stage.init_from is None and loaded.config.model.init is None:
             problems.append(
                 f"{where}: stages.{stage.name}.train.steps: 0 evaluates the weights a stage starts from, "

@@ -8,6 +8,10 @@ computation (no approximation, so logits agree to float rounding):
     rmsnorm   gelu    arcee          Llama's blocks with a plain (non-gated) MLP of any activation
     layernorm swiglu  stablelm       LayerNorm with bias, full rotary (partial_rotary_factor 1), gated MLP
     layernorm gelu    starcoder2     LayerNorm with bias, plain MLP; use_bias = false drops linear biases
+    (qk_norm: rmsnorm, swiglu)  qwen3  Llama's blocks with per-head RMSNorm on q and k
+
+head_dim and a llama3 rope_scaling are written as they are: from them transformers computes the
+frequencies `steps/train/rope.py` computes, bit for bit.
 
 RoPE: buildtrain rotates halves (channel i with channel i + head_dim / 2, frequency i), as
 transformers does, so the query and key rows need no reordering. buildtrain's fused `wqkv`
