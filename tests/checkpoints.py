@@ -5,6 +5,7 @@ biases included, so that a wrong mapping of any tensor changes the logits."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -24,6 +25,7 @@ CONFIGS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 PADDING = 5  # the embedding has more rows than the tokenizer has ids, as real checkpoints often do
 
@@ -51,24 +53,27 @@ def make_checkpoint(
     tie: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    **settings: Any,
 ) -> transformers.PreTrainedModel:
-    """A checkpoint folder (config.json, model.safetensors, tokenizer files); returns the model."""
+    """A checkpoint folder (config.json, model.safetensors, tokenizer files); returns the model.
+    `settings` are further config keys (rope_scaling, head_dim, ...), or replace those above."""
     made = tokenizer()
     config_class, model_class = CONFIGS[architecture]
-    config = config_class(
-        vocab_size=made.get_vocab_size() + PADDING,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        tie_word_embeddings=tie,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-        max_position_embeddings=128,
-        eos_token_id=made.token_to_id("<|endoftext|>"),
-        bos_token_id=made.token_to_id("<|endoftext|>"),
-    )
+    keys = {
+        "vocab_size": made.get_vocab_size() + PADDING,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "tie_word_embeddings": tie,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500.0,
+        "max_position_embeddings": 128,
+        "eos_token_id": made.token_to_id("<|endoftext|>"),
+        "bos_token_id": made.token_to_id("<|endoftext|>"),
+    }
+    config = config_class(**{**keys, **settings})
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -32,6 +32,7 @@ from buildtrain.config.schema import (
     ExportConfig,
     ModelConfig,
     NumericsConfig,
+    RopeScalingConfig,
     Stage,
     SyntheticConfig,
     TokenizerConfig,
@@ -254,23 +255,39 @@ SEEDS = st.integers(0, 2**40)
 
 
 @st.composite
+def rope_scalings(draw: st.DrawFn) -> dict[str, Any]:
+    low = draw(positive(8.0))
+    return {
+        "rope_type": "llama3",
+        "factor": draw(positive(64.0)),
+        "low_freq_factor": low,
+        "high_freq_factor": low + draw(st.floats(0.01, 8.0)),  # above low, or refused
+        "original_max_position_embeddings": draw(st.integers(1, 1 << 17)),
+    }
+
+
+@st.composite
 def models(draw: st.DrawFn) -> dict[str, Any]:
     head_dim = draw(st.sampled_from([2, 4, 8]))
     kv_heads, group = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    mlp, norm = draw(_choices(ModelConfig, "mlp")), draw(_choices(ModelConfig, "norm"))
     return {
         "dim": head_dim * kv_heads * group,
         "n_layers": draw(st.integers(1, 4)),
         "n_heads": kv_heads * group,
         "n_kv_heads": kv_heads,
         "ffn_hidden": draw(st.integers(1, 256)),
-        "mlp": draw(_choices(ModelConfig, "mlp")),
-        "norm": draw(_choices(ModelConfig, "norm")),
+        "head_dim": draw(st.sampled_from([0, 0, 2, 6])),  # 0: dim / n_heads; else its own (qwen3)
+        "mlp": mlp,
+        "norm": norm,
         "norm_eps": draw(positive(0.1)),
         "rope_theta": draw(positive(1e6)),
         "tie_embeddings": draw(st.booleans()),
         "dropout": draw(unit(0.0, 0.9)),
         "init_std": draw(positive(1.0)),
         "qkv_bias": draw(st.booleans()),
+        "qk_norm": (norm, mlp) == ("rmsnorm", "swiglu") and draw(st.booleans()),  # qwen3's blocks only
+        "rope_scaling": draw(st.none() | rope_scalings()),
         "vocab_size": 0,  # the tokenizer's: a larger one is a checkpoint's (tests/test_import.py)
         "init": None,  # a checkpoint folder: tests/test_import.py plans those
     }
@@ -415,12 +432,16 @@ class PresetSpec:
                 files=files, synthetic=SyntheticConfig(**table["synthetic"]), tokenizer=tokenizer, **rest
             )
 
+        def model(table: dict[str, Any]) -> ModelConfig:
+            scaling = table.get("rope_scaling")
+            return ModelConfig(**{**table, "rope_scaling": scaling and RopeScalingConfig(**scaling)})
+
         def train(table: dict[str, Any]) -> TrainConfig:
             return TrainConfig(**{**table, "betas": tuple(table["betas"])})
 
         return Config(
             name=values["name"],
-            model=ModelConfig(**values["model"]),
+            model=model(values["model"]),
             eval=EvalConfig(**{**values["eval"], "suites": tuple(values["eval"]["suites"])}),
             numerics=NumericsConfig(**values["numerics"]),
             export=ExportConfig(**values["export"]),
@@ -561,8 +582,11 @@ def _sparse(table: dict[str, Any], cls: type, rng: random.Random) -> dict[str, A
     out = {}
     for key, value in _written(table).items():
         if _nested(key, value):
-            value = _sparse(value, typing.get_type_hints(cls)[key], rng)
-            if value or rng.random() < 0.5:
+            hint = typing.get_type_hints(cls)[key]
+            table = hint if attrs.has(hint) else next(a for a in typing.get_args(hint) if attrs.has(a))
+            value = _sparse(value, table, rng)
+            # an optional table (rope_scaling) stays even when empty: left out, it would be none
+            if value or table is not hint or rng.random() < 0.5:
                 out[key] = value
         elif value != default_of(cls, key) or rng.random() < 0.5:
             out[key] = value

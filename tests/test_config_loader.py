@@ -45,6 +45,7 @@ from buildtrain.config.schema import (
     LoraConfig,
     ModelConfig,
     NumericsConfig,
+    RopeScalingConfig,
     Stage,
     SuiteConfig,
     TokenizerConfig,
@@ -454,7 +455,13 @@ def test_reference_documents_every_key_of_the_schema() -> None:
     # exist only when written, and the keys of an array's tables.
     for section, cls in SECTIONS.items():
         expected |= {f"{section}.{f.name}" for f in attrs.fields(cls) if not _always_a_table(f)}
-    for key, cls in (("model.init", InitConfig), ("train.lora", LoraConfig), ("eval.suites[]", SuiteConfig)):
+    tables = (
+        ("model.init", InitConfig),
+        ("model.rope_scaling", RopeScalingConfig),
+        ("train.lora", LoraConfig),
+        ("eval.suites[]", SuiteConfig),
+    )
+    for key, cls in tables:
         expected |= {f"{key}.{f.name}" for f in attrs.fields(cls)}
     assert documented == expected
 
@@ -465,7 +472,9 @@ def test_reference_defaults_and_choices_are_the_real_ones(tmp_path: Path) -> Non
     for doc in reference():
         if doc.default.startswith("(") or doc.key in ("extends", "stages"):
             continue
-        if doc.key.startswith(("data.tokenizer.", "model.init.", "train.lora.", "eval.suites[].")):
+        if doc.key.startswith(
+            ("data.tokenizer.", "model.init.", "model.rope_scaling.", "train.lora.", "eval.suites[].")
+        ):
             continue  # keys of a table that exists only when written
         key = doc.key.replace("stages[]", "stages[0]")
         assert load_preset(preset, [f"{key}={doc.default}"]).config == Config(), doc.key

@@ -95,10 +95,10 @@ CASES: list[tuple[str, dict[str, str | bytes], str, str]] = [
     ("negative-lr", {"p.toml": "[train]\nlr = -1e-3\n"}, "train.lr", "must be > 0.0 (got -0.001)"),
     ("zero-lr", {"p.toml": "[train]\nlr = 0.0\n"}, "train.lr", "must be > 0.0 (got 0.0)"),
     (
-        "zero-steps",
-        {"p.toml": "[train]\nsteps = 0\nwarmup_steps = 0\n"},
+        "negative-steps",
+        {"p.toml": "[train]\nsteps = -1\nwarmup_steps = 0\n"},
         "train.steps",
-        "must be >= 1 (got 0)",
+        "must be >= 0 (got -1)",
     ),
     ("zero-layers", {"p.toml": "[model]\nn_layers = 0\n"}, "model.n_layers", "must be >= 1 (got 0)"),
     ("short-sequence", {"p.toml": "[train]\nseq_len = 1\n"}, "train.seq_len", "must be >= 2 (got 1)"),
@@ -403,7 +403,7 @@ def test_bt_plan_lists_every_problem(tmp_path: Path, bt: BtRunner) -> None:
 # (id, preset text, the one problem): a bad value is reported at its own key and never again
 # through a rule that reads it.
 ONE_BAD_VALUE = [
-    ("steps-negative", "[train]\nsteps = -1\n", "train.steps: must be >= 1 (got -1)"),
+    ("steps-negative", "[train]\nsteps = -1\n", "train.steps: must be >= 0 (got -1)"),
     (
         "steps-wrong-type",
         '[train]\nsteps = "many"\n',

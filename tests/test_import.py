@@ -307,7 +307,10 @@ def test_a_checkpoint_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
     ("edit", "expected"),
     [
         ({"sliding_window": 16}, "longer than the checkpoint's sliding_window 16"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "RoPE scaling 'linear' is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+            "rope_scaling.rope_type = 'linear' is not supported",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )

@@ -41,15 +41,19 @@ def built(config: ModelConfig, seed: int = 0, vocab: int = BYTE_VOCAB_SIZE) -> T
 def model_configs(draw: st.DrawFn) -> ModelConfig:
     n_heads = draw(st.sampled_from([1, 2, 4]))
     head_dim = draw(st.sampled_from([2, 4, 8]))
+    mlp, norm = draw(st.sampled_from(["swiglu", "gelu"])), draw(st.sampled_from(["rmsnorm", "layernorm"]))
     return ModelConfig(
         dim=n_heads * head_dim,
+        head_dim=draw(st.sampled_from([0, 6])),  # a head size of its own (qwen3), or dim / n_heads
         n_layers=draw(st.integers(1, 3)),
         n_heads=n_heads,
         n_kv_heads=draw(st.sampled_from([d for d in (1, 2, 4) if n_heads % d == 0])),
         ffn_hidden=draw(st.integers(1, 40)),
-        mlp=draw(st.sampled_from(["swiglu", "gelu"])),
-        norm=draw(st.sampled_from(["rmsnorm", "layernorm"])),
+        mlp=mlp,
+        norm=norm,
         tie_embeddings=draw(st.booleans()),
+        qkv_bias=draw(st.booleans()),
+        qk_norm=(norm, mlp) == ("rmsnorm", "swiglu") and draw(st.booleans()),
     )
 
 

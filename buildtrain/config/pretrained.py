@@ -8,8 +8,10 @@ shard): no torch, no transformers, no code from the checkpoint, ever. What it gi
 - the tokenizer.json that becomes every stage's tokenizer, and its end-of-document token.
 
 Only architectures whose computation buildtrain's Transformer reproduces exactly are admitted:
-llama (no attention or MLP biases), mistral (no sliding window shorter than a sequence) and qwen2
-(q, k and v biases), with SiLU-gated MLPs, RMSNorm and default RoPE.
+llama (no attention or MLP biases; SmolLM2 is one), mistral (no sliding window shorter than a
+sequence), qwen2 (q, k and v biases) and qwen3 (per-head RMSNorm on q and k, a head size of its
+own), with SiLU-gated MLPs, RMSNorm, and default RoPE or Llama 3.x's llama3 scaling. Anything
+else a config.json asks for is refused by its key, never approximated.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from buildtrain.config.schema import RopeScalingConfig
 from buildtrain.store.tensors import read_safetensors_header
 
 CONFIG = "config.json"
@@ -36,10 +39,20 @@ BASE_FILES = (
     "generation_config.json",
     "special_tokens_map.json",
 )
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = ("F32", "BF16", "F16")  # held exactly as float32; anything else is refused
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.ckpt")
 MAX_JSON = 64 << 20  # a config or index larger than this is not one
+LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor")  # besides original_max_position_embeddings
+# Keys of a RoPE table buildtrain reads; any other (a nested per-layer table, a yarn setting) is refused
+ROPE_KEYS = (
+    "rope_type",
+    "type",
+    "rope_theta",
+    "partial_rotary_factor",
+    *LLAMA3,
+    "original_max_position_embeddings",
+)
 
 
 class CheckpointProblem(Exception):
@@ -84,9 +97,8 @@ def _json_object(path: Path) -> dict[str, Any]:
 
 
 def _positive(hf: dict[str, Any], key: str, default: float, path: Path) -> float:
-    """A positive, finite number (json reads `Infinity` and `NaN` as floats)."""
     value = hf.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    if not _finite(value):
         raise CheckpointProblem(f"{path}: {key} must be a positive finite number (got {value!r})")
     return float(value)
 
@@ -152,17 +164,79 @@ def _int(hf: dict[str, Any], key: str, path: Path, default: int | None = None) -
     return value
 
 
-def _rope_theta(hf: dict[str, Any], path: Path) -> float:
-    """RoPE's base: transformers 5 writes rope_parameters, 4.x rope_theta and rope_scaling."""
-    parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for table in (parameters, scaling):
-        kind = table.get("rope_type", table.get("type", "default")) if isinstance(table, dict) else None
-        if kind != "default":
+def _finite(value: Any) -> bool:
+    """A positive, finite number (json reads `Infinity` and `NaN` as floats)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def _rope(hf: dict[str, Any], path: Path) -> tuple[float, RopeScalingConfig | None]:
+    """RoPE's base and scaling, read as transformers reads them: a non-empty rope_scaling (4.x)
+    wins over rope_parameters (5.x); rope_theta is the table's, else the top level's."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    table = hf.get(key) or {}
+    if not isinstance(table, dict):
+        raise CheckpointProblem(f"{path}: {key} must be a JSON object (got {table!r})")
+    unknown = sorted(set(table) - set(ROPE_KEYS))
+    if unknown:
+        raise CheckpointProblem(f"{path}: {key}.{unknown[0]} is not supported; use a checkpoint without it")
+    kind_key = "rope_type" if "rope_type" in table else "type"
+    kind = table.get(kind_key, "default")
+    if kind not in ("default", "llama3"):
+        raise CheckpointProblem(
+            f"{path}: {key}.{kind_key} = {kind!r} is not supported (buildtrain computes default and "
+            "llama3 RoPE); use a checkpoint without it"
+        )
+    partial = table.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointProblem(
+            f"{path}: partial_rotary_factor = {partial!r} is not supported (buildtrain rotates every channel)"
+        )
+    theta = _positive(table if "rope_theta" in table else hf, "rope_theta", 10000.0, path)
+    if kind == "default":
+        return theta, None
+    for name in LLAMA3:
+        if not _finite(table.get(name)):
             raise CheckpointProblem(
-                f"{path}: RoPE scaling {kind!r} is not supported (only default RoPE); use a checkpoint without it"
+                f"{path}: {key}.{name} must be a positive finite number (got {table.get(name)!r})"
             )
-    return _positive(parameters if "rope_theta" in parameters else hf, "rope_theta", 10000.0, path)
+    name = "original_max_position_embeddings"  # transformers' fallback: the model's own length
+    original = table.get(name, hf.get("max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise CheckpointProblem(f"{path}: {key}.{name} must be a positive integer (got {original!r})")
+    try:
+        scaling = RopeScalingConfig(
+            original_max_position_embeddings=original, **{n: float(table[n]) for n in LLAMA3}
+        )
+    except ValueError as exc:  # high_freq_factor not above low_freq_factor
+        raise CheckpointProblem(f"{path}: {key}.high_freq_factor {exc}") from None
+    return theta, scaling
+
+
+def _refuse_unsupported(hf: dict[str, Any], architecture: str, path: Path) -> None:
+    """What a config.json asks for that buildtrain's model does not compute, by its key."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointProblem(f"{path}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    biases = {"attention_bias": hf.get("attention_bias", False), "mlp_bias": hf.get("mlp_bias", False)}
+    if architecture != "qwen2" and any(biases.values()):
+        raise CheckpointProblem(f"{path}: attention_bias and mlp_bias must be false (got {biases})")
+    if architecture in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise CheckpointProblem(f"{path}: use_sliding_window is not supported; it must be false")
+    layers = hf.get("layer_types") or []
+    other = [kind for kind in layers if kind != "full_attention"] if isinstance(layers, list) else [layers]
+    if other:
+        raise CheckpointProblem(
+            f"{path}: layer_types names {other[0]!r}; buildtrain computes full_attention layers only"
+        )
+
+
+def _head_dim(hf: dict[str, Any], dim: int, heads: int, path: Path) -> int:
+    """config.json's head_dim as ModelConfig holds it: 0 where it is dim / heads (the default)."""
+    value = hf.get("head_dim")
+    if value is None or (not dim % heads and value == dim // heads):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value % 2:
+        raise CheckpointProblem(f"{path}: head_dim must be a positive even integer (got {value!r})")
+    return value
 
 
 def model_settings(hf: dict[str, Any], path: Path) -> tuple[str, dict[str, Any], dict[str, str]]:
@@ -173,22 +247,13 @@ def model_settings(hf: dict[str, Any], path: Path) -> tuple[str, dict[str, Any],
             f"{path}: model_type {architecture!r} is not supported; buildtrain imports "
             f"{', '.join(ARCHITECTURES)}"
         )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointProblem(f"{path}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
-    biases = {"attention_bias": hf.get("attention_bias", False), "mlp_bias": hf.get("mlp_bias", False)}
-    if architecture != "qwen2" and any(biases.values()):
-        raise CheckpointProblem(f"{path}: attention_bias and mlp_bias must be false (got {biases})")
-    if architecture == "qwen2" and hf.get("use_sliding_window"):
-        raise CheckpointProblem(f"{path}: use_sliding_window is not supported; it must be false")
+    _refuse_unsupported(hf, architecture, path)
     heads = _int(hf, "num_attention_heads", path)
     dim = _int(hf, "hidden_size", path)
-    if hf.get("head_dim") not in (None, dim // heads) or dim % heads:
-        raise CheckpointProblem(
-            f"{path}: head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads; not supported"
-        )
-    eps = _positive(hf, "rms_norm_eps", 1e-6, path)
+    theta, scaling = _rope(hf, path)
     keys = {
         "dim": "hidden_size",
+        "head_dim": "head_dim",
         "n_layers": "num_hidden_layers",
         "n_heads": "num_attention_heads",
         "n_kv_heads": "num_key_value_heads",
@@ -196,22 +261,27 @@ def model_settings(hf: dict[str, Any], path: Path) -> tuple[str, dict[str, Any],
         "vocab_size": "vocab_size",
         "norm_eps": "rms_norm_eps",
         "rope_theta": "rope_theta",
+        "rope_scaling": "rope_scaling",
         "tie_embeddings": "tie_word_embeddings",
         "qkv_bias": "model_type",
+        "qk_norm": "model_type",
         "mlp": "hidden_act",
         "norm": "model_type",
     }
     model = {
         "dim": dim,
+        "head_dim": _head_dim(hf, dim, heads, path),
         "n_layers": _int(hf, "num_hidden_layers", path),
         "n_heads": heads,
         "n_kv_heads": _int(hf, "num_key_value_heads", path, heads),
         "ffn_hidden": _int(hf, "intermediate_size", path),
         "vocab_size": _int(hf, "vocab_size", path),
-        "norm_eps": eps,
-        "rope_theta": _rope_theta(hf, path),
+        "norm_eps": _positive(hf, "rms_norm_eps", 1e-6, path),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qkv_bias": architecture == "qwen2",
+        "qk_norm": architecture == "qwen3",
         "mlp": "swiglu",
         "norm": "rmsnorm",
     }

@@ -194,13 +194,42 @@ class InitConfig:
 
     hf: str = setting(
         "",
-        "a Hugging Face checkpoint folder (llama, mistral or qwen2; safetensors), relative to the preset",
+        "a Hugging Face checkpoint folder (llama, mistral, qwen2 or qwen3; safetensors), relative to the preset",
     )
 
     @hf.validator
     def _names_a_folder(self, _: attrs.Attribute[Any], value: str) -> None:
         if not value:
             raise ValueError('is empty; give the checkpoint folder: model.init = { hf = "path/to/folder" }')
+
+
+@attrs.frozen(kw_only=True)
+class RopeScalingConfig:
+    """Llama 3's RoPE scaling: at construction, frequencies whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor are divided by factor, those shorter than
+    original_max_position_embeddings / high_freq_factor kept, and those between interpolated."""
+
+    rope_type: str = setting("llama3", "the scaling rule (llama3 only)", one_of("llama3"))
+    factor: float = setting(8.0, "how much the low frequencies are slowed", greater_than(0.0))
+    low_freq_factor: float = setting(
+        1.0,
+        "wavelengths above original_max_position_embeddings / this are divided by factor",
+        greater_than(0.0),
+    )
+    high_freq_factor: float = setting(
+        4.0, "wavelengths below original_max_position_embeddings / this are kept", greater_than(0.0)
+    )
+    original_max_position_embeddings: int = setting(
+        8192, "the context length the base model was pretrained at", at_least(1)
+    )
+
+    @high_freq_factor.validator
+    @reads("low_freq_factor")
+    def _above_low(self, _: attrs.Attribute[Any], value: float) -> None:
+        if value <= self.low_freq_factor:
+            raise ValueError(
+                f"{value} must exceed low_freq_factor {self.low_freq_factor} (the two bound the interpolated band)"
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -214,6 +243,11 @@ class ModelConfig:
     """
 
     dim: int = setting(64, "width of the residual stream", at_least(1))
+    head_dim: int = since(
+        setting(
+            0, "channels per attention head (0 = dim / n_heads; qwen3 checkpoints set their own)", at_least(0)
+        )
+    )
     n_layers: int = setting(2, "number of transformer blocks", at_least(1))
     n_heads: int = setting(4, "attention (query) heads; must divide dim", at_least(1))
     n_kv_heads: int = setting(
@@ -235,6 +269,12 @@ class ModelConfig:
     )
     init_std: float = setting(0.02, "standard deviation of the initial weights", greater_than(0.0))
     qkv_bias: bool = since(setting(False, "biases on the query, key and value projections (qwen2)"))
+    qk_norm: bool = since(setting(False, "RMSNorm over each query and key head before RoPE (qwen3)"))
+    rope_scaling: RopeScalingConfig | None = since(
+        setting(
+            None, 'RoPE frequencies rescaled as Llama 3.x does: { rope_type = "llama3", factor = 8.0, ... }'
+        )
+    )
     vocab_size: int = since(
         setting(
             0,
@@ -251,13 +291,28 @@ class ModelConfig:
         )
     )
 
+    @head_dim.validator
+    def _even_head_dim(self, _: attrs.Attribute[Any], value: int) -> None:
+        if value % 2:
+            raise ValueError(f"{value} is odd; RoPE rotates pairs of channels, so a head size must be even")
+
     @n_heads.validator
-    @reads("dim")
+    @reads("dim", "head_dim")
     def _heads_divide_dim(self, _: attrs.Attribute[Any], value: int) -> None:
+        if self.head_dim:
+            return  # a head size of its own: the projections map dim to n_heads x head_dim and back
         if self.dim % value:
             raise ValueError(f"{value} does not divide model.dim {self.dim}; choose a divisor of {self.dim}")
         if (self.dim // value) % 2:
             raise ValueError(f"gives an odd head size {self.dim // value}; RoPE needs an even dim / n_heads")
+
+    @qk_norm.validator
+    @reads("norm", "mlp")
+    def _qk_norm_in_qwen3_blocks(self, _: attrs.Attribute[Any], value: bool) -> None:
+        if value and (self.norm, self.mlp) != ("rmsnorm", "swiglu"):
+            raise ValueError(
+                "needs model.norm = rmsnorm and model.mlp = swiglu (qwen3's blocks, which the export writes)"
+            )
 
     @n_kv_heads.validator
     @reads("n_heads")
@@ -297,7 +352,12 @@ class LoraConfig:
 class TrainConfig:
     """One training stage: optimizer, schedule, batch, length, seed and checkpoint cadence."""
 
-    steps: int = setting(200, "optimizer steps", at_least(1))
+    steps: int = setting(
+        200,
+        "optimizer steps; 0: no training, the stage's weights are those it starts from (model.init or "
+        "init_from), evaluated and exported as they are",
+        at_least(0),
+    )
     seed: int = setting(0, "seed of initial weights, data order and dropout", at_least(0))
     seq_len: int = setting(64, "tokens per training sequence (packed, no padding)", at_least(2))
     batch_size: int = setting(16, "sequences per optimizer step", at_least(1))
@@ -379,7 +439,7 @@ class TrainConfig:
     @warmup_steps.validator
     @reads("steps")
     def _warmup_within_steps(self, _: attrs.Attribute[Any], value: int) -> None:
-        if value > self.steps:
+        if self.steps and value > self.steps:  # 0 steps: no schedule to warm up
             raise ValueError(f"{value} exceeds train.steps {self.steps}")
 
 

@@ -16,15 +16,16 @@ GIB = 1 << 30
 
 def head_dim(model: ModelConfig) -> int:
     """Channels per attention head (query, key and value alike)."""
-    return model.dim // model.n_heads
+    return model.head_dim or model.dim // model.n_heads
 
 
 def parameter_count(model: ModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> int:
     """Parameters of `steps.train.model.Transformer(model, vocab_size)`: tied weights count once."""
-    kv_dim = model.n_kv_heads * head_dim(model)
+    q_dim, kv_dim = model.n_heads * head_dim(model), model.n_kv_heads * head_dim(model)
     norm = model.dim * (2 if model.norm == "layernorm" else 1)  # LayerNorm has a bias, RMSNorm not
-    attention = model.dim * model.dim * 2 + model.dim * kv_dim * 2  # wqkv (q part), wo; wqkv (k and v parts)
-    attention += (model.dim + 2 * kv_dim) if model.qkv_bias else 0
+    attention = model.dim * q_dim * 2 + model.dim * kv_dim * 2  # wqkv (q part), wo; wqkv (k and v parts)
+    attention += (q_dim + 2 * kv_dim) if model.qkv_bias else 0
+    attention += 2 * head_dim(model) if model.qk_norm else 0
     mlp = model.dim * model.ffn_hidden * (3 if model.mlp == "swiglu" else 2)
     block = attention + mlp + 2 * norm
     vocab_size = model.vocab_size or vocab_size  # a checkpoint's embedding has its own rows

@@ -72,7 +72,7 @@ class EvalKind(StepKind):
             lora=config.final_stage.train.lora,
         ).to_config()
         inputs: dict[str, Any] = {
-            "weights": planning.required("train", final).hash,
+            "weights": planning.weights(final).hash,
             "data": planning.required("data", final).hash,
         }
         if suites:  # questions are text: the step encodes them with the plan's tokenizer

@@ -41,7 +41,7 @@ class ExportKind(StepKind):
         final = config.final_stage
         tokenizer = planning.planned("tokenizer", final.name)
         inputs = {
-            "weights": planning.required("train", final.name).hash,
+            "weights": planning.weights(final.name).hash,
             "eval": planning.required("eval").hash,
         }
         if tokenizer is not None:

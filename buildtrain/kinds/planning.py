@@ -57,6 +57,16 @@ class Planning:
         assert step is not None, f"a {kind} step is planned before its consumers ({stage})"
         return step
 
+    def weights(self, stage: str) -> Step:
+        """The step whose output holds a stage's final weights: its train step, or for a stage
+        of 0 updates (no train step) the weights it starts from, as they are: its `init_from`
+        stage's, or the imported checkpoint's (whose output a train step's result reads alike)."""
+        trained = self.planned("train", stage)
+        if trained is not None:
+            return trained
+        init_from = self.config.stage(stage).init_from
+        return self.weights(init_from) if init_from is not None else self.required("import_hf", stage)
+
     def sources_input(self, stage: str) -> list[dict[str, Any]]:
         """A stage's data files as a step input: (blake3, size) sorted by digest, which is also
         the order the data step reads them in, so renaming or moving a file changes nothing."""

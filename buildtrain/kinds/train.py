@@ -38,11 +38,13 @@ class TrainKind(StepKind):
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         assert stage is not None
+        if not stage.train.steps:
+            return None  # nothing to compute: its consumers read the weights it starts from (`weights`)
         config = planning.config
         during = heldout_only(config.eval) if config.eval.every else None  # evaluation during training
         step_config = TrainStep(model=config.model, train=stage.train, eval=during).to_config()
         if stage.init_from:
-            parent: str | None = planning.required(self.name, stage.init_from).hash
+            parent: str | None = planning.weights(stage.init_from).hash
         else:  # the pretrained checkpoint's weights, or none (a seeded initialization)
             imported = planning.planned("import_hf", stage.name)
             parent = None if imported is None else imported.hash

@@ -23,6 +23,7 @@ def apply_checkpoint(loaded: LoadedPreset) -> tuple[LoadedPreset, Checkpoint | N
     """The preset with its model shape and tokenizer taken from `model.init`'s checkpoint (as
     loaded when it names none); a key the preset sets to another value is refused by name."""
     init = loaded.config.model.init
+    _refuse_untrained_from_nothing(loaded)
     if init is None:
         _refuse_chat_without_template(loaded)
         return loaded, None
@@ -63,6 +64,30 @@ def apply_checkpoint(loaded: LoadedPreset) -> tuple[LoadedPreset, Checkpoint | N
     loaded = attrs.evolve(loaded, config=config)
     _refuse_chat_without_template(loaded)
     return loaded, checkpoint
+
+
+def _refuse_untrained_from_nothing(loaded: LoadedPreset) -> None:
+    """A stage of 0 steps is the weights it starts from, as they are: it needs some (a checkpoint
+    or an earlier stage) and trains no adapters."""
+    problems = []
+    for index, stage in enumerate(loaded.config.stages):
+        if stage.train.steps:
+            continue
+        own = ("stages", index, "train", "steps")  # set for this stage, else for every stage
+        where = loaded.source_of(own if _set_by_user(loaded, own) else ("train", "steps"))
+        if stage.init_from is None and loaded.config.model.init is None:
+            problems.append(
+                f"{where}: stages.{stage.name}.train.steps: 0 evaluates the weights a stage starts from, "
+                'and this one starts from none; set model.init = { hf = "folder" } or init_from, or train '
+                "at least 1 step"
+            )
+        if stage.train.lora is not None:
+            problems.append(
+                f"{where}: stages.{stage.name}.train.lora: a stage of 0 steps trains no adapters; drop "
+                "train.lora or train at least 1 step"
+            )
+    if problems:
+        raise ConfigError(problems)
 
 
 def _refuse_chat_without_template(loaded: LoadedPreset) -> None:

@@ -57,7 +57,7 @@ def execute(ctx: StepContext, out: Path) -> dict[str, str]:
         results = _evaluate(ctx, wanted, results)
     if any(hit is None for hit in curve):
         curve = _curve(ctx, points, curve)
-    final = read_json(ctx.inputs["weights"] / RESULT)["steps"]
+    final = read_json(ctx.inputs["weights"] / RESULT).get("steps", 0)  # an imported checkpoint: none
     digests = write_result(assemble(results, points, curve, final), out)  # type: ignore[arg-type]
     if ctx.results is not None:  # the step holds its lock
         for each, result in zip(keys, [*results, *curve], strict=True):
@@ -169,7 +169,9 @@ def _evaluate(
         result = evaluate(model, heldout, config.eval, device, autocast, masks, records_end(loaded.index))
         ctx.log.info("eval", **result)
         results[0] = {"identity": wanted[0][1], "result": result}
-    final = read_json(ctx.inputs["weights"] / RESULT)["steps"]  # the update the final weights are of
+    final = read_json(ctx.inputs["weights"] / RESULT).get(
+        "steps", 0
+    )  # an imported checkpoint: none  # the update the final weights are of
     for at, (suite, files) in enumerate(
         zip(config.suites, suite_files(config, ctx.sources), strict=True), start=1
     ):

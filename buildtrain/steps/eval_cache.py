@@ -128,7 +128,7 @@ def curve_keys(step: Step, inputs: Mapping[str, Path]) -> list[tuple[int, int, s
     output = inputs["weights"]
     trained = json.loads((output / RESULT).read_bytes())
     points = []
-    for name in trained["checkpoints"]:
+    for name in trained.get("checkpoints", []):  # an imported checkpoint's output keeps none
         update = int(name.rsplit("-", 1)[1])
         if update % every or update == trained["steps"]:
             continue

@@ -8,6 +8,10 @@ computation (no approximation, so logits agree to float rounding):
     rmsnorm   gelu    arcee          Llama's blocks with a plain (non-gated) MLP of any activation
     layernorm swiglu  stablelm       LayerNorm with bias, full rotary (partial_rotary_factor 1), gated MLP
     layernorm gelu    starcoder2     LayerNorm with bias, plain MLP; use_bias = false drops linear biases
+    (qk_norm: rmsnorm, swiglu)  qwen3  Llama's blocks with per-head RMSNorm on q and k
+
+head_dim and a llama3 rope_scaling are written as they are: from them transformers computes the
+frequencies `steps/train/rope.py` computes, bit for bit.
 
 RoPE: buildtrain rotates halves (channel i with channel i + head_dim / 2, frequency i), as
 transformers does, so the query and key rows need no reordering. buildtrain's fused `wqkv`
@@ -46,6 +50,8 @@ ARCHITECTURES: dict[tuple[str, str], tuple[str, str, dict[str, str]]] = {
     ),
     ("layernorm", "gelu"): ("starcoder2", "Starcoder2ForCausalLM", {"w1": "c_fc", "w2": "c_proj"}),
 }
+# qk_norm (the schema admits it with rmsnorm and swiglu only): Llama's blocks with per-head q/k norms
+QWEN3 = ("qwen3", "Qwen3ForCausalLM", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
 NUMPY_OF = {"F32": np.uint32, "BF16": np.uint16, "F16": np.uint16}  # raw bits: split, never computed
 
 
@@ -53,7 +59,9 @@ def hf_config(
     model: dict[str, Any], vocab_size: int, max_positions: int, eod: int, dtype: str
 ) -> dict[str, Any]:
     """config.json for `model` (buildtrain's model config)."""
-    model_type, architecture, _ = ARCHITECTURES[(model["norm"], model["mlp"])]
+    model_type, architecture, _ = (
+        QWEN3 if model.get("qk_norm") else ARCHITECTURES[(model["norm"], model["mlp"])]
+    )
     config: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -63,7 +71,7 @@ def hf_config(
         "num_hidden_layers": model["n_layers"],
         "num_attention_heads": model["n_heads"],
         "num_key_value_heads": model["n_kv_heads"],
-        "head_dim": model["dim"] // model["n_heads"],
+        "head_dim": model.get("head_dim") or model["dim"] // model["n_heads"],
         "hidden_act": "silu" if model["mlp"] == "swiglu" else "gelu",  # gelu: the exact (erf) form
         "max_position_embeddings": max_positions,
         # transformers 5 reads rope_parameters; 4.x read rope_theta (and partial_rotary_factor)
@@ -76,8 +84,14 @@ def hf_config(
         "dtype": dtype,
         "use_cache": True,
     }
+    scaling = model.get("rope_scaling")
+    if scaling is not None:  # llama3: 5.x reads it from rope_parameters, 4.x from rope_scaling
+        config["rope_parameters"].update(scaling)
+        config["rope_scaling"] = dict(scaling)
     if model_type in ("llama", "arcee"):
         config.update(rms_norm_eps=model["norm_eps"], attention_bias=False, mlp_bias=False)
+    elif model_type == "qwen3":
+        config.update(rms_norm_eps=model["norm_eps"], attention_bias=False, use_sliding_window=False)
     elif model_type == "stablelm":
         config.update(layer_norm_eps=model["norm_eps"], use_qkv_bias=False, qk_layernorm=False)
         config["rope_parameters"]["partial_rotary_factor"] = config["partial_rotary_factor"] = 1.0
@@ -96,6 +110,8 @@ def hf_name(name: str, mlp_names: dict[str, str]) -> str:
     if parts[0] == "norm":
         return f"model.norm.{parts[1]}"
     layer, module = parts[1], parts[2]
+    if module == "attention" and parts[3] in ("q_norm", "k_norm"):  # qwen3's per-head norms
+        return f"model.layers.{layer}.self_attn.{parts[3]}.{parts[4]}"
     if module == "attention":
         return f"model.layers.{layer}.self_attn.{parts[3].replace('w', '', 1)}_proj.{parts[4]}"
     if module == "ffn":
@@ -108,7 +124,7 @@ def split_qkv(
     name: str, kind: str, values: np.ndarray, model: dict[str, Any]
 ) -> dict[str, tuple[str, list[int], np.ndarray]]:
     """A fused `attention.wqkv` tensor as buildtrain's separate wq, wk, wv (split by output rows)."""
-    head_dim = model["dim"] // model["n_heads"]
+    head_dim = model.get("head_dim") or model["dim"] // model["n_heads"]
     rows = (model["n_heads"] * head_dim, model["n_kv_heads"] * head_dim, model["n_kv_heads"] * head_dim)
     parts, start = {}, 0
     for part, count in zip(("wq", "wk", "wv"), rows, strict=True):

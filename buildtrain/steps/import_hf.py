@@ -1,4 +1,4 @@
-"""The import step: a Hugging Face checkpoint (llama, mistral, qwen2) in buildtrain's layout.
+"""The import step: a Hugging Face checkpoint (llama, mistral, qwen2, qwen3) in buildtrain's layout.
 
 Output (sealed by MANIFEST.json):
 
@@ -222,7 +222,8 @@ def weights_digests(path: Path) -> dict[str, str]:
 def expected_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """buildtrain's tensor names and shapes for a model of these settings (tied: no output)."""
     dim, hidden, vocab = model["dim"], model["ffn_hidden"], model["vocab_size"]
-    qkv = (model["n_heads"] + 2 * model["n_kv_heads"]) * (dim // model["n_heads"])
+    head = model.get("head_dim") or dim // model["n_heads"]
+    qkv = (model["n_heads"] + 2 * model["n_kv_heads"]) * head
     shapes: dict[str, tuple[int, ...]] = {"embedding.weight": (vocab, dim), "norm.weight": (dim,)}
     if not model["tie_embeddings"]:
         shapes["output.weight"] = (vocab, dim)
@@ -233,7 +234,7 @@ def expected_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 f"{block}.attention_norm.weight": (dim,),
                 f"{block}.ffn_norm.weight": (dim,),
                 f"{block}.attention.wqkv.weight": (qkv, dim),
-                f"{block}.attention.wo.weight": (dim, dim),
+                f"{block}.attention.wo.weight": (dim, model["n_heads"] * head),
                 f"{block}.ffn.w1.weight": (hidden, dim),
                 f"{block}.ffn.w3.weight": (hidden, dim),
                 f"{block}.ffn.w2.weight": (dim, hidden),
@@ -241,6 +242,8 @@ def expected_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         )
         if model["qkv_bias"]:
             shapes[f"{block}.attention.wqkv.bias"] = (qkv,)
+        if model.get("qk_norm"):
+            shapes.update({f"{block}.attention.{n}.weight": (head,) for n in ("q_norm", "k_norm")})
     return shapes
 
 
@@ -307,6 +310,8 @@ def buildtrain_name(name: str) -> str | None:
     leaf, kind = parts[4], parts[5]
     if module == "self_attn" and leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
         return f"{block}.attention.w{leaf[0]}.{kind}"
+    if module == "self_attn" and leaf in ("q_norm", "k_norm") and kind == "weight":
+        return f"{block}.attention.{leaf}.weight"
     if module == "mlp" and leaf in MLP:
         return f"{block}.ffn.{MLP[leaf]}.{kind}"
     return None

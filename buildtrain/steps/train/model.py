@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from buildtrain.config.schema import ModelConfig
+from buildtrain.config.schema import ModelConfig, RopeScalingConfig
 from buildtrain.config.shape import head_dim
 from buildtrain.steps.train import kernels
+from buildtrain.steps.train.rope import inverse_frequencies
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -74,14 +75,16 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.dim, eps=config.norm_eps)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float, scaling: RopeScalingConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin of the rotary angles for rotate-half RoPE, each (T, 1, head_dim).
 
     Channel i and channel i + head_dim / 2 of a head form pair i (the layout of Llama and
     transformers): cos repeats over both halves; sin is negated on the first half, so that
     x * cos + swap_halves(x) * sin rotates every pair.
     """
-    frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    frequencies = inverse_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), frequencies)  # (T, hs / 2)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
@@ -172,6 +175,9 @@ class Attention(nn.Module):
             config.dim, (config.n_heads + 2 * config.n_kv_heads) * self.head_dim, bias=config.qkv_bias
         )
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        # qwen3: each query and key head normalized over its own channels, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -179,6 +185,10 @@ class Attention(nn.Module):
         """q (B, nh, T, hs), k and v (B, nkv, T, hs) of x (B, T, C), RoPE applied to q and k."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, -1, self.head_dim)  # (B, T, nh + 2 nkv, hs)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = self.n_heads + self.n_kv_heads
+            q, k = self.q_norm(qkv[:, :, : self.n_heads]), self.k_norm(qkv[:, :, self.n_heads : qk])
+            qkv = torch.cat((q, k, qkv[:, :, qk:]), dim=2)
         return RotaryQKV.apply(qkv, cos, sin, self.n_heads, self.n_kv_heads)
 
     def forward(
@@ -287,7 +297,8 @@ class Transformer(nn.Module):
 
     def rope_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if (length, device) not in self.rope:
-            cos, sin = rope_tables(head_dim(self.config), length, self.config.rope_theta)
+            config = self.config
+            cos, sin = rope_tables(head_dim(config), length, config.rope_theta, config.rope_scaling)
             self.rope[(length, device)] = (cos.to(device), sin.to(device))
         return self.rope[(length, device)]
 
