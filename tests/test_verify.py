@@ -67,6 +67,29 @@ def test_injected_perturbation_is_caught_at_its_step_naming_the_tensor(micro_bui
     assert "diverged at step 7" in result.stderr and "NOT REPRODUCED" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("at", "compared_at"),
+    [(2, 4), (6, 8), (10, 12), (12, 12)],
+    ids=["before-the-first-checkpoint", "between-checkpoints", "after-the-last-intermediate", "final"],
+)
+def test_a_divergence_anywhere_in_the_stage_is_not_reproduced(micro_built, tmp_path, at, compared_at):
+    """Checkpoints at 4, 8 and 12 (the last update). A divergence after 8 used to stop training at
+    12 before its checkpoint was written, and the re-execution then failed (exit 1) as a build
+    whose final checkpoint is missing, instead of naming the update."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    tensor = "blocks.0.attention.wo.weight"
+    result, report = verify(store, micro_built[1], env={"BT_TEST_PERTURB": f"{at}:{tensor}:1e-3"})
+    assert result.returncode == ExitCode.NOT_REPRODUCED, result.stderr
+    train = by_label(report)["train:main"]
+    assert train["status"] == "diverged" and not report["reproduced"]
+    divergence = train["divergence"]
+    assert divergence["step"] == at and divergence["tensors"] == [f"model.{tensor}"]
+    assert divergence["compared_at"] == compared_at
+    assert divergence["differences"][0]["tensor"] == f"model.{tensor}"
+    assert f"diverged at step {at}" in result.stderr and "NOT REPRODUCED" in result.stderr
+
+
 def test_resume_without_the_data_cursor_is_caught_by_resume_at(micro_built, tmp_path):
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)

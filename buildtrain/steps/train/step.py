@@ -136,7 +136,7 @@ def execute(ctx: StepContext, out: Path | None) -> dict[str, str] | None:
     setup = make_setup(ctx)
     controls = ctx.controls or TrainControls()
     result = train(setup, ctx.log, controls)
-    if result.updates_done < setup.train.steps or not controls.ranks.lead:
-        return None  # stopped early, or another rank publishes
+    if result.stopped or not controls.ranks.lead:
+        return None  # stopped by the observer (even at the last update), or another rank publishes
     assert out is not None
     return assemble_output(setup, result, out, ctx.log)

@@ -44,6 +44,9 @@ from buildtrain.store.layout import SHARDS, checkpoint_name
 class TrainResult:
     updates_done: int
     trace: checkpoint.Trace  # `trace.whole()` reads it back from update 1
+    # The observer ended training (a spot check or a divergence), perhaps at the last update,
+    # before that update's checkpoint: there is nothing complete to publish.
+    stopped: bool = False
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -389,7 +392,7 @@ def _train(setup: TrainSetup, log: Any, controls: TrainControls) -> TrainResult:
         if ended:
             if ranks.lead:
                 run.flush()
-            return TrainResult(run.update, run.trace)  # a spot check or a divergence ends here
+            return TrainResult(run.update, run.trace, stopped=True)  # a spot check or a divergence
         if checkpoint_due(run.update, cfg) or stopping or observer.wants_checkpoint(run.update):
             run.save()
         if stopping:
