@@ -155,7 +155,7 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
     shutil.copytree(micro_built[0], root)
     store = Store(root)
 
-    def refuse(path: Path, data: bytes) -> None:
+    def refuse(path: Path, data: bytes, **_: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     monkeypatch.setattr(objects, "write_bytes_durably", refuse)

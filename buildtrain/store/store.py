@@ -82,8 +82,16 @@ class Store:
         previous = self.plan_meta(plan_hash)
         now = clock.iso_seconds()
         record = {"created": previous.get("created", now), **previous, **meta, "planned": now}
+        # Planning a stored plan again from the same place moves only the time it was planned:
+        # that refresh is replaced atomically but not fsynced (a null build of a preset syncs
+        # nothing), since a crash that loses it loses a hint (see plan_meta), never a plan.
+        moved_only_the_time = {**record, "planned": previous.get("planned")} == previous
         try:
-            self.replace_file(self.plan_meta_path(plan_hash), seal_meta(plan_hash, record))
+            self.replace_file(
+                self.plan_meta_path(plan_hash),
+                seal_meta(plan_hash, record),
+                durable=not moved_only_the_time,
+            )
         except OSError:
             if not self._holds(path, raw):
                 raise
@@ -301,8 +309,12 @@ class Store:
         if not problems:
             body = {"format": STAMP_FORMAT, "step": step_hash, "files": stats}
             with contextlib.suppress(OSError):  # a read-only store just re-hashes next time
+                # A cache, so not fsynced: a stamp lost or torn by a crash is ignored (sealed,
+                # checked against the stats), and costs one re-hash of files already durable.
                 self.replace_file(
-                    self.stamp_path(step_hash), canonical_bytes({**body, "seal": digest("stamp", body)})
+                    self.stamp_path(step_hash),
+                    canonical_bytes({**body, "seal": digest("stamp", body)}),
+                    durable=False,
                 )
         else:
             self.drop_stamp(step_hash)
@@ -333,12 +345,13 @@ class Store:
         self.drop_stamp(step_hash)
         return self.set_aside(self.output(step_hash))
 
-    def replace_file(self, path: Path, data: bytes) -> None:
-        """Write a small store file durably, first setting aside a folder or link in its place."""
+    def replace_file(self, path: Path, data: bytes, *, durable: bool = True) -> None:
+        """Write a small store file atomically (and durably unless told otherwise: caches and
+        hints), first setting aside a folder or link in its place."""
         self.folder(path.parent)
         if path.is_symlink() or path.is_dir():
             self.set_aside(path)
-        objects.write_bytes_durably(path, data)
+        objects.write_bytes_durably(path, data, durable=durable)
 
     def work_dir(self, step_hash: str) -> Path:
         return self.work / step_hash
