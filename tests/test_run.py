@@ -92,6 +92,61 @@ def test_second_run_is_a_null_build_without_torch(micro_built, tmp_path):
     assert summary["executed"] == 0
 
 
+# Runs `bt ARGS` with os.fsync and os.fdatasync counted (the real calls still made): the path
+# of every file or folder synced, as JSON into OUT. A null build starts no other process.
+SYNC_COUNTER = textwrap.dedent("""
+    import json, os, sys
+    synced = []
+    def counted(real):
+        def call(fd):
+            number = fd if isinstance(fd, int) else fd.fileno()
+            synced.append(os.readlink(f"/proc/self/fd/{number}"))
+            return real(fd)
+        return call
+    os.fsync, os.fdatasync = counted(os.fsync), counted(os.fdatasync)
+    from buildtrain.cli import main
+    try:
+        code = main(sys.argv[2:])
+    finally:
+        with open(sys.argv[1], "w") as out:
+            json.dump(synced, out)
+    sys.exit(code)
+""")
+
+
+def _synced(tmp_path, store, *args):
+    out = tmp_path / "synced.json"
+    env = {**os.environ, "BT_STORE": str(store), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
+    result = subprocess.run(
+        [sys.executable, "-c", SYNC_COUNTER, str(out), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names synced files through /proc")
+def test_a_null_build_syncs_nothing(micro_built, tmp_path):
+    """Issue 48: a null build made 6 fsyncs per plan (its run record), 8 from a preset (the plan's
+    metadata, planned again) and 16 the first time (the stamps of outputs it verified), none of
+    them for store data it changed. The first command proves that the count sees the fsyncs of a
+    plan that is written."""
+    store = tmp_path / ".bt"
+    shutil.copytree(micro_built[0], store)
+    stamps = Store(store).stamps
+    shutil.rmtree(stamps, ignore_errors=True)  # so that the first null build stamps every output
+    synced = _synced(tmp_path, store, "plan", str(MICRO), "--set", "train.lr=1e-3")
+    assert os.path.join(os.path.realpath(store), "plans") in synced  # a new plan: durable
+    for args in (("run", str(MICRO)), ("run", micro_built[1]), ("run", str(MICRO))):
+        assert _synced(tmp_path, store, *args) == [], args
+    assert len(list(stamps.iterdir())) == len(micro_built[2])  # outputs verified and stamped
+    runs = summaries(tmp_path / "experiments")
+    assert len(runs) == 3 and all(run["executed"] == 0 for run in runs)  # each run still recorded
+
+
 def test_changing_finetune_lr_reruns_only_finetune_eval_export(stages_built, tmp_path):
     store = tmp_path / ".bt"
     shutil.copytree(stages_built[0], store)

@@ -6,6 +6,12 @@ train.log       every event as a JSON line (executor and step processes alike)
 metrics.jsonl   training and evaluation metrics, one JSON line each
 summary.json    per step: cache hit, pulled from a remote or executed, duration, output digests; and the outcome
 events.out.tfevents.*  the same training and evaluation scalars for TensorBoard (executor/events.py)
+
+A record is a log, not store data, so nothing in it is fsynced (a null build syncs nothing): its
+files are replaced atomically, and train.log and metrics.jsonl are flushed line by line. Nothing
+decides what to build or trust from a record (outputs, checkpoints and each step's metrics summary
+live in the store, durably), so a crash costs at most the newest record's tail; a record left
+without a readable summary.json is no finished record, and `bt gc --records` keeps it.
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ class RunRecord:
             "preset": meta.get("preset"),
             "overrides": meta.get("overrides", []),
         }
-        write_bytes_durably(folder / "config.json", json.dumps(config, indent=2).encode())
-        write_bytes_durably(folder / "plan.json", plan.pretty())
+        write_bytes_durably(folder / "config.json", json.dumps(config, indent=2).encode(), durable=False)
+        write_bytes_durably(folder / "plan.json", plan.pretty(), durable=False)
         return cls(folder, plan, store_root)
 
     @property
@@ -114,7 +120,9 @@ class RunRecord:
             "steps": [attrs.asdict(s) for s in sorted(self.steps, key=lambda s: self._order[s.hash])],
             "pid": os.getpid(),
         }
-        write_bytes_durably(self.folder / "summary.json", json.dumps(summary, indent=2).encode())
+        write_bytes_durably(
+            self.folder / "summary.json", json.dumps(summary, indent=2).encode(), durable=False
+        )
         self._log.close()
         self._metrics.close()
         self.metrics.close()
