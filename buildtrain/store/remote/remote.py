@@ -114,10 +114,12 @@ class Remote:
             )
         return self._push_sealed(store.output(step_hash), keys.step(step_hash), step_hash)
 
-    def pull_output(self, store: Store, step_hash: str) -> Path | None:
+    def pull_output(self, store: Store, step_hash: str, *, pinned: str | None = None) -> Path | None:
         """Download a step output into `store.output(step_hash)`, checked as the module says.
         None when the remote does not hold the step. The caller holds the step's lock and has
-        found no intact local output (an output already there is left as it is and returned)."""
+        found no intact local output (an output already there is left as it is and returned).
+        `pinned`: the manifest's own digest that the caller accepts, and no other (a run's node
+        takes exactly the inputs its coordinator holds)."""
         key = keys.step(step_hash)
         try:
             raw = self.backend.get(key)
@@ -126,6 +128,10 @@ class Remote:
         destination = store.output(step_hash)
         if store.has_output(step_hash):
             return destination
+        if pinned is not None and objects.manifest_self(raw) != pinned:
+            raise self.damaged(
+                f"step {step_hash[:12]}", key, f"is not the build this run holds (manifest {pinned[:12]})"
+            )
         self._assemble(store, raw, step_hash, destination, what=f"step {step_hash[:12]}", key=key)
         return destination
 
