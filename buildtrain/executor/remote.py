@@ -95,27 +95,24 @@ class RemoteCache:
         if refused is not None:
             self.say_once(step, f"{refused}; building it here")
             return False
+        kind = kind_of(step.kind)
+
+        def accept(folder: Path) -> str | None:
+            # Its seal is unkeyed: a declared digest counts only once the bytes give it again.
+            problems = stored_problems(kind, step.hash, folder, step.config)
+            return problems[0] if problems else None
+
         try:
-            found = self.remote.pull_output(store, step.hash, pinned=pinned)
+            found = self.remote.pull_output(store, step.hash, pinned=pinned, accept=accept)
         except RemoteDamaged as exc:
             self.say(step.label, str(exc))
             return False
         if found is None:
             return False
-        problems = store.check_output(step.hash)  # re-hashed in full once, and stamped
+        problems = store.check_output(step.hash)  # hashed as it came in: stamped by the pull
         if problems:
             store.quarantine(step.hash)
             self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
-            return False
-        # Its seal is unkeyed: a declared digest counts only once the bytes give it again.
-        problems = stored_problems(kind_of(step.kind), step.hash, found, step.config)
-        if problems:
-            store.quarantine(step.hash)
-            self.say(
-                step.label,
-                f"remote {self.url}: step {step.hash[:12]} refused: {problems[0]}; it was not used "
-                "(moved to quarantine/): build it locally, and push it again to repair the remote",
-            )
             return False
         self._pull_entry(store, step)
         return True
