@@ -1,12 +1,17 @@
-"""Pull throughput from a remote: `Remote.pull_output` against the client library's own download.
+"""Pull throughput from a remote: a checked pull against the client library's own download.
 
 Seals a step output of random files (128 MB in 4 MB files; `--quick`: 32 MB) in a local store,
-pushes it to a SeaweedFS started for the run (127.0.0.1, stopped by pid at the end) and to a
-shared folder, then alternates, per round: a pull into a fresh store (download on 8 threads, every
-piece hashed as it is written, each file fsynced, the assembled folder re-hashed by
-`objects.verify`, renamed into place), and the raw download of the same blobs with the same
-library on the same 8 threads into plain files (obstore `get` for S3, a file copy for the folder;
-no hashing, no fsync). Reports medians and the ratio raw time / pull time (goal: >= 0.8x).
+and builds a train step's output with bt (micro at width 256, 8 updates: 72 MB in 7 files, two
+checkpoints of weights and AdamW state); pushes both to a SeaweedFS started for the run
+(127.0.0.1, stopped by pid at the end) and to a shared folder, then alternates, per round: a pull
+into a fresh store, and the raw download of the same blobs with the same library on the same 8
+threads into plain files (obstore `get` for S3, a file copy for the folder; no hashing, no
+fsync). The random files' pull is the library's (`Remote.pull_output`: download on 8 threads,
+every piece hashed as it is written, each file fsynced, the folder checked, renamed into place)
+and the store's check before first use; the train output's is what `bt run` does
+(`RemoteCache.pull`: that, and every declared digest re-derived from the files, the kept
+checkpoints against the trace, before the folder enters the store). Reports medians and the
+ratio raw time / pull time (goal: >= 0.8x).
 
 Then, with `bt` itself against the same SeaweedFS: the wall time of a `bt run` whose every step is
 pulled from the remote (a fresh store) against a local null build of the same plan; and the train
@@ -22,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,6 +58,8 @@ GOAL = 0.8
 FILE_MB = 4
 STEP = "be" * 32  # the output's step hash: any 64 hex digits
 MICRO = REPO / "tests" / "presets" / "micro.toml"
+# micro at width 256 for 8 updates: a train output of 72 MB (two checkpoints of weights and AdamW state)
+TRAIN_SETS = ["model.dim=256", "model.n_layers=4", "model.ffn_hidden=704", "train.steps=8"]
 PUSH_GOAL = 0.05
 
 
@@ -90,28 +98,37 @@ def raw_download(remote: object, blobs: list[str], into: Path) -> float:
     return elapsed
 
 
-def pull(remote: object, store_root: Path) -> float:
+def pull(pull_into: Callable[[object], object], store_root: Path) -> float:
     from buildtrain.store.store import Store
 
     store = Store(store_root)
     started = time.perf_counter()
-    remote.pull_output(store, STEP)  # type: ignore[attr-defined]
+    pull_into(store)
     elapsed = time.perf_counter() - started
     shutil.rmtree(store_root)
     return elapsed
 
 
-def measure(name: str, remote: object, source: object, space: object, count: int) -> list[object]:
+def measure(
+    name: str,
+    remote: object,
+    source: object,
+    step: str,
+    space: object,
+    count: int,
+    pull_into: Callable[[object], object],
+) -> list[object]:
+    """Raw download against `pull_into(fresh store)` of the step output `step` of `source`."""
     from buildtrain.store import objects
 
     note(f"{name}: pushing")
-    remote.push_output(source, STEP)  # type: ignore[attr-defined]
-    blobs = sorted({e["blake3"] for e in objects.read_manifest(source.output(STEP))["files"].values()})  # type: ignore[attr-defined]
+    remote.push_output(source, step)  # type: ignore[attr-defined]
+    blobs = sorted({e["blake3"] for e in objects.read_manifest(source.output(step))["files"].values()})  # type: ignore[attr-defined]
     serial = iter(range(10**6))
     times = alternate(
         [
             ("raw", lambda: raw_download(remote, blobs, space.path(f"raw-{next(serial)}"))),  # type: ignore[attr-defined]
-            ("pull", lambda: pull(remote, space.path(f"pull-{next(serial)}", ".bt"))),  # type: ignore[attr-defined]
+            ("pull", lambda: pull(pull_into, space.path(f"pull-{next(serial)}", ".bt"))),  # type: ignore[attr-defined]
         ],
         count,
     )
@@ -124,6 +141,44 @@ def measure(name: str, remote: object, source: object, space: object, count: int
         fmt_spread(times["pull"]),
         fmt_ratio(ratio(raw, pulled)),
     ]
+
+
+def files_pull(remote: object) -> Callable[[object], object]:
+    """The library's pull of the random files, then the store's check before first use."""
+
+    def pull_into(store: object) -> object:
+        remote.pull_output(store, STEP)  # type: ignore[attr-defined]
+        return store.check_output(STEP)  # type: ignore[attr-defined]
+
+    return pull_into
+
+
+def train_output(space: object) -> tuple[object, object, str]:
+    """A train step's output built with bt (micro at width 256: two kept checkpoints of weights
+    and AdamW state): (its store, the plan, the step)."""
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    built = space.path("train-built", ".bt")  # type: ignore[attr-defined]
+    plan = space.plan(MICRO, *TRAIN_SETS, store=built)  # type: ignore[attr-defined]
+    space.run_bt("run", plan, "--progress", "off", store=built)  # type: ignore[attr-defined]
+    store = Store(built)
+    step = next(step for step in load_plan(store, plan).steps if step.kind == "train")
+    return store, load_plan(store, plan), step
+
+
+def checked_pull(url: object, plan: object, step: object) -> Callable[[object], object]:
+    """What `bt run` does to pull a step: every blob hashed as it is written, every declared
+    digest re-derived from the files, kept checkpoints against the trace, then the store's check."""
+    from buildtrain.executor.remote import RemoteCache
+
+    def pull_into(store: object) -> object:
+        store.save_plan(plan.hash, plan.canonical())  # type: ignore[attr-defined]
+        if not RemoteCache(url, lambda label, text: note(f"{label}: {text}")).pull(store, step):  # type: ignore[arg-type]
+            raise RuntimeError("the checked pull refused the benchmark's own output")
+        return None
+
+    return pull_into
 
 
 def train_seconds(space: object, preset: list[str], serial: int, remote: str | None) -> float:
@@ -205,27 +260,48 @@ def main() -> None:
         print_header("bt remote: pull throughput against the client library's raw download", args, space)
         source = Store(space.path("source", ".bt"))
         make_output(source, total_mb)
+        built, plan, step = train_output(space)
         size = fmt_bytes(total_mb << 20)
-        rows = []
+        files, trains = [], []
         with seaweed.running(space.path("seaweed")) as server:
             os.environ.update(server.env())
-            rows.append(measure("s3 (SeaweedFS)", Remote.open(server.url("bench")), source, space, count))
+            s3 = Remote.open(server.url("bench"))
+            files.append(measure("s3 (SeaweedFS)", s3, source, STEP, space, count, files_pull(s3)))
+            pull_into = checked_pull(s3.url, plan, step)
+            trains.append(measure("s3 (SeaweedFS)", s3, built, step.hash, space, count, pull_into))  # type: ignore[attr-defined]
             measure_runs(space, server.url("runs"), count, args.quick)
         folder = space.path("shared")
         folder.mkdir()
-        rows.append(measure("file:// (shared folder)", Remote.open(f"file://{folder}"), source, space, count))
-        print_table(
-            f"pull of a {size} step output ({total_mb // FILE_MB} files), medians of {count} alternated rounds",
-            ["remote", "raw download", "spread", "pull (checked)", "spread", "raw / pull"],
-            rows,
+        shared = Remote.open(f"file://{folder}")
+        files.append(
+            measure("file:// (shared folder)", shared, source, STEP, space, count, files_pull(shared))
         )
-        ratios = [float(row[-1].rstrip("x")) for row in rows]
+        pull_into = checked_pull(shared.url, plan, step)
+        trains.append(measure("file:// (shared folder)", shared, built, step.hash, space, count, pull_into))  # type: ignore[attr-defined]
+        headers = ["remote", "raw download", "spread", "pull (checked)", "spread", "raw / pull"]
+        print_table(
+            f"pull of a {size} step output ({total_mb // FILE_MB} random files, hashed), medians of "
+            f"{count} alternated rounds",
+            headers,
+            files,
+        )
+        print_table(
+            "checked pull of a train step's output as bt run pulls it (every digest re-derived), "
+            f"{fmt_bytes(tree_bytes(built.output(step.hash)))}, medians of {count} alternated rounds",  # type: ignore[attr-defined]
+            headers,
+            trains,
+        )
         print_goals(
             [
-                goal_line(f"{row[0]}: pull >= {GOAL}x the raw download's speed", r >= GOAL, row[-1])
-                for row, r in zip(rows, ratios, strict=True)
+                goal_line(f"{what}, {row[0]}: pull >= {GOAL}x the raw download's speed", r >= GOAL, row[-1])
+                for what, rows in (("random files", files), ("train output", trains))
+                for row, r in zip(rows, [float(row[-1].rstrip("x")) for row in rows], strict=True)
             ]
         )
+
+
+def tree_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
 if __name__ == "__main__":

@@ -175,6 +175,28 @@ def build_reference(factory: pytest.TempPathFactory, preset: Path) -> Reference:
     return store, planned, step_digests(store, planned)
 
 
+def signed_data_and_a_checkpoint(built: Reference, remote: Path, keys: Path) -> dict[str, str]:
+    """A remote (a folder) that serves the built micro plan's data step, signed by its builder,
+    and a checkpoint of its train step (step-000008), but no later output; and the environment
+    of a reader whose keyring (`keys`) trusts that builder and who asks for 1 signer."""
+    from buildtrain.store.remote.remote import Remote
+    from buildtrain.store.store import Store
+
+    store, plan, _ = built
+    remote.mkdir(exist_ok=True)
+    assert run_bt("push", plan, "--remote", remote.as_uri(), store=store).returncode == 0
+    steps = load_plan(Store(store), plan).steps
+    checkpoint = Store(store).output(steps[1].hash) / "checkpoints" / "step-000008"
+    Remote.open(remote.as_uri()).push_checkpoint(steps[1].hash, checkpoint)
+    for later in steps[1:]:
+        (remote / "steps" / f"{later.hash}.json").unlink()
+    reader = {"BT_KEYS": str(keys), "BT_MIN_ATTESTATIONS": "1"}
+    exported = keys.parent / f"{keys.name}-builder.pem"
+    exported.write_text(run_bt("keys", "export", store=store).stdout)
+    assert run_bt("keys", "trust", str(exported), "--name", "b", store=store, env=reader).returncode == 0
+    return reader
+
+
 @pytest.fixture(scope="session")
 def micro_built(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return build_reference(tmp_path_factory, MICRO)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from test_import import write_preset
 from tokenizers import Tokenizer
 
+from buildtrain.errors import ExitCode
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.gradient import token_loss
@@ -196,6 +197,39 @@ HOSTILE_TEMPLATES = [
     "{{ raise_exception('no') }}",
     "{% for %}",
     "{{" * 200000,
+    # attribute walks to globals and os through other objects
+    "{{ self.__init__.__globals__ }}",
+    "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "{{ joiner.__init__.__globals__.os }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    # format strings: an attribute walk, widths from arguments and from mappings
+    "{{ '{0.__class__.__mro__}'.format(messages) }}",
+    "{{ '{:>{}}'.format('x', 10**9) }}",
+    "{{ '%(a)999999999s' % {'a': 1} }}",
+    "{{ '%*s' % (999999999, 'x') }}",
+    "{{ messages|tojson(indent=999999999) }}",
+    # recursion, and nesting past Python's own limits on the code Jinja makes
+    "{% macro f(n) %}{{ f(n) ~ f(n) }}{% endmacro %}{{ f(1) }}",
+    "{% for i in range(3) recursive %}{{ loop(range(3)) }}{% endfor %}",
+    "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+    "{% for a in messages %}" * 30 + "{% endfor %}" * 30,
+    "{% if 1 %}" * 200 + "{% endif %}" * 200,
+    # huge loops and large values
+    "{% for i in range(10**12) %}{% endfor %}",
+    "{% for i in range(99999) %}{{ 'x' * 10000 }}{% endfor %}",
+    "{{ [0] * 99999 * 99999 }}",
+    "{{ 2 ** 99999999 }}",
+    # namespace and loop tricks
+    "{% set ns = namespace(l=[]) %}{% for i in range(99999) %}{% set ns.l = ns.l + [ns.l] %}{% endfor %}",
+    "{{ loop.cycle(1, 2) }}",
+    "{% set x = [] %}{{ x.append(1) }}",
+    # exceptions of odd types, and a multi-line message
+    "{{ 10**5000 }}",
+    "{{ 'x'.encode('rot13') }}",
+    "{{ '\udcff'.encode() }}",
+    "{{ 'a' < 1 }}",
+    "{{ (1, 2)|dictsort }}",
+    "{{ raise_exception('a\\n' * 1000) }}",
 ]
 
 
@@ -216,6 +250,18 @@ def test_a_hostile_chat_template_fails_in_one_line(template: str, monkeypatch: p
         )
     assert time.monotonic() - started < 15
     assert "\n" not in str(raised.value) and "chat_template" in str(raised.value), raised.value
+    assert raised.value.exit_code == ExitCode.FAILED
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["{{ raise_exception|attr('__globals__') }}", "{{ '{0[0].__class__}'.format(messages) }}"],
+)
+def test_an_attribute_walk_the_sandbox_answers_with_nothing(template: str) -> None:
+    """Unsafe attributes reached through the attr filter or a format field render as undefined."""
+    from buildtrain.steps.chat import Renderer
+
+    assert Renderer(template, "<|endoftext|>").render([{"role": "user", "content": "hi"}], False) == ""
 
 
 @pytest.mark.parametrize(

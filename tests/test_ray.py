@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import raycluster
-from conftest import MICRO, plan_hash, run_bt, step_digests
+from conftest import MICRO, plan_hash, run_bt, signed_data_and_a_checkpoint, step_digests
 from seaweed import free_ports
 
 from buildtrain.errors import ExitCode
@@ -471,3 +471,24 @@ def test_kept_checkpoints_are_scored_by_ray_tasks_beside_training(
     every = Counter((s, u) for s, u, _ in scored(tmp_path / "experiments"))
     assert every == Counter(BESIDE | {("arith", 12), ("sums", 12)})  # each once over both runs
     assert curves(store, planned) == {"arith": [4, 8, 12], "sums": [4, 8, 12]}
+
+
+def test_nodes_keep_the_runs_min_attestations(
+    tmp_path: Path, ray_cluster: raycluster.RayCluster, micro_built: tuple
+) -> None:
+    """Under `--min-attestations`, a node builds a step whose remote output is missing from
+    scratch: never from the remote's checkpoint (no one signs one), which a node resumed from
+    without it. The run then takes the node's build (pinned by its manifest) although no key the
+    reader trusts signed it, and the nodes take exactly the inputs the run holds."""
+    _, plan, honest = micro_built
+    env = on_ray(ray_cluster, tmp_path / "remote")
+    reader = signed_data_and_a_checkpoint(micro_built, tmp_path / "remote", tmp_path / "reader")
+    ray_cluster.forget_node_stores()
+    store = stores(tmp_path)[1]
+    run = run_bt("run", plan, *ONE_THREAD, store=store, env={**env, **reader})
+    assert run.returncode == 0, run.stderr
+    assert "1 pulled" in run.stderr and "3 executed" in run.stderr, run.stderr
+    log = next((store.parent / "experiments").iterdir()) / "train.log"
+    assert "not resuming from the remote's checkpoint (no one signs one)" in log.read_text()
+    assert '"event": "resumed"' not in log.read_text()
+    assert step_digests(store, plan) == honest

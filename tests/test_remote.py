@@ -186,6 +186,33 @@ def test_another_steps_manifest_is_foreign(
     assert_nothing_left(other)
 
 
+def test_a_pin_takes_only_that_build_and_a_refusal_leaves_nothing(
+    remote: Remote, built: tuple[Store, list[str]], tmp_path: Path
+) -> None:
+    """A run's node pins the build its run holds: another build under the step's name is named
+    and never served. A caller's `accept` sees the whole folder before it enters the store; a
+    refusal leaves nothing behind, and an accepted pull is stamped (no second read before use)."""
+    store, steps = built
+    remote.push_output(store, steps[0])
+    held = objects.manifest_self((store.output(steps[0]) / objects.MANIFEST).read_bytes())
+    other = fresh_store(tmp_path)
+    with pytest.raises(RemoteDamaged, match=rf"{keys.step(steps[0])}.*not the build this run holds"):
+        remote.pull_output(other, steps[0], pinned="0" * 64)
+    assert_nothing_left(other)
+    seen: list[dict[str, bytes]] = []
+
+    def refuse(folder: Path) -> str:
+        seen.append(tree(folder))
+        return "weights.safetensors gives weights 123, the manifest declares 456"
+
+    with pytest.raises(RemoteDamaged, match=rf"step {steps[0][:12]} refused: weights.safetensors gives"):
+        remote.pull_output(other, steps[0], pinned=held, accept=refuse)
+    assert seen == [tree(store.output(steps[0]))]
+    assert_nothing_left(other)
+    assert remote.pull_output(other, steps[0], pinned=held, accept=lambda folder: None) is not None
+    assert other.read_stamp(steps[0]) is not None and other.check_output(steps[0]) == []
+
+
 def test_a_damaged_manifest_is_named(remote: Remote, built: tuple[Store, list[str]], tmp_path: Path) -> None:
     store, steps = built
     remote.push_output(store, steps[0])

@@ -469,3 +469,25 @@ def test_a_sweep_split_between_two_stores_is_then_built_on_both(tmp_path: Path) 
         assert again.returncode == 0
     digests = [step_digests(store, point) for store in (a, b) for point in points]
     assert digests[:4] == digests[4:]
+
+
+def test_checkpoints_that_began_on_the_remote_are_not_resumed_under_a_requirement(
+    tmp_path: Path, micro_built: Reference
+) -> None:
+    """A store whose work on a step began from a pulled checkpoint (the mark an earlier run left)
+    does not resume from it once signed results are required: it builds the step from scratch."""
+    (tmp_path / "remote").mkdir()
+    url = f"file://{tmp_path / 'remote'}"
+    built, plan, honest = micro_built
+    store = tmp_path / "a" / ".bt"
+    assert bt_at(store, "plan", str(MICRO)).returncode == 0
+    train = load_plan(Store(built), plan).steps[1].hash
+    work = Store(store).work_dir(train)
+    (work / "checkpoints").mkdir(parents=True)
+    shutil.copytree(Store(built).output(train) / "checkpoints", work / "checkpoints", dirs_exist_ok=True)
+    (work / "pulled-checkpoint.json").write_text('{"checkpoint": "step-000008", "remote": "elsewhere"}')
+    run = bt_at(store, "run", plan, "--remote", url, "--min-attestations", "1")
+    assert run.returncode == 0, run.stderr
+    assert "not resuming from checkpoints that began on the remote" in run.stderr, run.stderr
+    assert "resuming from checkpoint at step" not in run.stderr
+    assert step_digests(store, plan) == honest

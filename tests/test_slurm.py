@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import slurm
-from conftest import MICRO, Reference, actions, plan_hash, run_bt, step_digests, summaries
+from conftest import (
+    MICRO,
+    Reference,
+    actions,
+    plan_hash,
+    run_bt,
+    signed_data_and_a_checkpoint,
+    step_digests,
+    summaries,
+)
 
 from buildtrain.errors import ExitCode, UsageError
 from buildtrain.executor.slurm_engine import SlurmSettings
@@ -459,3 +468,21 @@ def test_kept_checkpoints_are_scored_by_slurm_jobs_beside_training(
     every = Counter((s, u) for s, u, _ in scored(tmp_path / "experiments"))
     assert every == Counter(BESIDE | {("arith", 12), ("sums", 12)})  # each once over both runs
     assert curves(store, planned) == {"arith": [4, 8, 12], "sums": [4, 8, 12]}
+
+
+def test_a_slurm_run_keeps_its_min_attestations(
+    slurm_cluster: slurm.Slurm, tmp_path: Path, micro_built: tuple
+) -> None:
+    """Slurm's nodes build in the run's store and never ask the remote: the run itself applies
+    `--min-attestations`, so a step whose remote output is missing is built from scratch, never
+    from the remote's unsigned checkpoint."""
+    _, plan, honest = micro_built
+    reader = signed_data_and_a_checkpoint(micro_built, tmp_path / "remote", tmp_path / "reader")
+    store = tmp_path / "slurm" / ".bt"
+    store.parent.mkdir()
+    env = on_slurm(slurm_cluster, BT_REMOTE=(tmp_path / "remote").as_uri(), **reader)
+    run = run_bt("run", plan, "--executor", "slurm", "--progress", "off", store=store, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "not resuming from the remote's checkpoint (no one signs one)" in run.stderr, run.stderr
+    assert "resuming from step-" not in run.stderr and "1 pulled" in run.stderr
+    assert step_digests(store, plan) == honest

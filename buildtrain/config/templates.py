@@ -31,6 +31,9 @@ RENDER_CHARACTERS = 16 << 20  # the output of one render, and any one value buil
 RENDER_MEMORY = 1 << 30  # growth of the address space allowed while a template renders
 TEMPLATE_CHARACTERS = 1 << 20  # a template's own text
 WIDE_NUMBER = re.compile(r"\d{7,}")  # a format width of a million or more: more than any honest one
+NESTED_FIELD = re.compile(
+    r"\{[^{}]*:[^{}]*\{"
+)  # str.format's width from an argument: '{:>{}}'.format('x', 10**9)
 WIDTH_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
 
 
@@ -50,10 +53,12 @@ def compile_template(source: str, filters: dict[str, Any] | None = None, **optio
     try:
         return environment.from_string(source)
     except TemplateError as exc:
-        raise TemplateRefused(f"not a Jinja template ({_line(exc)})") from None
-    except (RecursionError, MemoryError, ValueError, OverflowError) as exc:
+        raise TemplateRefused(f"not a Jinja template ({one_line(exc)})") from None
+    except (RecursionError, MemoryError, ValueError, OverflowError, SyntaxError) as exc:
+        # SyntaxError: Python's own limits on the code Jinja makes of it (20 nested loops,
+        # 100 levels of indentation), IndentationError among them.
         raise TemplateRefused(
-            f"the template cannot be compiled ({type(exc).__name__}: {_line(exc)})"
+            f"the template cannot be compiled ({type(exc).__name__}: {one_line(exc)})"
         ) from None
 
 
@@ -65,7 +70,7 @@ def unsafe_names(source: str) -> list[str]:
     try:
         tree = _environment().parse(source)
     except (TemplateError, RecursionError, MemoryError, ValueError) as exc:
-        return [f"not a Jinja template ({_line(exc)})"]
+        return [f"not a Jinja template ({one_line(exc)})"]
     found = [node.attr for node in tree.find_all(nodes.Getattr) if node.attr.startswith("_")]
     for node in tree.find_all(nodes.Getitem):
         if isinstance(node.arg, nodes.Const) and str(node.arg.value).startswith("_"):
@@ -89,11 +94,12 @@ def render(template: Any, variables: dict[str, Any]) -> str:
         except MemoryError:
             raise TemplateRefused(f"needs more than {RENDER_MEMORY >> 20} MiB to render") from None
         except Exception as exc:  # the template's own failure: its message, on one line
-            raise TemplateRefused(f"{type(exc).__name__}: {_line(exc)}") from None
+            raise TemplateRefused(f"{type(exc).__name__}: {one_line(exc)}") from None
     return "".join(pieces)
 
 
-def _line(exc: BaseException) -> str:
+def one_line(exc: object) -> str:
+    """An exception's (or any value's) text on one line, at most 300 characters."""
     text = " ".join(str(exc).split())
     return text[:300] + ("..." if len(text) > 300 else "")
 
@@ -124,7 +130,7 @@ def _environment(**options: Any) -> Any:
             return super().getattr(obj, attribute)
 
     environment = Bounded(**options)
-    for name in ("center", "indent", "format", "join", "replace"):
+    for name in ("center", "indent", "format", "join", "replace", "tojson"):
         environment.filters[name] = _bounded_filter(environment.filters[name])
     return environment
 
@@ -167,6 +173,10 @@ def _check_call(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None
         _too_long(len(owner) * 8, f"str.{name}")
     elif name in ("format", "format_map"):
         _check_format(owner, values)
+        if NESTED_FIELD.search(owner):
+            sizes = [*values, *(v for m in values if isinstance(m, dict) for v in m.values())]
+            if any(isinstance(v, int) and abs(v) > RENDER_CHARACTERS for v in sizes):
+                raise TemplateRefused("a format width from an argument past the output bound is refused")
     elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
         count = owner.count(args[0]) if args[0] else len(owner) + 1
         _too_long(len(owner) + count * max(len(args[1]) - len(args[0]), 0), "str.replace")

@@ -16,6 +16,7 @@ from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.executor.engine import Engine, Submission
 from buildtrain.executor.launch import Launch
 from buildtrain.executor.local import LocalEngine
+from buildtrain.executor.on_node import NODE_PUSHED
 from buildtrain.executor.outcome import StepResult, raise_for_status
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
@@ -136,7 +137,11 @@ class Builder:
         else:
             self.reporter.step(step.label, "running")
 
+        pushed: dict[str, str] = {}  # the build a node pushed (its manifest digest)
+
         def on_event(line: dict[str, Any]) -> None:
+            if line.get("event") == NODE_PUSHED and line.get("hash") == step.hash:
+                pushed["manifest"] = str(line.get("manifest"))
             self.record.forward(line)
             self.reporter.event(line)
             if line.get("event") == "step_done" and line.get("label") == step.label:
@@ -154,6 +159,8 @@ class Builder:
             lock_fd=lock_fd,
             launch=self.launch,
             remote=self.remote.url if via_remote else None,
+            min_attestations=self.remote.min_attestations if via_remote else 0,
+            inputs=self._held(step) if via_remote else {},
         )
         handle = self.engine.start(submission, on_event)
         self.live.add(handle)
@@ -173,7 +180,7 @@ class Builder:
             self.record.event("step_placed", step=step.label, hash=step.hash, node=handle.node)
         raise_for_status(step, outcome, self.plan)
         if via_remote:
-            self._collect(step, handle.node)
+            self._collect(step, handle.node, pushed.get("manifest"))
         return handle.node, via_remote
 
     def _beside(self, step: Step, *, shares_store: bool) -> Beside | None:
@@ -189,10 +196,21 @@ class Builder:
             self.store, self.plan, step, self.engine, self.record.forward, self.reporter.step
         ).start()
 
-    def _collect(self, step: Step, node: str) -> None:
-        """Pull the output that the engine's process built on `node` and pushed to the remote."""
+    def _held(self, step: Step) -> dict[str, str]:
+        """The manifest digest of each input in this store: a node takes exactly those builds."""
+        held = {}
+        for upstream in dict.fromkeys(step.upstream.values()):
+            with contextlib.suppress(OSError):  # none here: the node counts signers instead
+                found = objects.manifest_self((self.store.output(upstream) / objects.MANIFEST).read_bytes())
+                if found is not None:
+                    held[upstream] = found
+        return held
+
+    def _collect(self, step: Step, node: str, pinned: str | None) -> None:
+        """Pull the output that the engine's process built on `node` and pushed to the remote:
+        the build it names (`pinned`), which needs no signer of the remote's (this run built it)."""
         assert self.remote is not None
-        if not self.remote.pull(self.store, step):
+        if not self.remote.pull(self.store, step, pinned=pinned):
             raise StepFailed(
                 f"{step.label}: built on {node} and pushed, but its output could not be pulled from "
                 f"{self.remote.url}; bt run again pulls it"

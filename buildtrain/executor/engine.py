@@ -77,6 +77,8 @@ class Submission:
     launch: Launch = SINGLE_PROCESS  # ranks as `bt run --nproc` asked for them
     options: JobOptions = PLAIN_RUN
     remote: RemoteUrl | None = None  # where a process on another node gets inputs and leaves outputs
+    min_attestations: int = 0  # the run's requirement of trusted signers, which such a process keeps
+    inputs: Mapping[str, str] = attrs.field(factory=dict)  # input step -> the manifest digest the run holds
 
 
 def job_of(submission: Submission, on_event: OnEvent) -> Job:

@@ -40,8 +40,10 @@ from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.toolchain import differences
+from buildtrain.store import objects
 from buildtrain.store.store import Store
 
+NODE_PUSHED = "node_pushed"  # the event naming the build (manifest digest) a node pushed
 NODE_STORE = "BT_NODE_STORE"  # where a node keeps the steps it builds and the inputs it pulled
 REFUSED = -1000  # NodeResult.status of a node that did not start the step (see `refused`)
 
@@ -57,6 +59,12 @@ class NodeRequest:
     env: Mapping[str, str]  # the numerics environment
     store: str  # the run's store (used where there is no remote)
     remote: str | None = None  # the team cache's URL
+    # The run's requirement of trusted signers (`--min-attestations`): a node never resumes from
+    # the remote's checkpoints under one, as a local run does not.
+    min_attestations: int = 0
+    # Each input's manifest digest in the run's store: a node pulls exactly the builds its run
+    # holds (pulled under the run's requirement, or built by the run), and no other.
+    inputs: Mapping[str, str] = attrs.field(factory=dict)
     rank: int = 0
     world_size: int = 1
     master: tuple[str, int] | None = None  # rank 0's address for torch.distributed
@@ -140,7 +148,7 @@ def _build(request: NodeRequest, store: Store, plan: Plan, step: Step, node: str
     if cache is not None:
         wanted = {n: h for n, h in step.upstream.items() if lead or n in kind.rank_inputs}
         for upstream in dict.fromkeys(wanted.values()):
-            _pull_input(store, cache, plan.step(upstream), node)
+            _pull_input(store, cache, plan.step(upstream), node, request.inputs.get(upstream))
     job = attrs.evolve(Job.from_json(request.job), store=str(store.root))
     env = {**os.environ, **request.env, **_rank_environment(request)}
     with contextlib.ExitStack() as held:
@@ -174,6 +182,8 @@ def _push_built(
     """Push the step's output from the node's store (where it was just built, or had been)."""
     report = cache.push(store, plan, step, built_here=built_here)
     status = int(ExitCode.OK)
+    manifest = objects.manifest_self((store.output(step.hash) / objects.MANIFEST).read_bytes())
+    events.append({"event": NODE_PUSHED, "level": "info", "hash": step.hash, "manifest": manifest})
     if report.failed:
         message = f"node {node}: push to {cache.url}: {report.failed}"
         events.append({"event": "node_failed", "level": "error", "message": message})
@@ -193,14 +203,19 @@ def _cache(request: NodeRequest, events: list[dict[str, Any]]) -> Any:
     def say(label: str, text: str) -> None:
         events.append({"event": "node_remote", "level": "info", "label": label, "message": text})
 
-    return RemoteCache(parse_url(request.remote), say)
+    return RemoteCache(parse_url(request.remote), say, request.min_attestations)
 
 
-def _pull_input(store: Store, cache: Any, upstream: Step, node: str) -> None:
+def _pull_input(store: Store, cache: Any, upstream: Step, node: str, pinned: str | None) -> None:
+    """An input in the node's store: the build the run holds (`pinned`), kept from before or
+    pulled; a build of it the node kept that the run does not hold is set aside."""
     with store.lock(upstream.hash):
         if store.has_output(upstream.hash) and not store.check_output(upstream.hash):
-            return
-        if not cache.pull(store, upstream):
+            held = objects.manifest_self((store.output(upstream.hash) / objects.MANIFEST).read_bytes())
+            if pinned is None or held == pinned:
+                return
+            store.quarantine(upstream.hash)
+        if not cache.pull(store, upstream, pinned=pinned):
             raise _Refused(
                 f"node {node}: input {upstream.label} is neither in its store nor on {cache.url}; "
                 "the run pushes each step it builds there: run again"

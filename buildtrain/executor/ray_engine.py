@@ -187,6 +187,8 @@ class RayEngine:
             env=environment_of(submission),
             store=str(submission.store.root),
             remote=str(submission.remote) if submission.remote is not None else None,
+            min_attestations=submission.min_attestations,
+            inputs=dict(submission.inputs),
             world_size=resources.ranks,
         )
         options = {"num_cpus": resources.cpus_per_rank, "num_gpus": resources.gpus_per_rank}

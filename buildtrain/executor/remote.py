@@ -85,35 +85,34 @@ class RemoteCache:
 
     # -- pulling ----------------------------------------------------------------------------------
 
-    def pull(self, store: Store, step: Step) -> bool:
+    def pull(self, store: Store, step: Step, *, pinned: str | None = None) -> bool:
         """Pull the step's output into the store (caller holds the step's lock, no intact local
         output); False when the remote lacks it, it is damaged, or fewer trusted builders than
-        required signed it (each named through `say`)."""
-        refused = self.too_few_signers(step)
+        required signed it (each named through `say`). `pinned` (a manifest's own digest): only
+        that build is taken, and no signer is counted: the run that pins it holds or built it,
+        under its own requirement (a node's inputs, a node's output collected)."""
+        refused = self.too_few_signers(step) if pinned is None else None
         if refused is not None:
             self.say_once(step, f"{refused}; building it here")
             return False
+        kind = kind_of(step.kind)
+
+        def accept(folder: Path) -> str | None:
+            # Its seal is unkeyed: a declared digest counts only once the bytes give it again.
+            problems = stored_problems(kind, step.hash, folder, step.config)
+            return problems[0] if problems else None
+
         try:
-            found = self.remote.pull_output(store, step.hash)
+            found = self.remote.pull_output(store, step.hash, pinned=pinned, accept=accept)
         except RemoteDamaged as exc:
             self.say(step.label, str(exc))
             return False
         if found is None:
             return False
-        problems = store.check_output(step.hash)  # re-hashed in full once, and stamped
+        problems = store.check_output(step.hash)  # hashed as it came in: stamped by the pull
         if problems:
             store.quarantine(step.hash)
             self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
-            return False
-        # Its seal is unkeyed: a declared digest counts only once the bytes give it again.
-        problems = stored_problems(kind_of(step.kind), step.hash, found, step.config)
-        if problems:
-            store.quarantine(step.hash)
-            self.say(
-                step.label,
-                f"remote {self.url}: step {step.hash[:12]} refused: {problems[0]}; it was not used "
-                "(moved to quarantine/): build it locally, and push it again to repair the remote",
-            )
             return False
         self._pull_entry(store, step)
         return True
@@ -279,7 +278,14 @@ class RemoteCache:
         of this process: the step process never waits for the network)."""
         folder = store.checkpoints_dir(step.hash)
         if (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
-            self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
+            if self.min_attestations > 0:  # a pulled checkpoint, and all after it: unsigned
+                self.say_once(
+                    step, "not resuming from checkpoints that began on the remote (no one signs one)"
+                )
+                store.set_aside(folder, keep=False)
+                (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).unlink()
+            else:
+                self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
         if _newest(folder) is None:
             self._start_from_remote(store, step, folder)
         stop = threading.Event()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from buildtrain.config.steps import TextSettings
-from buildtrain.config.templates import TemplateRefused, compile_template, render
+from buildtrain.config.templates import TemplateRefused, compile_template, one_line, render
 from buildtrain.errors import StepFailed
 from buildtrain.steps import split
 from buildtrain.steps.data_index import token_width
@@ -94,7 +94,7 @@ class Renderer:
 
     def __init__(self, template: str, end_of_document: str) -> None:
         def raise_exception(message: str) -> None:
-            raise TemplateRefused(f"the template refused the record: {message}")
+            raise TemplateRefused(f"the template refused the record: {one_line(message)}")
 
         try:
             self.template = compile_template(template, trim_blocks=True, lstrip_blocks=True)

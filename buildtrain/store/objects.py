@@ -247,6 +247,15 @@ def parse_manifest(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def manifest_self(raw: bytes) -> str | None:
+    """A manifest's own digest (what names one build of a folder), or None when it is damaged."""
+    try:
+        parse_manifest(raw)
+        return str(json.loads(raw)["self"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def sealed_digests(root: Path) -> dict[str, str]:
     """The logical digests a sealed folder declares (what `bt verify` compares)."""
     return read_manifest(root)["digests"]

@@ -307,18 +307,28 @@ class Store:
             return []
         problems = self.verify_output(step_hash)
         if not problems:
-            body = {"format": STAMP_FORMAT, "step": step_hash, "files": stats}
-            with contextlib.suppress(OSError):  # a read-only store just re-hashes next time
-                # A cache, so not fsynced: a stamp lost or torn by a crash is ignored (sealed,
-                # checked against the stats), and costs one re-hash of files already durable.
-                self.replace_file(
-                    self.stamp_path(step_hash),
-                    canonical_bytes({**body, "seal": digest("stamp", body)}),
-                    durable=False,
-                )
+            self._stamp(step_hash, stats)
         else:
             self.drop_stamp(step_hash)
         return problems
+
+    def stamp_hashed(self, step_hash: str) -> None:
+        """Stamp an output whose every file's bytes the caller hashed as it wrote them and found
+        as the manifest lists (a pull): its first `check_output` then need not read them again."""
+        stats = self._stats(step_hash)
+        if stats is not None:
+            self._stamp(step_hash, stats)
+
+    def _stamp(self, step_hash: str, stats: dict[str, list[int]]) -> None:
+        body = {"format": STAMP_FORMAT, "step": step_hash, "files": stats}
+        with contextlib.suppress(OSError):  # a read-only store just re-hashes next time
+            # A cache, so not fsynced: a stamp lost or torn by a crash is ignored (sealed,
+            # checked against the stats), and costs one re-hash of files already durable.
+            self.replace_file(
+                self.stamp_path(step_hash),
+                canonical_bytes({**body, "seal": digest("stamp", body)}),
+                durable=False,
+            )
 
     def set_aside(self, path: Path, *, keep: bool = True) -> Path | None:
         """Move whatever is at `path` (a folder, a file, a link; never followed) out of the way:
