@@ -36,8 +36,8 @@ def damaged_inputs(store: Store, plan: Plan, step: Step) -> list[Step]:
     said otherwise, are dropped): what to rebuild when a step process finds an input damaged."""
     damaged = []
     for step_hash in dict.fromkeys(step.upstream.values()):
-        if store.verify_output(step_hash):
-            store.drop_stamp(step_hash)
+        if store.outputs.verify(step_hash):
+            store.outputs.drop_stamp(step_hash)
             damaged.append(plan.step(step_hash))
     return damaged
 
@@ -64,10 +64,10 @@ class Builder:
         process finds damaged (decay that a stamp could not see) are rebuilt and the step retried."""
         started = time.perf_counter()
         # Without the lock: a null build only reads (and works in a read-only store).
-        if self.store.has_output(step.hash) and not self.store.check_output(step.hash):
+        if self.store.outputs.has(step.hash) and not self.store.outputs.check(step.hash):
             return self._result(step, started, "cached")
         for attempt in (1, 2):
-            with self.store.lock(step.hash, wait=self.wait, on_wait=self._waiting(step)) as lock_fd:
+            with self.store.locks.hold(step.hash, wait=self.wait, on_wait=self._waiting(step)) as lock_fd:
                 done = self._found_complete(step, started)
                 if done is not None:
                     return done
@@ -104,11 +104,11 @@ class Builder:
     def _found_complete(self, step: Step, started: float) -> StepResult | None:
         """Holding the lock: the output another run built meanwhile, or one the kind completes
         from the store without a process; a damaged output in its place is set aside first."""
-        if os.path.lexists(self.store.output(step.hash)):
-            problems = self.store.check_output(step.hash)
+        if os.path.lexists(self.store.outputs.path(step.hash)):
+            problems = self.store.outputs.check(step.hash)
             if not problems:
                 return self._result(step, started, "cached", "built by another run")
-            moved = self.store.quarantine(step.hash)
+            moved = self.store.outputs.quarantine(step.hash)
             if moved is not None:
                 self.reporter.step(
                     step.label, f"output damaged ({problems[0]}); moved to {moved} and rebuilding"
@@ -207,7 +207,9 @@ class Builder:
 
     def _result(self, step: Step, started: float, action: str, detail: str = "") -> StepResult:
         store = self.store
-        digests = objects.sealed_digests(store.output(step.hash)) if store.has_output(step.hash) else {}
+        digests = (
+            objects.sealed_digests(store.outputs.path(step.hash)) if store.outputs.has(step.hash) else {}
+        )
         duration = round(time.perf_counter() - started, 3)
         self.record.event(
             "step_finished", step=step.label, hash=step.hash, action=action, duration_s=duration
@@ -233,13 +235,13 @@ class Builder:
         A marker remembers that the step completed, so a later `bt run` here skips it exactly when
         node 0 finds it in its store, and the nodes keep meeting on the same steps.
         """
-        marker = self.store.work_dir(step.hash) / "joined"
+        marker = self.store.outputs.work_dir(step.hash) / "joined"
         if marker.exists():
             self.reporter.step(step.label, "cached (joined before)")
             return StepResult(label=step.label, hash=step.hash, action="cached", detail="joined before")
         started = time.perf_counter()
         self.reporter.step(step.label, f"joining node 0 as node {self.launch.node_rank}")
-        with self.store.lock(step.hash) as lock_fd:
+        with self.store.locks.hold(step.hash) as lock_fd:
             outcome = spawn(
                 self.store,
                 self.plan,

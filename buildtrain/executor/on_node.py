@@ -107,14 +107,14 @@ class _Refused(Exception):
 def _open(request: NodeRequest, node: str) -> tuple[Store, Plan, Step]:
     if request.remote is None:
         store = Store(Path(request.store))
-        if not store.plan_path(request.plan_hash).is_file():
+        if not store.plans.path(request.plan_hash).is_file():
             raise _Refused(
                 f"node {node} does not see the store {request.store} (no remote was given): give "
                 "bt run --remote URL (or BT_REMOTE), a team cache every node reaches"
             )
     else:
         store = Store(node_store_root())
-        store.save_plan(request.plan_hash, request.plan_body)
+        store.plans.save(request.plan_hash, request.plan_body)
     plan = load_plan(store, request.plan_hash)
     return store, plan, plan.step(request.step_hash)
 
@@ -146,8 +146,8 @@ def _build(request: NodeRequest, store: Store, plan: Plan, step: Step, node: str
     with contextlib.ExitStack() as held:
         lock_fd = -1
         if cache is not None and lead:  # in the run's own store the run holds the step's lock
-            lock_fd = held.enter_context(store.lock(step.hash))
-            if store.has_output(step.hash) and not store.check_output(step.hash):
+            lock_fd = held.enter_context(store.locks.hold(step.hash))
+            if store.outputs.has(step.hash) and not store.outputs.check(step.hash):
                 return _push_built(store, cache, plan, step, node, events)  # built here before
             if kind.resumable:
                 held.enter_context(cache.checkpoints(store, step))
@@ -197,8 +197,8 @@ def _cache(request: NodeRequest, events: list[dict[str, Any]]) -> Any:
 
 
 def _pull_input(store: Store, cache: Any, upstream: Step, node: str) -> None:
-    with store.lock(upstream.hash):
-        if store.has_output(upstream.hash) and not store.check_output(upstream.hash):
+    with store.locks.hold(upstream.hash):
+        if store.outputs.has(upstream.hash) and not store.outputs.check(upstream.hash):
             return
         if not cache.pull(store, upstream):
             raise _Refused(
