@@ -243,7 +243,7 @@ def test_every_kind_and_mode_is_detected_and_never_read_as_valid(micro_built, st
 def forge_stamp(store: Store, step_hash: str) -> None:
     """Stamp an output as verified as it is now: what decay that keeps size, mtime and ctime
     looks like to a stamp (a real disk can do that; a test cannot without forging)."""
-    body = {"format": STAMP_FORMAT, "step": step_hash, "files": store._stats(step_hash)}
+    body = {"format": STAMP_FORMAT, "step": step_hash, "files": store.outputs._stats(step_hash)}
     store.replace_file(
         store.outputs.stamp_path(step_hash), canonical_bytes({**body, "seal": digest("stamp", body)})
     )
