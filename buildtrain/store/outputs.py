@@ -1,5 +1,6 @@
 """The outputs part of a store: each step's sealed output (`steps/<step hash>/`), the stamps that
-spare a null build its re-hash, and the work folder of a step in progress.
+spare a null build its re-hash, the work folder of a step in progress, and the claim the run loop
+makes on an output before it builds one (`claim`, returning one of the records in `claims.py`).
 
 It knows folders, manifests and checkpoint names, never what a step computes: whether a kind can
 complete an output without a process, or whether a checkpoint belongs to its configuration, is
@@ -12,13 +13,15 @@ import contextlib
 import json
 import os
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.store import layout, objects
+from buildtrain.store.claims import Cached, Claim, Fresh, LockedBy, Resume
 from buildtrain.store.folders import Folders
-from buildtrain.store.locks import Locks
+from buildtrain.store.locks import HeldBy, Locks
 
 STAMP_FORMAT = 2  # sealed, names its output, stats include ctime
 
@@ -142,3 +145,43 @@ class Outputs:
         folder = self.checkpoints_dir(step_hash)
         saved = layout.newest_first(folder.iterdir()) if folder.is_dir() else []
         return next(((u, path) for u, path in saved if (path / objects.MANIFEST).is_file()), None)
+
+    @contextlib.contextmanager
+    def claim(
+        self, step_hash: str, *, wait: bool = True, on_wait: Callable[[str], None] | None = None
+    ) -> Iterator[Claim]:
+        """Claim the step's output for a build: `Cached` when it verifies (looked at without the
+        lock first, so a null build only reads and works in a read-only store); else, holding the
+        step's lock for the whole `with` block, `Fresh` or `Resume`, a damaged output in its
+        place set aside; `LockedBy` when the lock is busy and `wait` is false. While waiting,
+        `on_wait` is told who holds it."""
+        if self.has(step_hash) and not self.check(step_hash):
+            yield Cached(digests=self.digests(step_hash))
+            return
+        with contextlib.ExitStack() as stack:
+            holder = None
+            try:
+                lock_fd = stack.enter_context(self._locks.hold(step_hash, wait=wait, on_wait=on_wait))
+            except HeldBy as busy:  # yielded outside the handler: the caller's errors chain no HeldBy
+                holder = busy.holder
+            if holder is not None:
+                yield LockedBy(step_hash=step_hash, holder=holder)
+                return
+            yield self._claim_held(step_hash, lock_fd)
+
+    def _claim_held(self, step_hash: str, lock_fd: int) -> Claim:
+        """Holding the lock: the output another run built meanwhile, or room made for a build."""
+        moved, problems = None, ()
+        if os.path.lexists(self.path(step_hash)):
+            problems = tuple(self.check(step_hash))
+            if not problems:
+                return Cached(digests=self.digests(step_hash), by_another_run=True)
+            moved = self.quarantine(step_hash)  # None: another run moved it first
+        work = self.work_dir(step_hash)
+        newest = self.newest_checkpoint(step_hash)
+        if newest is None:
+            return Fresh(lock_fd=lock_fd, work=work, moved=moved, problems=problems)
+        update, checkpoint = newest
+        return Resume(
+            lock_fd=lock_fd, work=work, update=update, checkpoint=checkpoint, moved=moved, problems=problems
+        )

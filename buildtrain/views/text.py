@@ -12,8 +12,7 @@ from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
-from buildtrain.store.layout import SHORT, newest_first
-from buildtrain.store.objects import MANIFEST
+from buildtrain.store.layout import SHORT
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:  # `bt show` and `bt ls` do not load the verifier
@@ -24,11 +23,9 @@ def step_status(store: Store, step: Step) -> tuple[str, str]:
     """(action, reason) for one step, without hashing anything: the dry run of `bt run`."""
     if store.outputs.has(step.hash):
         return "cached", "output in store"
-    folder = store.outputs.checkpoints_dir(step.hash)
-    saved = newest_first(folder.iterdir()) if folder.is_dir() else []
-    sealed = [update for update, path in saved if (path / MANIFEST).is_file()]
-    if sealed:
-        return "will run", f"resume from checkpoint at step {sealed[0]}"
+    newest = store.outputs.newest_checkpoint(step.hash)
+    if newest is not None:
+        return "will run", f"resume from checkpoint at step {newest[0]}"
     return "will run", "not built"
 
 
