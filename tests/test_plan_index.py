@@ -46,7 +46,7 @@ def unlisted(store: Store) -> None:
     def refuse() -> list[str]:
         raise AssertionError("plans/ was listed")
 
-    store.plan_hashes = refuse  # type: ignore[method-assign]
+    store.plans.hashes = refuse  # type: ignore[method-assign]
 
 
 def test_a_prefix_resolves_through_the_index_without_listing_plans(tmp_path: Path) -> None:
