@@ -82,7 +82,7 @@ class World:
             "eval entry": self.root / "evals" / f"{self.eval_key}.json",
             "plan": self.root / "plans" / f"{self.plan}.json",
             "plan metadata": self.root / "plans" / f"{self.plan}.meta.json",
-            "stamp": self.store.stamp_path(h["train:main"]),
+            "stamp": self.store.outputs.stamp_path(h["train:main"]),
             "stat cache": self.root / "cache" / "files.json",
             "lock": self.root / "locks" / f"{h['data:main']}.lock",
         }[kind]
@@ -101,7 +101,7 @@ class World:
             "eval entry": next((self.other / "evals").glob("*.json")),
             "plan": self.other / "plans" / f"{self.other_plan}.json",
             "plan metadata": self.other / "plans" / f"{self.other_plan}.meta.json",
-            "stamp": self.store.stamp_path(self.hashes["data:main"]),
+            "stamp": self.store.outputs.stamp_path(self.hashes["data:main"]),
         }[kind]
 
     def object_name(self, kind: str) -> str:
@@ -113,7 +113,9 @@ def world_at(root: Path, micro_built, stages_built) -> World:
     plan = load_plan(store, micro_built[1])
     hashes = {step.label: step.hash for step in plan.steps}
     key, _ = cache_key(
-        plan.by_label("eval"), store.output(hashes["train:main"]), store.output(hashes["data:main"])
+        plan.by_label("eval"),
+        store.outputs.path(hashes["train:main"]),
+        store.outputs.path(hashes["data:main"]),
     )
     return World(root, micro_built[1], hashes, key, stages_built[0], stages_built[1])
 
@@ -126,21 +128,21 @@ def make_world(tmp_path: Path, micro_built, stages_built) -> World:
     world = world_at(root, micro_built, stages_built)
     store, hashes = world.store, world.hashes
     for step_hash in hashes.values():
-        assert store.check_output(step_hash) == []  # writes each output's stamp
+        assert store.outputs.check(step_hash) == []  # writes each output's stamp
     # A train step in progress: its checkpoints in work/ (copies of the finished ones).
     train = hashes["train:main"]
-    shutil.copytree(store.output(train) / "checkpoints", store.work_dir(train) / "checkpoints")
+    shutil.copytree(store.outputs.path(train) / "checkpoints", store.outputs.work_dir(train) / "checkpoints")
     source = tmp_path / "corpus.txt"
     source.write_text("1+1=2\n" * 100)
     os.utime(source, (time.time() - 60, time.time() - 60))  # older than the racy window
     cache = store.stat_cache()
     cache.digest_of(source)
     cache.save()
-    with store.lock(hashes["data:main"]):
+    with store.locks.hold(hashes["data:main"]):
         pass
     # A complete plan index, whatever lookups the shared store has seen: a deleted plan is then
     # also an index entry without its plan, which is still no damage.
-    store.rebuild_plan_index()
+    store.plans.rebuild_index()
     assert scan(store).damaged == []
     return world
 
@@ -191,7 +193,7 @@ def rejected_by_readers(world: World, kind: str) -> bool:
     store, h = world.store, world.hashes
     if kind in ("data output", "train output", "eval output", "export output"):
         step_hash = world.path(kind).name
-        return bool(store.check_output(step_hash)) and bool(store.verify_output(step_hash))
+        return bool(store.outputs.check(step_hash)) and bool(store.outputs.verify(step_hash))
     if kind == "checkpoint":
         return bool(checkpoint_problems(world.path(kind), 8, {"step_hash": h["train:main"]}))
     if kind == "eval entry":
@@ -203,13 +205,13 @@ def rejected_by_readers(world: World, kind: str) -> bool:
             return True
         return False
     if kind == "plan metadata":
-        return store.plan_meta(world.plan) == {}
+        return store.plans.meta(world.plan) == {}
     if kind == "stamp":
-        return store.read_stamp(h["train:main"]) is None
+        return store.outputs.read_stamp(h["train:main"]) is None
     if kind == "stat cache":
         return store.stat_cache().entries == {}
     if kind == "lock":  # a lock is not read, but taking it must still work
-        with store.lock(h["data:main"], wait=False):
+        with store.locks.hold(h["data:main"], wait=False):
             return world.path(kind).is_file() and not world.path(kind).is_symlink()
     raise AssertionError(kind)
 
@@ -241,8 +243,10 @@ def test_every_kind_and_mode_is_detected_and_never_read_as_valid(micro_built, st
 def forge_stamp(store: Store, step_hash: str) -> None:
     """Stamp an output as verified as it is now: what decay that keeps size, mtime and ctime
     looks like to a stamp (a real disk can do that; a test cannot without forging)."""
-    body = {"format": STAMP_FORMAT, "step": step_hash, "files": store._stats(step_hash)}
-    store.replace_file(store.stamp_path(step_hash), canonical_bytes({**body, "seal": digest("stamp", body)}))
+    body = {"format": STAMP_FORMAT, "step": step_hash, "files": store.outputs._stats(step_hash)}
+    store.replace_file(
+        store.outputs.stamp_path(step_hash), canonical_bytes({**body, "seal": digest("stamp", body)})
+    )
 
 
 def fsck_names(root: Path, tmp_path: Path) -> tuple[int, str]:
@@ -289,7 +293,7 @@ def test_caches_indexes_and_cheap_outputs_damaged_together_are_rebuilt(micro_bui
     assert "Traceback" not in result.stderr
     assert "data:main" in result.stderr and "moved to" in result.stderr
     assert_whole_and_clean(world, micro_built)
-    export = world.store.output(world.hashes["export"])  # now a link to an intact copy outside
+    export = world.store.outputs.path(world.hashes["export"])  # now a link to an intact copy outside
     shutil.move(export, tmp_path / "outside" / "export")
     export.symlink_to(tmp_path / "outside" / "export", target_is_directory=True)
     result = run_bt("run", world.plan, store=world.root)
@@ -311,18 +315,18 @@ def test_foreign_outputs_results_and_checkpoints_and_hidden_decay_are_rebuilt(
     world = make_world(tmp_path, micro_built, stages_built)
     store, train = world.store, world.hashes["train:main"]
     for label in ("eval", "export"):  # so that the evaluation result is read
-        shutil.rmtree(store.output(world.hashes[label]))
+        shutil.rmtree(store.outputs.path(world.hashes[label]))
     damage(world, "train output", "swap", tmp_path / "outside")
     damage(world, "eval entry", "swap", tmp_path / "outside")
-    checkpoints = store.work_dir(train) / "checkpoints"
+    checkpoints = store.outputs.work_dir(train) / "checkpoints"
     flip_byte(checkpoints / "step-000012" / "model.safetensors")
     (checkpoints / "step-000008").rename(checkpoints / "step-000030")
     (checkpoints / "step-000016").symlink_to(
         shutil.copytree(checkpoints / "step-000004", tmp_path / "step-000004")
     )
-    flip_byte(store.output(world.hashes["data:main"]) / "heldout-00000.bin")
+    flip_byte(store.outputs.path(world.hashes["data:main"]) / "heldout-00000.bin")
     forge_stamp(store, world.hashes["data:main"])
-    assert store.check_output(world.hashes["data:main"]) == []  # the stamp is fooled
+    assert store.outputs.check(world.hashes["data:main"]) == []  # the stamp is fooled
 
     code, report = fsck_names(world.root, tmp_path)
     assert code == ExitCode.CORRUPT, report
@@ -349,7 +353,7 @@ def test_foreign_outputs_results_and_checkpoints_and_hidden_decay_are_rebuilt(
 def test_two_runs_meeting_one_damaged_output_both_succeed(micro_built, stages_built, tmp_path):
     """The damaged output is moved aside and rebuilt under the step's lock, by one run only."""
     world = make_world(tmp_path, micro_built, stages_built)
-    flip_byte(world.store.output(world.hashes["data:main"]) / "train-00000.bin")
+    flip_byte(world.store.outputs.path(world.hashes["data:main"]) / "train-00000.bin")
     environment = {**os.environ, "BT_STORE": str(world.root), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
     command = [sys.executable, "-m", "buildtrain", "run", world.plan]
     runs = [subprocess.Popen(command, env=environment, stderr=subprocess.PIPE, text=True) for _ in range(3)]
@@ -364,9 +368,9 @@ def test_fsck_rehashes_past_a_matching_stamp_and_drops_it(micro_built, stages_bu
     advice it gives ("bt run rebuilds it") holds: the next check re-hashes and refuses it."""
     world = make_world(tmp_path, micro_built, stages_built)
     store, train = world.store, world.hashes["train:main"]
-    flip_byte(store.output(train) / INNER["train output"])
+    flip_byte(store.outputs.path(train) / INNER["train output"])
     forge_stamp(store, train)
-    assert store.check_output(train) == []  # the stamp alone is fooled
+    assert store.outputs.check(train) == []  # the stamp alone is fooled
     assert [item.object for item in scan(store).damaged] == [f"steps/{train}"]
-    assert store.read_stamp(train) is None
-    assert store.check_output(train) != []
+    assert store.outputs.read_stamp(train) is None
+    assert store.outputs.check(train) != []

@@ -46,46 +46,46 @@ def unlisted(store: Store) -> None:
     def refuse() -> list[str]:
         raise AssertionError("plans/ was listed")
 
-    store.plan_hashes = refuse  # type: ignore[method-assign]
+    store.plans.hashes = refuse  # type: ignore[method-assign]
 
 
 def test_a_prefix_resolves_through_the_index_without_listing_plans(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     hashes = saved(store, 20)
-    assert store.resolve(hashes[0][:8]) == hashes[0]  # the first prefix lookup builds the index
-    assert store.plan_index.is_ready()
+    assert store.plans.resolve(hashes[0][:8]) == hashes[0]  # the first prefix lookup builds the index
+    assert store.plans.index.is_ready()
     unlisted(store)
     for plan_hash in hashes:
-        assert store.resolve(plan_hash[:10]) == plan_hash
-        assert store.resolve(plan_hash) == plan_hash
+        assert store.plans.resolve(plan_hash[:10]) == plan_hash
+        assert store.plans.resolve(plan_hash) == plan_hash
         assert load_plan(store, plan_hash[:10]).hash == plan_hash
 
 
 def test_an_ambiguous_prefix_keeps_its_error_through_the_index(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     store.mark()
-    store.plans.mkdir()
+    store.plans.dir.mkdir()
     one, two = "abcd" + "1" * 60, "abcd" + "2" * 60
     for plan_hash in (one, two):
-        store.plan_path(plan_hash).write_bytes(b"{}")  # copied in: never indexed
+        store.plans.path(plan_hash).write_bytes(b"{}")  # copied in: never indexed
     with pytest.raises(UsageError, match=r"ambiguous \(abcd11111111, abcd22222222\)"):
-        store.resolve("abcd")  # nothing indexed under it: plans/ is listed, and the index rebuilt
-    assert store.plan_index.indexed() == {one, two} and store.plan_index.is_ready()
+        store.plans.resolve("abcd")  # nothing indexed under it: plans/ is listed, and the index rebuilt
+    assert store.plans.index.indexed() == {one, two} and store.plans.index.is_ready()
     unlisted(store)
     with pytest.raises(UsageError, match="ambiguous"):
-        store.resolve("abcd")
-    assert store.resolve("abcd2") == two
+        store.plans.resolve("abcd")
+    assert store.plans.resolve("abcd2") == two
 
 
 def test_an_entry_is_only_a_hint(tmp_path: Path) -> None:
     """An entry whose plan is gone is skipped; a plan that is damaged is refused as before."""
     store = Store(tmp_path / ".bt")
     hashes = saved(store, 3)
-    store.rebuild_plan_index()
-    store.plan_path(hashes[0]).unlink()
+    store.plans.rebuild_index()
+    store.plans.path(hashes[0]).unlink()
     with pytest.raises(UsageError, match="no plan"):
-        store.resolve(hashes[0][:12])
-    store.plan_path(hashes[1]).write_bytes(store.plan_path(hashes[2]).read_bytes())
+        store.plans.resolve(hashes[0][:12])
+    store.plans.path(hashes[1]).write_bytes(store.plans.path(hashes[2]).read_bytes())
     with pytest.raises(Exception, match="does not match its hash"):
         load_plan(store, hashes[1][:12])
 
@@ -93,29 +93,29 @@ def test_an_entry_is_only_a_hint(tmp_path: Path) -> None:
 def test_a_plan_without_an_entry_is_found_and_indexed(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     hashes = saved(store, 3)
-    store.rebuild_plan_index()
-    store.plan_index.entry(hashes[1]).unlink()  # as if written by a bt without the index
-    assert store.resolve(hashes[1][:12]) == hashes[1]
-    assert store.plan_index.entry(hashes[1]).exists()
+    store.plans.rebuild_index()
+    store.plans.index.entry(hashes[1]).unlink()  # as if written by a bt without the index
+    assert store.plans.resolve(hashes[1][:12]) == hashes[1]
+    assert store.plans.index.entry(hashes[1]).exists()
 
 
 def test_fsck_reports_a_stale_index_and_repair_rebuilds_it(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     hashes = saved(store, 5)
-    store.rebuild_plan_index()
-    assert store.plan_index_problems() == []
+    store.plans.rebuild_index()
+    assert store.plans.index_problems() == []
     gone = "ab" + "0" * 62
-    store.plan_index.add(gone)  # a plan file deleted by hand: its entry is skipped, no damage
-    assert store.plan_index_problems() == []
-    store.plan_index.entry(hashes[0]).unlink()  # a plan a prefix lookup would not see: damage
+    store.plans.index.add(gone)  # a plan file deleted by hand: its entry is skipped, no damage
+    assert store.plans.index_problems() == []
+    store.plans.index.entry(hashes[0]).unlink()  # a plan a prefix lookup would not see: damage
     result = fsck_module.fsck(store)
     assert result is not None
     found = [d for d in result.damaged if d.kind == "plan index"]
     assert len(found) == 1 and found[0].problems == [f"1 stored plan(s) not indexed ({hashes[0][:12]}, ...)"]
     repaired = fsck_module.fsck(store, fix=True)
     assert repaired is not None and any("rebuilt" in r for r in repaired.repaired)
-    assert store.plan_index_problems() == []
-    assert store.plan_index.indexed() == set(hashes)
+    assert store.plans.index_problems() == []
+    assert store.plans.index.indexed() == set(hashes)
     clean = fsck_module.fsck(store)
     assert clean is not None and not [d for d in clean.damaged if d.kind == "plan index"]
 
@@ -123,10 +123,10 @@ def test_fsck_reports_a_stale_index_and_repair_rebuilds_it(tmp_path: Path) -> No
 def test_gc_drop_removes_the_entry_with_its_plan(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     hashes = saved(store, 2)
-    store.rebuild_plan_index()
+    store.plans.rebuild_index()
     collect(store, [hashes[0][:12]])
-    assert store.plan_index.indexed() == {hashes[1]}
-    assert store.plan_index_problems() == []
+    assert store.plans.index.indexed() == {hashes[1]}
+    assert store.plans.index_problems() == []
 
 
 WRITER = textwrap.dedent(
@@ -150,7 +150,7 @@ def test_concurrent_writers_and_a_repair_lose_no_entry(tmp_path: Path) -> None:
     drops the entries of plans it does not see yet); every stored plan ends up indexed."""
     store = Store(tmp_path / ".bt")
     saved(store, 1)
-    store.rebuild_plan_index()
+    store.plans.rebuild_index()
     writers = [
         subprocess.Popen(
             [sys.executable, "-c", WRITER, str(store.root), str(1000 * (w + 1)), str(REPO / "tests")],
@@ -161,16 +161,16 @@ def test_concurrent_writers_and_a_repair_lose_no_entry(tmp_path: Path) -> None:
     try:
         # Repairs race the first plans; the rest are saved after the last repair, so their
         # entries are the writers' own.
-        while len(store.plan_hashes()) < 100 and any(w.poll() is None for w in writers):
-            store.repair_plan_index()
+        while len(store.plans.hashes()) < 100 and any(w.poll() is None for w in writers):
+            store.plans.repair_index()
     finally:
         for writer in writers:
             writer.wait(timeout=120)
     assert [w.returncode for w in writers] == [0] * 4, [w.stderr.read() for w in writers if w.stderr]
-    stored = set(store.plan_hashes())
+    stored = set(store.plans.hashes())
     assert len(stored) == 161
-    assert stored <= store.plan_index.indexed()
-    assert store.plan_index_problems() == []
+    assert stored <= store.plans.index.indexed()
+    assert store.plans.index_problems() == []
 
 
 hashes_strategy = st.lists(
@@ -189,18 +189,18 @@ def test_the_index_answers_as_a_listing_does(hashes: list[str], length: int, pic
     with tempfile.TemporaryDirectory() as scratch:
         store = Store(Path(scratch) / ".bt")
         store.mark()
-        store.plans.mkdir()
+        store.plans.dir.mkdir()
         for plan_hash in hashes:
-            (store.plans / f"{plan_hash}.json").write_bytes(json.dumps({}).encode())
-        store.rebuild_plan_index()
+            (store.plans.dir / f"{plan_hash}.json").write_bytes(json.dumps({}).encode())
+        store.plans.rebuild_index()
         prefix = hashes[pick % len(hashes)][:length]
         expected = [h for h in sorted(hashes) if h.startswith(prefix)]
         unlisted(store)
         if len(expected) == 1:
-            assert store.resolve(prefix) == expected[0]
+            assert store.plans.resolve(prefix) == expected[0]
         else:
             with pytest.raises(UsageError, match="ambiguous"):
-                store.resolve(prefix)
+                store.plans.resolve(prefix)
 
 
 def test_parallel_bt_plan_processes_index_every_plan(tmp_path: Path) -> None:
@@ -225,8 +225,8 @@ def test_parallel_bt_plan_processes_index_every_plan(tmp_path: Path) -> None:
         assert process.returncode == 0, err
         printed += out.split()
     opened = Store(store)
-    assert len(set(printed)) == 40 and set(printed) == set(opened.plan_hashes())
-    assert set(printed) <= opened.plan_index.indexed()
+    assert len(set(printed)) == 40 and set(printed) == set(opened.plans.hashes())
+    assert set(printed) <= opened.plans.index.indexed()
     for plan_hash in printed:
-        assert opened.resolve(plan_hash[:12]) == plan_hash
-    assert opened.plan_index_problems() == []
+        assert opened.plans.resolve(plan_hash[:12]) == plan_hash
+    assert opened.plans.index_problems() == []

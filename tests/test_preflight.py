@@ -161,7 +161,7 @@ def test_every_machine_problem_is_reported_and_planning_stops(
     assert caught.value.exit_code == ExitCode.USAGE
     keys = [p.split(": ")[1] for p in caught.value.problems]
     assert keys == ["data.files", "stages[1].data.files", "model"]
-    assert not store.plan_hashes()  # nothing was stored
+    assert not store.plans.hashes()  # nothing was stored
 
 
 # -- through the real command line ----------------------------------------------------------------

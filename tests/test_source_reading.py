@@ -183,7 +183,7 @@ def test_a_source_changed_while_the_data_step_reads_it_is_refused_and_nothing_pu
     assert code == ExitCode.FAILED
     (message,) = failures(log)
     assert message.startswith(f"{path}: changed since it was planned") and "\n" not in message
-    assert not store.has_output(step.hash) and not store.output(step.hash).exists()
+    assert not store.outputs.has(step.hash) and not store.outputs.path(step.hash).exists()
     assert not list(store.tmp.glob("data-*")), "the half-built output was removed"
 
 
@@ -193,14 +193,14 @@ def test_a_source_changed_after_planning_is_refused(tmp_path: Path) -> None:
     code, log = run_data_step(store, plan, path)
     assert code == ExitCode.FAILED
     assert [m.split(":")[0] for m in failures(log)] == [str(path)]
-    assert not any(store.output(s.hash).exists() for s in plan.steps)
+    assert not any(store.outputs.path(s.hash).exists() for s in plan.steps)
 
 
 def test_an_unchanged_source_builds(tmp_path: Path) -> None:
     store, plan, path = text_plan(tmp_path)
     code, _ = run_data_step(store, plan, path)
     step = next(s for s in plan.steps if s.kind == "data")
-    assert code == ExitCode.OK and store.has_output(step.hash)
+    assert code == ExitCode.OK and store.outputs.has(step.hash)
 
 
 def test_parquet_reads_a_private_checked_copy(tmp_path: Path) -> None:

@@ -176,39 +176,39 @@ def test_save_plan_then_load_plan_round_trips(tmp_path: Path) -> None:
     loaded = load_plan(store, plan.hash)
     assert loaded == plan
     assert loaded.hash == plan.hash
-    assert store.plan_hashes() == [plan.hash]
-    meta = store.plan_meta(plan.hash)
+    assert store.plans.hashes() == [plan.hash]
+    meta = store.plans.meta(plan.hash)
     assert meta["preset"] == "presets/x.toml" and "created" in meta and "planned" in meta
     save_plan(store, plan, preset="other.toml")  # saving again keeps the plan and the creation time
     assert load_plan(store, plan.hash) == plan
-    assert store.plan_meta(plan.hash)["created"] == meta["created"]
-    assert store.plan_meta(plan.hash)["preset"] == "other.toml"
+    assert store.plans.meta(plan.hash)["created"] == meta["created"]
+    assert store.plans.meta(plan.hash)["preset"] == "other.toml"
 
 
 def fake_plan_files(store: Store, hashes: list[str]) -> None:
-    store.plans.mkdir(parents=True, exist_ok=True)
+    store.plans.dir.mkdir(parents=True, exist_ok=True)
     for plan_hash in hashes:
-        (store.plans / f"{plan_hash}.json").write_bytes(b"{}")
-        (store.plans / f"{plan_hash}.meta.json").write_bytes(b"{}")
+        (store.plans.dir / f"{plan_hash}.json").write_bytes(b"{}")
+        (store.plans.dir / f"{plan_hash}.meta.json").write_bytes(b"{}")
 
 
 def test_resolve_full_hash_and_unique_prefix(tmp_path: Path) -> None:
     store = Store(tmp_path)
     one, two = "abcd" + "0" * 60, "abce" + "1" * 60
     fake_plan_files(store, [one, two])
-    assert store.plan_hashes() == [one, two]  # meta files are not plans
-    assert store.resolve(one) == one
-    assert store.resolve("abcd") == one
-    assert store.resolve("abce1") == two
-    assert store.resolve("  ABCD0 \n") == one  # case and surrounding whitespace do not matter
+    assert store.plans.hashes() == [one, two]  # meta files are not plans
+    assert store.plans.resolve(one) == one
+    assert store.plans.resolve("abcd") == one
+    assert store.plans.resolve("abce1") == two
+    assert store.plans.resolve("  ABCD0 \n") == one  # case and surrounding whitespace do not matter
 
 
 def test_resolve_ambiguous_prefix_is_a_usage_error(tmp_path: Path) -> None:
     store = Store(tmp_path)
     fake_plan_files(store, ["abcd" + "0" * 60, "abcd" + "1" * 60])
     with pytest.raises(UsageError, match="ambiguous"):
-        store.resolve("abcd")
-    assert store.resolve("abcd1") == "abcd" + "1" * 60
+        store.plans.resolve("abcd")
+    assert store.plans.resolve("abcd1") == "abcd" + "1" * 60
 
 
 @pytest.mark.parametrize("ref", ["abc", "", "xyz0123", "abcd-", "../abcd"])
@@ -216,23 +216,23 @@ def test_resolve_rejects_short_or_non_hex_refs(tmp_path: Path, ref: str) -> None
     store = Store(tmp_path)
     fake_plan_files(store, ["abcd" + "0" * 60])
     with pytest.raises(UsageError, match="at least 4 hex digits"):
-        store.resolve(ref)
+        store.plans.resolve(ref)
 
 
 def test_resolve_unknown_is_a_usage_error(tmp_path: Path) -> None:
     store = Store(tmp_path / "nothing-here")
     with pytest.raises(UsageError, match="no plan"):
-        store.resolve("abcd")
+        store.plans.resolve("abcd")
     fake_plan_files(store, ["abcd" + "0" * 60])
     with pytest.raises(UsageError, match="no plan"):
-        store.resolve("abce")
+        store.plans.resolve("abce")
 
 
 def test_load_plan_of_garbage_raises_corrupt_object(tmp_path: Path) -> None:
     store = Store(tmp_path)
     plan = make_plan()
     save_plan(store, plan)
-    (store.plans / f"{plan.hash}.json").write_bytes(b"\x00garbage")
+    (store.plans.dir / f"{plan.hash}.json").write_bytes(b"\x00garbage")
     with pytest.raises(CorruptObject, match="damaged"):
         load_plan(store, plan.hash)
 
@@ -243,7 +243,7 @@ def test_load_plan_under_another_hash_raises_corrupt_object(tmp_path: Path) -> N
     plan, other = make_plan(value=1), make_plan(value=2)
     save_plan(store, plan)
     save_plan(store, other)
-    (store.plans / f"{plan.hash}.json").write_bytes((store.plans / f"{other.hash}.json").read_bytes())
+    (store.plans.dir / f"{plan.hash}.json").write_bytes((store.plans.dir / f"{other.hash}.json").read_bytes())
     with pytest.raises(CorruptObject, match="does not match its hash"):
         load_plan(store, plan.hash)
 
@@ -255,7 +255,7 @@ def test_any_flipped_byte_in_a_stored_plan_raises_corrupt_object(index: int, mas
         store = Store(Path(scratch))
         plan = make_plan()
         save_plan(store, plan)
-        flip_byte(store.plans / f"{plan.hash}.json", index, mask)
+        flip_byte(store.plans.dir / f"{plan.hash}.json", index, mask)
         with pytest.raises(CorruptObject):
             load_plan(store, plan.hash)
 
@@ -268,7 +268,7 @@ HOLDER = textwrap.dedent(
     from pathlib import Path
     from buildtrain.store.store import Store
 
-    with Store(Path(sys.argv[1])).lock(sys.argv[2], wait=False):
+    with Store(Path(sys.argv[1])).locks.hold(sys.argv[2], wait=False):
         print("locked", flush=True)
         sys.stdin.read()  # hold the lock until the test closes our stdin
     """
@@ -296,14 +296,14 @@ def test_second_lock_in_another_process_raises_locked_and_names_the_holder(tmp_p
     store, step_hash = Store(tmp_path), "f00d" * 16
     holder = hold_lock(tmp_path, step_hash)
     try:
-        assert (store.locks / f"{step_hash}.lock").read_text() == str(holder.pid)
-        with pytest.raises(Locked, match=f"pid {holder.pid}"), store.lock(step_hash, wait=False):
+        assert (store.locks.dir / f"{step_hash}.lock").read_text() == str(holder.pid)
+        with pytest.raises(Locked, match=f"pid {holder.pid}"), store.locks.hold(step_hash, wait=False):
             pytest.fail("acquired a lock that another process holds")
     finally:
         release(holder)
-    with store.lock(step_hash, wait=False) as fd:  # free once the holder is gone
+    with store.locks.hold(step_hash, wait=False) as fd:  # free once the holder is gone
         assert isinstance(fd, int)
-        assert (store.locks / f"{step_hash}.lock").read_text() == str(os.getpid())
+        assert (store.locks.dir / f"{step_hash}.lock").read_text() == str(os.getpid())
 
 
 def test_waiting_lock_reports_the_holder_then_acquires(tmp_path: Path) -> None:
@@ -316,8 +316,8 @@ def test_waiting_lock_reports_the_holder_then_acquires(tmp_path: Path) -> None:
         release(holder)  # the holder goes away while we wait
 
     try:
-        with store.lock(step_hash, on_wait=on_wait):
-            assert (store.locks / f"{step_hash}.lock").read_text() == str(os.getpid())
+        with store.locks.hold(step_hash, on_wait=on_wait):
+            assert (store.locks.dir / f"{step_hash}.lock").read_text() == str(os.getpid())
     finally:
         if holder.poll() is None:
             release(holder)
@@ -328,7 +328,7 @@ def test_locks_of_different_steps_are_independent(tmp_path: Path) -> None:
     store = Store(tmp_path)
     holder = hold_lock(tmp_path, "aaaa" * 16)
     try:
-        with store.lock("bbbb" * 16, wait=False):
+        with store.locks.hold("bbbb" * 16, wait=False):
             pass
     finally:
         release(holder)
@@ -367,33 +367,35 @@ def test_damaged_plan_metadata_reads_as_empty_and_bt_plan_replaces_it(
     store = Store(tmp_path)
     plan = make_plan()
     save_plan(store, plan, preset="p.toml")
-    assert store.plan_meta(plan.hash)["preset"] == "p.toml"
+    assert store.plans.meta(plan.hash)["preset"] == "p.toml"
     meta = tmp_path / "plans" / f"{plan.hash}.meta.json"
     meta.unlink()
     if content is None:
         meta.mkdir()
     else:
         meta.write_bytes(content)
-    assert store.plan_meta(plan.hash) == {}
+    assert store.plans.meta(plan.hash) == {}
     save_plan(store, plan, preset="p.toml")
-    assert store.plan_meta(plan.hash)["preset"] == "p.toml"
+    assert store.plans.meta(plan.hash)["preset"] == "p.toml"
     other = make_plan(value=2)
     save_plan(store, other, preset="q.toml")
     meta.write_bytes((tmp_path / "plans" / f"{other.hash}.meta.json").read_bytes())  # another plan's
-    assert store.plan_meta(plan.hash) == {}
+    assert store.plans.meta(plan.hash) == {}
 
 
 def test_stamps_are_sealed_bound_to_their_output_and_never_override_a_mismatch(tmp_path: Path) -> None:
     store = Store(tmp_path)
     for name in ("a" * 64, "b" * 64):
         write_tree(tmp_path / "tmp" / name, {"w.bin": b"weights"})
-        objects.publish(tmp_path / "tmp" / name, store.output(name))
-        assert store.check_output(name) == [] and store.read_stamp(name) is not None
-    store.stamp_path("a" * 64).write_bytes(store.stamp_path("b" * 64).read_bytes())  # another's stamp
-    assert store.read_stamp("a" * 64) is None and store.stamp_problem("a" * 64)
-    (store.output("a" * 64) / "w.bin").write_bytes(b"WEIGHTS")  # same size, new content
-    assert store.check_output("a" * 64) != []
-    assert not store.stamp_path("a" * 64).exists()  # a failed re-hash drops the stamp
+        objects.publish(tmp_path / "tmp" / name, store.outputs.path(name))
+        assert store.outputs.check(name) == [] and store.outputs.read_stamp(name) is not None
+    store.outputs.stamp_path("a" * 64).write_bytes(
+        store.outputs.stamp_path("b" * 64).read_bytes()
+    )  # another's stamp
+    assert store.outputs.read_stamp("a" * 64) is None and store.outputs.stamp_problem("a" * 64)
+    (store.outputs.path("a" * 64) / "w.bin").write_bytes(b"WEIGHTS")  # same size, new content
+    assert store.outputs.check("a" * 64) != []
+    assert not store.outputs.stamp_path("a" * 64).exists()  # a failed re-hash drops the stamp
 
 
 def test_an_in_place_edit_that_restores_size_and_mtime_is_rehashed(tmp_path: Path) -> None:
@@ -417,22 +419,22 @@ def test_quarantine_names_never_collide_and_links_are_moved_not_followed(tmp_pat
     (tmp_path / "target" / "keep").write_bytes(b"x")
     for _ in range(3):
         store.steps.mkdir(parents=True, exist_ok=True)
-        store.output("c" * 64).symlink_to(tmp_path / "target")
-        assert store.quarantine("c" * 64) is not None
+        store.outputs.path("c" * 64).symlink_to(tmp_path / "target")
+        assert store.outputs.quarantine("c" * 64) is not None
     assert len(list(store.quarantined.iterdir())) == 3
     assert (tmp_path / "target" / "keep").read_bytes() == b"x"
-    assert store.quarantine("c" * 64) is None  # nothing there: another run moved it
+    assert store.outputs.quarantine("c" * 64) is None  # nothing there: another run moved it
 
 
 def test_a_folder_or_link_where_a_lock_belongs_is_set_aside(tmp_path: Path) -> None:
     store = Store(tmp_path)
-    store.locks.mkdir(parents=True)
-    (store.locks / f"{'d' * 64}.lock").mkdir()
-    (store.locks / f"{'e' * 64}.lock").symlink_to(tmp_path / "outside.lock")
+    store.locks.dir.mkdir(parents=True)
+    (store.locks.dir / f"{'d' * 64}.lock").mkdir()
+    (store.locks.dir / f"{'e' * 64}.lock").symlink_to(tmp_path / "outside.lock")
     for name in ("d" * 64, "e" * 64):
-        with store.lock(name, wait=False):
-            assert (store.locks / f"{name}.lock").is_file() and not (
-                store.locks / f"{name}.lock"
+        with store.locks.hold(name, wait=False):
+            assert (store.locks.dir / f"{name}.lock").is_file() and not (
+                store.locks.dir / f"{name}.lock"
             ).is_symlink()
     assert not (tmp_path / "outside.lock").exists()  # never created through the link
 
@@ -513,8 +515,8 @@ def test_a_store_made_before_markers_is_recognised_by_a_plan_that_verifies(tmp_p
     # Only store folders, but no plan that verifies (a user's work/ and tmp/): not a store.
     lookalike = Store(tmp_path / "lookalike")
     (lookalike.work / "thesis").mkdir(parents=True)
-    lookalike.plans.mkdir()
-    (lookalike.plans / f"{'a' * 64}.json").write_text("{}")
+    lookalike.plans.dir.mkdir()
+    (lookalike.plans.dir / f"{'a' * 64}.json").write_text("{}")
     assert lookalike.identity() == "unmarked"
     with pytest.raises(UsageError, match="not a buildtrain store"):
         claim_store(lookalike, create=False)
@@ -536,7 +538,7 @@ def test_a_link_or_file_in_place_of_a_store_folder_is_never_written_through(
     place.symlink_to(outside) if kind == "link" else place.write_text("x")
     with pytest.raises(CorruptObject, match=f"{name} is a (symbolic link|file), not a store folder"):
         store.check_layout()
-    with pytest.raises(CorruptObject, match="bt fsck --repair"), store.lock("a" * 64):
+    with pytest.raises(CorruptObject, match="bt fsck --repair"), store.locks.hold("a" * 64):
         pass
     assert list(outside.iterdir()) == []
     assert store.clear_folder(name) is not None
@@ -549,29 +551,29 @@ def test_a_run_of_a_plan_keeps_it_from_being_dropped(tmp_path: Path) -> None:
     plan = make_plan()
     save_plan(store, plan)
     with (
-        store.running(plan.hash),
+        store.locks.running(plan.hash),
         pytest.raises(Locked, match="is being built by a bt run"),
-        store.dropping(plan.hash),
+        store.locks.dropping(plan.hash),
     ):
         pass
-    with store.dropping(plan.hash):
-        store.plan_path(plan.hash).unlink()
-    with pytest.raises(UsageError, match="was dropped by bt gc"), store.running(plan.hash):
+    with store.locks.dropping(plan.hash):
+        store.plans.path(plan.hash).unlink()
+    with pytest.raises(UsageError, match="was dropped by bt gc"), store.locks.running(plan.hash):
         pass
 
 
 def test_an_edited_step_metrics_summary_is_never_read(tmp_path: Path) -> None:
     store = Store(tmp_path / ".bt")
     step = "b" * 64
-    store.save_step_metrics(
+    store.results.save_step_metrics(
         step, {"label": "train:main", "train": {"final_loss": 4.25, "tokens_per_s": 1000.0}}
     )
-    assert store.read_step_metrics(step)["train"]["final_loss"] == 4.25
-    path = Path(store.step_metrics_path(step))
+    assert store.results.read_step_metrics(step)["train"]["final_loss"] == 4.25
+    path = Path(store.results.step_metrics_path(step))
     path.write_bytes(path.read_bytes().replace(b"4.25", b"1.25"))
-    assert store.read_step_metrics(step) is None
-    os.replace(path, store.step_metrics_path("c" * 64))  # sound, but another step's
-    assert store.read_step_metrics("c" * 64) is None
+    assert store.results.read_step_metrics(step) is None
+    os.replace(path, store.results.step_metrics_path("c" * 64))  # sound, but another step's
+    assert store.results.read_step_metrics("c" * 64) is None
 
 
 @settings(max_examples=50, deadline=None)
@@ -588,6 +590,6 @@ def test_a_checkpoint_name_stands_for_its_update(update: int) -> None:
 def test_any_flipped_byte_of_a_metrics_summary_makes_it_unread(position: int, mask: int) -> None:
     with tempfile.TemporaryDirectory() as folder, no_fsync():
         store = Store(Path(folder) / ".bt")
-        store.save_step_metrics("a" * 64, {"label": "train:main", "train": {"final_loss": 3.5}})
-        flip_byte(Path(store.step_metrics_path("a" * 64)), position, mask)
-        assert store.read_step_metrics("a" * 64) is None
+        store.results.save_step_metrics("a" * 64, {"label": "train:main", "train": {"final_loss": 3.5}})
+        flip_byte(Path(store.results.step_metrics_path("a" * 64)), position, mask)
+        assert store.results.read_step_metrics("a" * 64) is None

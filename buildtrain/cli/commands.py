@@ -170,7 +170,7 @@ def worker_probe(
 
 def _built(store: Store, targets: list[Target]) -> bool:
     """Whether every step of every target is in the store (a null build, but for damage)."""
-    return all(store.has_output(step.hash) for target in targets for step in target.plan.steps)
+    return all(store.outputs.has(step.hash) for target in targets for step in target.plan.steps)
 
 
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
@@ -223,7 +223,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         experiments=experiments(args),
         launch=_launch(args),
     )
-    built = all(store.has_output(step.hash) for step in plan.steps)
+    built = all(store.outputs.has(step.hash) for step in plan.steps)
     if args.push:  # a bad or missing remote is refused before the re-execution, not after it
         from buildtrain.cli.team import remote_of
 

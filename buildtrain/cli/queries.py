@@ -133,7 +133,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     store = store_of(args)
     hashes = (
-        list(dict.fromkeys(store.resolve(ref) for ref in args.plans)) if args.plans else store.plan_hashes()
+        list(dict.fromkeys(store.plans.resolve(ref) for ref in args.plans))
+        if args.plans
+        else store.plans.hashes()
     )
     if not hashes:
         raise UsageError(f"no plans in the store {store.root}; compile one with: bt plan PRESET")

@@ -83,7 +83,7 @@ def fetch_plans(refs: list[str], store: Store, url: RemoteUrl) -> None:
     from buildtrain.store.remote import keys
 
     for ref in refs:
-        if keys.HASH.match(ref) and not store.plan_path(ref).exists():
+        if keys.HASH.match(ref) and not store.plans.path(ref).exists():
             remote_plan(store, url, ref)
 
 

@@ -58,7 +58,7 @@ def kept_weights(store: Store, eval_step: Step, update: int | None) -> tuple[str
     the train output; how to name them) for `--update N` (a kept checkpoint) or the final weights
     that `eval_step` scores."""
     train = eval_step.inputs["weights"]
-    output = store.output(train)
+    output = store.outputs.path(train)
     result = read_json(output / RESULT)
     if update is None:
         return None, result["weights"], "final"
@@ -78,7 +78,7 @@ def evaluate(store: Store, plan: Plan, reference: str, subset: float | None, upd
     """The suite `reference` of a built `plan` on its final weights or kept checkpoint `update`:
     from the store when there, else computed here and stored."""
     step, alone = suite_step(plan, reference, subset)
-    if not store.has_output(step.inputs["weights"]) or not store.has_output(step.inputs["data"]):
+    if not store.outputs.has(step.inputs["weights"]) or not store.outputs.has(step.inputs["data"]):
         raise UsageError(
             f"plan {plan.hash[:12]}: its weights are not built yet; bt run {plan.hash[:12]} first"
         )

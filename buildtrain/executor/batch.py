@@ -75,7 +75,7 @@ def run_plans(
     for plan, _ in plans:
         for step in plan.steps:
             slots += 1
-            distinct.setdefault(step.hash, store.has_output(step.hash))
+            distinct.setdefault(step.hash, store.outputs.has(step.hash))
     executed: set[str] = set()
     records: list[str] = []
     processes = StepProcesses()

@@ -104,13 +104,13 @@ class Beside:
         self._stop.set()
         self._watcher.join()
         if trained:
-            self._dispatch(self.store.checkpoints_dir(self.train.hash))
-            self._dispatch(self.store.output(self.train.hash) / layout.CHECKPOINTS)
+            self._dispatch(self.store.outputs.checkpoints_dir(self.train.hash))
+            self._dispatch(self.store.outputs.path(self.train.hash) / layout.CHECKPOINTS)
         self.runner.close(now=not trained)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
-            self._dispatch(self.store.checkpoints_dir(self.train.hash))
+            self._dispatch(self.store.outputs.checkpoints_dir(self.train.hash))
 
     def _dispatch(self, folder: Path) -> None:
         """A job for each sealed checkpoint in `folder` that a step wants and has not been sent."""

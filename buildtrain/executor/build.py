@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -25,6 +25,7 @@ from buildtrain.executor.spawn import spawn
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
+from buildtrain.store.claims import Cached, Claim, Fresh, LockedBy, Resume
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
@@ -37,8 +38,8 @@ def damaged_inputs(store: Store, plan: Plan, step: Step) -> list[Step]:
     said otherwise, are dropped): what to rebuild when a step process finds an input damaged."""
     damaged = []
     for step_hash in dict.fromkeys(step.upstream.values()):
-        if store.verify_output(step_hash):
-            store.drop_stamp(step_hash)
+        if store.outputs.verify(step_hash):
+            store.outputs.drop_stamp(step_hash)
             damaged.append(plan.step(step_hash))
     return damaged
 
@@ -64,14 +65,12 @@ class Builder:
         whatever occupies its place (damaged, foreign, half-made) and build it. Inputs that a step
         process finds damaged (decay that a stamp could not see) are rebuilt and the step retried."""
         started = time.perf_counter()
-        # Without the lock: a null build only reads (and works in a read-only store).
-        if self.store.has_output(step.hash) and not self.store.check_output(step.hash):
-            return self._result(step, started, "cached")
         for attempt in (1, 2):
-            with self.store.lock(step.hash, wait=self.wait, on_wait=self._waiting(step)) as lock_fd:
-                done = self._found_complete(step, started)
+            with self.store.outputs.claim(step.hash, wait=self.wait, on_wait=self._waiting(step)) as claim:
+                done = self._settled(step, claim, started)
                 if done is not None:
                     return done
+                assert isinstance(claim, Fresh | Resume)
                 try:
                     with self._turn(step) as build:
                         if not build:  # only a remote hands out a pull instead of a build
@@ -79,7 +78,7 @@ class Builder:
                             return self._result(step, started, "pulled", f"from {self.remote.url}")
                         if self.remote is not None:
                             self.remote.share_plan(self.plan, step)
-                        node, collected = self._compute(step, lock_fd, started)
+                        node, collected = self._compute(step, claim.lock_fd, started)
                         # Holding the lease: a waiter then pulls it. An engine whose process
                         # built it in a store of its own has pushed it (and this run pulled it).
                         if self.remote is not None and not collected:
@@ -102,21 +101,19 @@ class Builder:
             return contextlib.nullcontext(True)
         return self.remote.turn(self.store, step, wait=self.wait, checkpoints=not self.engine.pushes_outputs)
 
-    def _found_complete(self, step: Step, started: float) -> StepResult | None:
-        """Holding the lock: the output another run built meanwhile, or one the kind completes
-        from the store without a process; a damaged output in its place is set aside first."""
-        if os.path.lexists(self.store.output(step.hash)):
-            problems = self.store.check_output(step.hash)
-            if not problems:
-                return self._result(step, started, "cached", "built by another run")
-            moved = self.store.quarantine(step.hash)
-            if moved is not None:
-                self.reporter.step(
-                    step.label, f"output damaged ({problems[0]}); moved to {moved} and rebuilding"
-                )
-                self.record.event(
-                    "output_quarantined", step=step.label, problems=problems, moved_to=str(moved)
-                )
+    def _settled(self, step: Step, claim: Claim, started: float) -> StepResult | None:
+        """What the claim leaves nothing to build for: an output in the store (built by another run
+        meanwhile, when found holding the lock), or one the kind completes from the store without a
+        process; a lock held elsewhere raises. Reports a damaged output the claim set aside."""
+        if isinstance(claim, Cached):
+            detail = "built by another run" if claim.by_another_run else ""
+            return self._result(step, started, "cached", detail, digests=claim.digests)
+        if isinstance(claim, LockedBy):
+            raise claim.refusal()
+        if claim.moved is not None:
+            problems, moved = list(claim.problems), claim.moved
+            self.reporter.step(step.label, f"output damaged ({problems[0]}); moved to {moved} and rebuilding")
+            self.record.event("output_quarantined", step=step.label, problems=problems, moved_to=str(moved))
         kind = kind_of(step.kind)
         if kind.completes_from_store:
             computation = importlib.import_module(kind.computes)
@@ -223,9 +220,18 @@ class Builder:
 
         return waiting
 
-    def _result(self, step: Step, started: float, action: str, detail: str = "") -> StepResult:
-        store = self.store
-        digests = objects.sealed_digests(store.output(step.hash)) if store.has_output(step.hash) else {}
+    def _result(
+        self,
+        step: Step,
+        started: float,
+        action: str,
+        detail: str = "",
+        digests: Mapping[str, str] | None = None,
+    ) -> StepResult:
+        """The step's result and its report; `digests` read from its output when not given."""
+        if digests is None:
+            outputs = self.store.outputs
+            digests = outputs.digests(step.hash) if outputs.has(step.hash) else {}
         duration = round(time.perf_counter() - started, 3)
         self.record.event(
             "step_finished", step=step.label, hash=step.hash, action=action, duration_s=duration
@@ -251,13 +257,13 @@ class Builder:
         A marker remembers that the step completed, so a later `bt run` here skips it exactly when
         node 0 finds it in its store, and the nodes keep meeting on the same steps.
         """
-        marker = self.store.work_dir(step.hash) / "joined"
+        marker = self.store.outputs.work_dir(step.hash) / "joined"
         if marker.exists():
             self.reporter.step(step.label, "cached (joined before)")
             return StepResult(label=step.label, hash=step.hash, action="cached", detail="joined before")
         started = time.perf_counter()
         self.reporter.step(step.label, f"joining node 0 as node {self.launch.node_rank}")
-        with self.store.lock(step.hash) as lock_fd:
+        with self.store.locks.hold(step.hash) as lock_fd:
             outcome = spawn(
                 self.store,
                 self.plan,

@@ -40,14 +40,14 @@ def built_export(store: Store, plan: Plan, wanted_for: str = "") -> Path:
     if not steps:
         raise UsageError(f"plan {plan.hash[:SHORT]} has no export step (export.enabled = false){wanted_for}")
     step = steps[0]
-    if not store.has_output(step.hash):
+    if not store.outputs.has(step.hash):
         raise UsageError(f"plan {plan.hash[:SHORT]} is not built yet; run: bt run {plan.hash[:SHORT]}")
-    problems = store.verify_output(step.hash)
+    problems = store.outputs.verify(step.hash)
     if problems:
         raise CorruptObject(
             f"the export output {step.hash[:SHORT]} does not verify: {problems[0]}; run bt fsck"
         )
-    return store.output(step.hash)
+    return store.outputs.path(step.hash)
 
 
 def export_plan(store: Store, plan: Plan, destination: Path | None) -> Path:

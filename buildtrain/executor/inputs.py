@@ -22,7 +22,7 @@ def verified_inputs(store: Store, step: Step, only: Collection[str] | None = Non
     for name, step_hash in step.upstream.items():
         if only is not None and name not in only:
             continue
-        path = store.output(step_hash)
+        path = store.outputs.path(step_hash)
         problems = objects.verify(path)
         if problems:
             raise CorruptObject(

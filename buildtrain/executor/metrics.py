@@ -81,7 +81,7 @@ class MetricsCollector:
         if seen["eval"]:
             body["eval"] = seen["eval"]
         with contextlib.suppress(OSError, BuildtrainError):  # read-only or damaged: a blank in tables
-            Store(self.store_root).save_step_metrics(result["hash"], body)
+            Store(self.store_root).results.save_step_metrics(result["hash"], body)
 
     def close(self) -> None:
         self.writer.close()

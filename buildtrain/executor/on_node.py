@@ -115,14 +115,14 @@ class _Refused(Exception):
 def _open(request: NodeRequest, node: str) -> tuple[Store, Plan, Step]:
     if request.remote is None:
         store = Store(Path(request.store))
-        if not store.plan_path(request.plan_hash).is_file():
+        if not store.plans.path(request.plan_hash).is_file():
             raise _Refused(
                 f"node {node} does not see the store {request.store} (no remote was given): give "
                 "bt run --remote URL (or BT_REMOTE), a team cache every node reaches"
             )
     else:
         store = Store(node_store_root())
-        store.save_plan(request.plan_hash, request.plan_body)
+        store.plans.save(request.plan_hash, request.plan_body)
     plan = load_plan(store, request.plan_hash)
     return store, plan, plan.step(request.step_hash)
 
@@ -154,8 +154,8 @@ def _build(request: NodeRequest, store: Store, plan: Plan, step: Step, node: str
     with contextlib.ExitStack() as held:
         lock_fd = -1
         if cache is not None and lead:  # in the run's own store the run holds the step's lock
-            lock_fd = held.enter_context(store.lock(step.hash))
-            if store.has_output(step.hash) and not store.check_output(step.hash):
+            lock_fd = held.enter_context(store.locks.hold(step.hash))
+            if store.outputs.has(step.hash) and not store.outputs.check(step.hash):
                 return _push_built(store, cache, plan, step, node, events)  # built here before
             if kind.resumable:
                 held.enter_context(cache.checkpoints(store, step))
@@ -209,12 +209,12 @@ def _cache(request: NodeRequest, events: list[dict[str, Any]]) -> Any:
 def _pull_input(store: Store, cache: Any, upstream: Step, node: str, pinned: str | None) -> None:
     """An input in the node's store: the build the run holds (`pinned`), kept from before or
     pulled; a build of it the node kept that the run does not hold is set aside."""
-    with store.lock(upstream.hash):
-        if store.has_output(upstream.hash) and not store.check_output(upstream.hash):
-            held = objects.manifest_self((store.output(upstream.hash) / objects.MANIFEST).read_bytes())
+    with store.locks.hold(upstream.hash):
+        if store.outputs.has(upstream.hash) and not store.outputs.check(upstream.hash):
+            held = objects.manifest_self((store.outputs.path(upstream.hash) / objects.MANIFEST).read_bytes())
             if pinned is None or held == pinned:
                 return
-            store.quarantine(upstream.hash)
+            store.outputs.quarantine(upstream.hash)
         if not cache.pull(store, upstream, pinned=pinned):
             raise _Refused(
                 f"node {node}: input {upstream.label} is neither in its store nor on {cache.url}; "

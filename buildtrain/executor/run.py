@@ -129,7 +129,7 @@ def run_plan(
     # checks the steps' toolchains against its own before it builds (on_node, slurm_task).
     here = (engine.name if engine is not None else options.executor.name) == DEFAULT_ENGINE
     threads = prepare(plan, options.threads, launch, steps, here)
-    record = RunRecord.create(options.experiments, plan, store.plan_meta(plan.hash), store.root)
+    record = RunRecord.create(options.experiments, plan, store.plans.meta(plan.hash), store.root)
     if on_record is not None:
         on_record(record.folder)
     reporter = Reporter(options.progress, options.log_every, quiet=options.quiet, plan=options.label)
@@ -158,7 +158,7 @@ def run_plan(
         return result
 
     try:
-        with signals_interrupt(plan), store.running(plan.hash):
+        with signals_interrupt(plan), store.locks.running(plan.hash):
             concurrent = engine.concurrent and not launch.follower
             build_in_order(steps, build, concurrent=concurrent, cancel=builder.live.cancel_all)
         outcome, code = "done", int(ExitCode.OK)

@@ -209,5 +209,5 @@ def run_isolated(
 ) -> Outcome:
     """One step in a fresh process (or a train step's ranks), holding its lock in `store`, its
     events discarded: how `bt verify` re-executes a step in its scratch store."""
-    with store.lock(step.hash) as lock_fd:
+    with store.locks.hold(step.hash) as lock_fd:
         return spawn(store, plan, step, threads, lock_fd, lambda _: None, options, launch)

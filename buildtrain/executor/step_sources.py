@@ -25,7 +25,7 @@ def source_paths(
     sources = step.inputs.get("sources", [])
     if not sources:
         return []
-    hints = store.plan_meta(plan.hash).get("sources", {})
+    hints = store.plans.meta(plan.hash).get("sources", {})
     if not isinstance(hints, dict):  # only hints: damaged ones are ignored, the digests decide
         hints = {}
     cache = store.stat_cache()

@@ -34,7 +34,7 @@ def push_plans(store: Store, plans: list[Plan], url: RemoteUrl) -> Transfer:
     codes: list[int] = []
     for plan in plans:
         for step in plan.steps:
-            if not store.has_output(step.hash):
+            if not store.outputs.has(step.hash):
                 done.append(f"{plan.hash[:12]} {step.label}: not built here, not pushed")
                 continue
             report = cache.push(store, plan, step)
@@ -77,7 +77,7 @@ def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations
     codes: list[int] = []
     for plan in plans:
         for step in plan.steps:
-            if store.has_output(step.hash) and not store.check_output(step.hash):
+            if store.outputs.has(step.hash) and not store.outputs.check(step.hash):
                 done.append(f"{plan.hash[:12]} {step.label}: already here")
                 continue
             refused = _too_few(cache, step, min_attestations)
@@ -85,7 +85,7 @@ def pull_plans(store: Store, plans: list[Plan], url: RemoteUrl, min_attestations
                 problems.append(refused)
                 codes.append(ExitCode.NOT_REPRODUCED)
                 continue
-            with store.lock(step.hash):
+            with store.locks.hold(step.hash):
                 before = len(problems)
                 if cache.pull(store, step):
                     done.append(f"{plan.hash[:12]} {step.label}: pulled")
@@ -112,13 +112,13 @@ def attest_plan(store: Store, plan: Plan, url: RemoteUrl, labels: list[str]) -> 
     """After `bt verify` reproduced these steps: push each (if the remote lacks it) and attest it."""
     cache, lines = RemoteCache(url, lambda *_: None), []
     for step in plan.steps:
-        if step.label not in labels or not store.has_output(step.hash):
+        if step.label not in labels or not store.outputs.has(step.hash):
             continue
         report = cache.push(store, plan, step, built_here=True)
         if report.failed or report.conflict:
             lines.append(f"{step.label}: not attested: {report.failed or report.conflict}")
             continue
-        output = store.output(step.hash)
+        output = store.outputs.path(step.hash)
         counted = cache.tally(step, objects.sealed_digests(output), objects.sealed_files(output))
         lines.append(f"{step.label}: attested on {url} ({counted})")
     return lines

@@ -99,7 +99,7 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         numerics=plan.numerics,
         inputs=verified_inputs(store, step, only=None if lead else kind.rank_inputs),
         sources=planned_sources(step.inputs.get("sources", []), list(job.sources)),
-        work=store.work_dir(step.hash),
+        work=store.outputs.work_dir(step.hash),
         results=StoreResults(store=store),
         log=log,
         controls=controls,
@@ -119,8 +119,8 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         # when `step_done` arrives, so an output published without it would stay without one.
         stop.install()
         if job.options.commit:
-            objects.publish(out, store.output(step.hash), digests)
-            objects.remove_tree(store.work_dir(step.hash))  # its checkpoints are in the output now
+            objects.publish(out, store.outputs.path(step.hash), digests)
+            objects.remove_tree(store.outputs.work_dir(step.hash))  # its checkpoints are in the output now
             signal_after_publish_for_tests(step.label)
         log.info("step_done", digests=digests)
         return ExitCode.OK
@@ -141,7 +141,7 @@ def _evaluate_checkpoint(job: Job, store: Store, settings: NumericsConfig, step:
     kind = kind_of(step.kind)
     assert job.options.checkpoint is not None and kind.checkpoints_of is not None
     folder = Path(job.options.checkpoint)
-    published = store.output(step.upstream[kind.checkpoints_of]) / CHECKPOINTS / folder.name
+    published = store.outputs.path(step.upstream[kind.checkpoints_of]) / CHECKPOINTS / folder.name
     work = store.new_temp(f"{step.label}-beside")
     ctx = StepContext(
         step=step,

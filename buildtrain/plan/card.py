@@ -44,7 +44,7 @@ class Card:
 
 
 def card_path(store: Store, plan_hash: str) -> str:
-    return store.card_path(plan_hash)
+    return store.results.card_path(plan_hash)
 
 
 def save_card(store: Store, plan: Plan, created: str) -> Card:
@@ -88,7 +88,7 @@ def load_card(store: Store, plan_hash: str) -> Card | None:
         plan = load_plan(store, plan_hash)
     except Exception:  # a damaged plan is listed as such; fsck says more
         return None
-    created = store.plan_meta(plan_hash).get("created")
+    created = store.plans.meta(plan_hash).get("created")
     return save_card(store, plan, created if isinstance(created, str) else "?")
 
 

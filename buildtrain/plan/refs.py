@@ -20,7 +20,8 @@ from buildtrain.errors import UsageError
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.sweep import SweepPlans, load_sweep_plans, plan_sweep
-from buildtrain.store.store import HEX, Store
+from buildtrain.store.plans import HEX
+from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.plan.toolchain import WorkerProbe

@@ -17,12 +17,12 @@ def save_plan(store: Store, plan: Plan, **meta: Any) -> dict[str, Any]:
     """Store the plan's canonical bytes; returns its metadata record (when and from where).
     Creates the store in a new or empty folder, and refuses a folder that is not a store."""
     claim_store(store)
-    return store.save_plan(plan.hash, plan.canonical(), **meta)
+    return store.plans.save(plan.hash, plan.canonical(), **meta)
 
 
 def load_plan(store: Store, ref: str) -> Plan:
     """The stored plan that `ref` (a hash or unique prefix) names, checked against its name."""
-    plan_hash, raw = store.plan_bytes(ref)
+    plan_hash, raw = store.plans.read(ref)
     try:
         plan = Plan.from_body(json.loads(raw), kinds=KINDS)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -48,7 +48,7 @@ def claim_store(store: Store, *, create: bool = True) -> bool:
         if create:
             store.mark()
         return create
-    if found == "unmarked" and any(_verifies(store, plan_hash) for plan_hash in store.plan_hashes()):
+    if found == "unmarked" and any(_verifies(store, plan_hash) for plan_hash in store.plans.hashes()):
         store.mark()
         return True
     raise store.not_a_store()

@@ -233,7 +233,7 @@ def _as_sweep(line: str) -> str:
 def save_sweep(store: Store, sweep: SweepPlans) -> None:
     """Store the sweep's canonical bytes under its hash (immutable, like a plan)."""
     body = sweep_body(sweep.axes, [(p.assignments, p.planned.plan.hash) for p in sweep.points])
-    path = store.sweep_path(sweep.hash)
+    path = store.plans.sweep_path(sweep.hash)
     raw = canonical_bytes(body)
     if path.is_symlink() or not path.is_file() or path.read_bytes() != raw:
         store.replace_file(path, raw)

@@ -163,7 +163,7 @@ def _folders(store: Store, _: Known) -> Found:
 
 
 def _plans(store: Store, _: Known) -> Found:
-    found, entries = [], _listing(store.plans)
+    found, entries = [], _listing(store.plans.dir)
     for path in entries:
         relative = _relative(store, path)
         plan_hash = layout.hash_of(path.name, META_SUFFIX) or layout.hash_of(path.name)
@@ -378,7 +378,7 @@ def _plan_index(store: Store, _: Known) -> Found:
 
 
 def _locks(store: Store, _: Known) -> Found:
-    found, entries = [], _listing(store.locks)
+    found, entries = [], _listing(store.locks.dir)
     for path in entries:
         problem = _plain_file_problem(path, "a lock file")
         if problem is not None:

@@ -77,7 +77,7 @@ def _listing(folder: Path, pattern: str = "*") -> list[Path]:
 
 def _busy(store: Store) -> bool:
     """Whether any step lock is held right now."""
-    for lock in _listing(store.locks, "*.lock"):
+    for lock in _listing(store.locks.dir, "*.lock"):
         try:
             fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:  # a link or a folder is no lock anyone holds (bt fsck reports it)

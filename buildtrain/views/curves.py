@@ -42,7 +42,7 @@ def _loss(value: Any) -> float | None:
 def read_trace(store: Store, step_hash: str) -> list[dict[str, Any]]:
     """The entries of a built train step's trace; [] when it is not built or unreadable."""
     try:
-        raw = (store.output(step_hash) / TRACE).read_text(encoding="utf-8")
+        raw = (store.outputs.path(step_hash) / TRACE).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return []
     entries = []

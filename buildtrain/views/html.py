@@ -138,7 +138,7 @@ def _steps(store: Store, row: dict[str, Any], record: dict[str, Any] | None, pla
             css = "cached" if action == "cached" else "executed"
             cell = f"<span class='{css}'>{html.escape(action + detail)}</span>"
         else:
-            cell = "built" if store.has_output(step_hash) else "not built"
+            cell = "built" if store.outputs.has(step_hash) else "not built"
             took = ""
         lines.append(
             f"<tr><td class='text'>{html.escape(label)}</td><td class='text'><code>{step_hash[:SHORT]}</code></td>"
@@ -163,8 +163,8 @@ def _suite_series(
     for row in rows:
         card = load_card(store, row["hash"])
         evals = card.summarizing("evaluation") if card is not None else []
-        if evals and store.has_output(evals[-1][2]):
-            for name, points in output_curves(store.output(evals[-1][2])).items():
+        if evals and store.outputs.has(evals[-1][2]):
+            for name, points in output_curves(store.outputs.path(evals[-1][2])).items():
                 series.append((f"{labels[row['hash']]}: {name}", points))
     return series
 

@@ -18,14 +18,15 @@ from buildtrain.plan.card import load_card
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.layout import CHECKSUMS, EXPORT_WEIGHTS, SHORT
 from buildtrain.store.objects import MANIFEST
-from buildtrain.store.store import HEX, Store
+from buildtrain.store.plans import HEX
+from buildtrain.store.store import Store
 
 MIN_DIGEST = 8
 
 
 def _sealed(store: Store, step_hash: str) -> dict[str, str]:
     try:
-        body = json.loads((store.output(step_hash) / MANIFEST).read_bytes())
+        body = json.loads((store.outputs.path(step_hash) / MANIFEST).read_bytes())
         return dict(body.get("digests") or {})
     except (OSError, ValueError, AttributeError):
         return {}
@@ -50,7 +51,7 @@ def step_node(store: Store, plan: Plan, step: Step, sources: dict[str, list[str]
         "label": step.label,
         "kind": step.kind,
         "hash": step.hash,
-        "built": store.has_output(step.hash),
+        "built": store.outputs.has(step.hash),
         "outputs": _sealed(store, step.hash),
         "toolchain": dict(step.toolchain),
         "inputs": inputs,
@@ -58,7 +59,7 @@ def step_node(store: Store, plan: Plan, step: Step, sources: dict[str, list[str]
 
 
 def lineage(store: Store, plan: Plan) -> list[dict[str, Any]]:
-    sources = store.plan_meta(plan.hash).get("sources")
+    sources = store.plans.meta(plan.hash).get("sources")
     known = sources if isinstance(sources, dict) else {}
     return [step_node(store, plan, plan.step(target), known) for target in plan.targets]
 
@@ -162,13 +163,13 @@ def why(store: Store, text: str) -> dict[str, Any]:
 
 def _plans_with(store: Store, step_hash: str) -> list[dict[str, Any]]:
     plans = []
-    for plan_hash in store.plan_hashes():
+    for plan_hash in store.plans.hashes():
         card = load_card(store, plan_hash)
         if card is None:
             continue
         for label, _, h in card.steps:
             if h == step_hash:
-                meta = store.plan_meta(plan_hash)
+                meta = store.plans.meta(plan_hash)
                 plans.append(
                     {
                         "plan": plan_hash,

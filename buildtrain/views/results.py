@@ -14,14 +14,14 @@ from buildtrain.store.store import Store
 
 
 def _built(store: Store, step_hash: str) -> bool:
-    """`Store.has_output` on plain strings: the table asks it thousands of times."""
+    """`Outputs.has` on plain strings: the table asks it thousands of times."""
     folder = os.path.join(store.steps, step_hash)
     return not os.path.islink(folder) and os.path.isfile(os.path.join(folder, MANIFEST))
 
 
 def eval_result(store: Store, step_hash: str) -> dict[str, Any] | None:
     """The held-out result of a built eval step, read from its (small) output file."""
-    return output_result(store.output(step_hash))
+    return output_result(store.outputs.path(step_hash))
 
 
 def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
@@ -36,7 +36,7 @@ def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
             "overlap": (result.get("overlap") or {}).get("count"),  # questions found in training data
             **({"refused": result["refused"]} if "refused" in result else {}),  # max_overlap exceeded
         }
-        for name, result in output_suites(store.output(step_hash)).items()
+        for name, result in output_suites(store.outputs.path(step_hash)).items()
     }
 
 
@@ -44,7 +44,7 @@ def plan_results(store: Store, card: Card) -> dict[str, Any]:
     """The numbers of one plan: final train loss and speed (last stage), held-out loss and bits
     per token, wall time (the sum over the executions that built its steps), build status."""
     built = [_built(store, h) for _, _, h in card.steps]
-    summaries = {h: store.read_step_metrics(h) for _, _, h in card.steps}
+    summaries = {h: store.results.read_step_metrics(h) for _, _, h in card.steps}
     trains = card.summarizing("training")
     last = summaries.get(trains[-1][2]) if trains else None
     train = (last or {}).get("train") or {}
@@ -74,9 +74,9 @@ def suites_text(store: Store, plan: Plan) -> str:
     fraction), or the `max_overlap` refusal; empty when the plan scores no suite."""
     lines = []
     for step in plan.steps:
-        if getattr(KINDS.get(step.kind), "summary", None) != "evaluation" or not store.has_output(step.hash):
+        if getattr(KINDS.get(step.kind), "summary", None) != "evaluation" or not store.outputs.has(step.hash):
             continue
-        suites = output_suites(store.output(step.hash))
+        suites = output_suites(store.outputs.path(step.hash))
         width = max((len(name) for name in suites), default=0)
         lines += [f"suites of {step.label}:"] if suites else []
         lines += [f"  {name:<{width}}  {_score(r)}; {_overlap(r)}" for name, r in suites.items()]

@@ -62,7 +62,7 @@ def sweep_summary(store: Store, sweep: SweepPlans) -> str:
     width = max(len(label) for label in labels.values())
     lines.append(f"shared by several plans (built once): {len(shared)}")
     for step_hash in shared:
-        status = "cached" if store.has_output(step_hash) else "to build"
+        status = "cached" if store.outputs.has(step_hash) else "to build"
         lines.append(
             f"  {labels[step_hash]:<{width}}  {step_hash[:SHORT]}  "
             f"in {len(users[step_hash])} of {len(plans)} plans, {status}"

@@ -49,7 +49,7 @@ def metrics_rows(
 ) -> tuple[list[str], list[dict[str, Any]]]:
     """(differing keys, rows) for the given plans (default: every stored plan), only those whose
     name matches the shell-style pattern `name` when given; the keys differ between those."""
-    hashes = list(plan_hashes) if plan_hashes is not None else store.plan_hashes()
+    hashes = list(plan_hashes) if plan_hashes is not None else store.plans.hashes()
     rows, cards = [], []
     for plan_hash in hashes:
         card = load_card(store, plan_hash)

@@ -12,8 +12,7 @@ from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import Change, StepChange, flatten
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
-from buildtrain.store.layout import SHORT, newest_first
-from buildtrain.store.objects import MANIFEST
+from buildtrain.store.layout import SHORT
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:  # `bt show` and `bt ls` do not load the verifier
@@ -22,13 +21,11 @@ if TYPE_CHECKING:  # `bt show` and `bt ls` do not load the verifier
 
 def step_status(store: Store, step: Step) -> tuple[str, str]:
     """(action, reason) for one step, without hashing anything: the dry run of `bt run`."""
-    if store.has_output(step.hash):
+    if store.outputs.has(step.hash):
         return "cached", "output in store"
-    folder = store.checkpoints_dir(step.hash)
-    saved = newest_first(folder.iterdir()) if folder.is_dir() else []
-    sealed = [update for update, path in saved if (path / MANIFEST).is_file()]
-    if sealed:
-        return "will run", f"resume from checkpoint at step {sealed[0]}"
+    newest = store.outputs.newest_checkpoint(step.hash)
+    if newest is not None:
+        return "will run", f"resume from checkpoint at step {newest[0]}"
     return "will run", "not built"
 
 
@@ -50,7 +47,7 @@ def _value(value: Any) -> str:
 
 
 def show_text(store: Store, plan: Plan) -> str:
-    meta = store.plan_meta(plan.hash)
+    meta = store.plans.meta(plan.hash)
     lines = [f"plan    {plan.hash}", f"name    {plan.name}"]
     if meta.get("preset"):
         lines.append(
@@ -88,7 +85,7 @@ def show_text(store: Store, plan: Plan) -> str:
 def show_json(store: Store, plan: Plan) -> str:
     body = plan.to_body()
     body["hash"] = plan.hash
-    body["meta"] = store.plan_meta(plan.hash)
+    body["meta"] = store.plans.meta(plan.hash)
     for step in body["steps"]:
         action, reason = step_status(store, plan.step(step["hash"]))
         step["status"] = {"action": action, "reason": reason}
@@ -139,8 +136,8 @@ def diff_json(a: Plan, b: Plan, changes: list[Change], steps: list[StepChange]) 
 
 def ls_rows(store: Store, plan_hashes: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
-    for plan_hash in store.plan_hashes() if plan_hashes is None else plan_hashes:
-        meta = store.plan_meta(plan_hash)
+    for plan_hash in store.plans.hashes() if plan_hashes is None else plan_hashes:
+        meta = store.plans.meta(plan_hash)
         created = meta.get("created") if isinstance(meta.get("created"), str) else "?"  # a hint only
         try:
             plan = load_plan(store, plan_hash)
@@ -155,7 +152,7 @@ def ls_rows(store: Store, plan_hashes: list[str] | None = None) -> list[dict[str
                 }
             )
             continue
-        built = sum(store.has_output(step.hash) for step in plan.steps)
+        built = sum(store.outputs.has(step.hash) for step in plan.steps)
         status = (
             "built"
             if built == len(plan.steps)
