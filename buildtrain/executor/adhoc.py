@@ -13,11 +13,12 @@ from typing import Any
 
 import attrs
 
+from buildtrain.config.suites import suite_kind
 from buildtrain.errors import UsageError
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.steps.context import read_json
-from buildtrain.steps.eval_cache import SUITE_SOURCES, lookup, record_entry, suite_keys
+from buildtrain.steps.eval_cache import lookup, record_entry, suite_keys
 from buildtrain.store.layout import CHECKPOINTS, RESULT
 from buildtrain.store.store import Store
 
@@ -41,7 +42,7 @@ def suite_step(plan: Plan, reference: str, subset: float | None) -> tuple[Step, 
     suites = step.config.get("suites", [])
     sources, at = list(step.inputs.get("sources", [])), 0
     for suite in suites:
-        count = len(SUITE_SOURCES[suite["kind"]])
+        count = len(suite_kind(suite["kind"]).sources)
         if suite["name"] == name and (not version or version == str(suite["version"])):
             config = {**step.config, "suites": [suite]}
             if subset is not None:
