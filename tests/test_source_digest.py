@@ -228,7 +228,7 @@ def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(packag
         reads = {"buildtrain.steps.sources"} if kind == "eval" else set()
         assert closures[kind].isdisjoint(DATA_READING - reads), kind
     assert "buildtrain.steps.tokenizer" not in closures["data"]  # it reads a tokenizer, never trains one
-    assert "buildtrain.steps.eval_cache" not in closures["train"]
+    assert "buildtrain.steps.eval.cache" not in closures["train"]
 
 
 def test_per_kind_an_edit_changes_exactly_the_kinds_whose_closure_holds_it(

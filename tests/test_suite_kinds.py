@@ -120,7 +120,7 @@ def test_every_registered_suite_kind_says_how_it_is_read_and_scored(module: str)
     kind = kinds[0]
     assert isinstance(kind, SuiteKind) and SUITE_KINDS[kind.name] is kind
     assert sources_digest.module_path(PACKAGE, kind.scores) is not None
-    assert kind.scores.startswith("buildtrain.steps.")  # torch-side scoring stays in steps/
+    assert kind.scores.startswith("buildtrain.steps.eval.")  # torch-side scoring stays in steps/eval/
     assert "score_suite" in (PACKAGE.parent / Path(*kind.scores.split("."))).with_suffix(".py").read_text()
     assert type(kind).check is not SuiteKind.check
     assert kind.sources and kind.sources[0] == "data" and set(kind.sources) <= set(SOURCE_KEYS)

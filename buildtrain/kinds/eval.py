@@ -44,7 +44,7 @@ def lineage(config: Config) -> list[str]:
 
 class EvalKind(StepKind):
     name = "eval"
-    computes = "buildtrain.steps.eval"
+    computes = "buildtrain.steps.eval.step"
     headline = "eval"
     torch_toolchain = True
     spot_checked = False  # a spot check (--steps) covers training only

@@ -1,5 +1,5 @@
 """Multiple choice: JSONL of {context, choices, answer}, scored by each choice's log-likelihood
-(`steps/choice.py`)."""
+(`steps/eval/choice.py`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from buildtrain.config.suites.kind import SuiteKind
 
 class MultipleChoice(SuiteKind):
     name = "multiple_choice"
-    scores = "buildtrain.steps.choice"
+    scores = "buildtrain.steps.eval.choice"
     scoring = 2  # 2: n-gram overlap
     accuracy_keys = ("acc",)
 

@@ -1,4 +1,4 @@
-"""Exact match: JSONL of {context, target}, scored by greedy generation (`steps/exact.py`)."""
+"""Exact match: JSONL of {context, target}, scored by greedy generation (`steps/eval/exact.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from buildtrain.config.suites.kind import SuiteKind
 
 class ExactMatch(SuiteKind):
     name = "exact_match"
-    scores = "buildtrain.steps.exact"
+    scores = "buildtrain.steps.eval.exact"
     scoring = 2  # 2: n-gram overlap
     accuracy_keys = ("exact_match",)
 

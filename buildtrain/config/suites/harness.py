@@ -1,5 +1,5 @@
 """A harness task: an lm-evaluation-harness task YAML (`task`) on local JSONL data (`file`), run
-through the harness (`steps/harness.py`); its numbers are the harness's, so its release enters
+through the harness (`steps/eval/harness.py`); its numbers are the harness's, so its release enters
 the eval step's hash."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from buildtrain.config.task_check import check_task_data
 
 class HarnessTask(SuiteKind):
     name = "lm_eval"
-    scores = "buildtrain.steps.harness"
+    scores = "buildtrain.steps.eval.harness"
     scoring = 2  # 2: n-gram overlap
     sources = ("data", "task")
     library = "lm-eval"

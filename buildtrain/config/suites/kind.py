@@ -1,5 +1,5 @@
 """What a kind of benchmark suite is: the one protocol every suite kind implements, once, in its
-own module beside this one (`choice.py`, `exact.py`, `harness.py`, as under `steps/`).
+own module beside this one (`choice.py`, `exact.py`, `harness.py`, as under `steps/eval/`).
 
 The schema, the planner, the eval kind, the evaluation cache, `bt eval` and the views ask a
 suite's kind; none of them tests its name (`tests/test_suite_kinds.py`). A suite kind says:
@@ -9,7 +9,7 @@ suite's kind; none of them tests its name (`tests/test_suite_kinds.py`). A suite
 - how those files are checked when a plan is made (`check`), as the eval step will read them;
 - what its scoring's version is (`scoring`: results are cached by it) and which library's release
   its numbers are (`library`: it enters the eval step's toolchain, and each result's identity);
-- where its scoring computes (`scores`: a module under `steps/` with `score_suite(...)`, reached
+- where its scoring computes (`scores`: a module under `steps/eval/` with `score_suite(...)`, reached
   by name as a step kind's `computes` is, and hashed into the eval kind's code digest);
 - which number of its result stands for it (`accuracy`), as `bt report` and `bt run` show it.
 

@@ -19,9 +19,9 @@ import torch
 
 from buildtrain.config.suite_files import ExactMatch, read_exact_match
 from buildtrain.errors import StepFailed
-from buildtrain.steps.overlap import overlap_of, withheld
+from buildtrain.steps.eval.overlap import overlap_of, withheld
+from buildtrain.steps.eval.suites import Codec, subset_indices, text_codec
 from buildtrain.steps.sources import read_source
-from buildtrain.steps.suites import Codec, subset_indices, text_codec
 from buildtrain.steps.train.generate import generate
 from buildtrain.store.layout import DEFAULT_NGRAM
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from buildtrain.config.steps import EvalStep, SuiteStep
-    from buildtrain.steps.eval import Loaded
+    from buildtrain.steps.eval.step import Loaded
     from buildtrain.steps.sources import Source
 
 

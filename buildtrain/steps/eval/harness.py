@@ -33,14 +33,14 @@ import attrs
 from buildtrain.config.suite_files import check_task
 from buildtrain.config.templates import TemplateRefused, compile_template, render
 from buildtrain.errors import BuildtrainError, StepFailed
-from buildtrain.steps.overlap import overlap_of, withheld
+from buildtrain.steps.eval.overlap import overlap_of, withheld
+from buildtrain.steps.eval.suites import Codec, pair_ids, scored_sequence, subset_indices, text_codec
 from buildtrain.steps.sources import read_source
-from buildtrain.steps.suites import Codec, pair_ids, scored_sequence, subset_indices, text_codec
 from buildtrain.store.layout import DEFAULT_NGRAM
 
 if TYPE_CHECKING:
     from buildtrain.config.steps import EvalStep, SuiteStep
-    from buildtrain.steps.eval import Loaded
+    from buildtrain.steps.eval.step import Loaded
     from buildtrain.steps.sources import Source
 
 
@@ -223,7 +223,7 @@ def harness_lm(scorer: Scorer) -> Any:
 
 def loglikelihood(scorer: Scorer, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
     """(log-likelihood, whether greedy decoding gives it) of each (context, continuation)."""
-    from buildtrain.steps.choice import scored
+    from buildtrain.steps.eval.choice import scored
 
     sequences = []
     for context, continuation in pairs:

@@ -15,16 +15,23 @@ import torch
 import torch.nn.functional as F
 
 from buildtrain.config.suite_files import MultipleChoice, read_multiple_choice
-from buildtrain.steps.overlap import overlap_of, withheld
+from buildtrain.steps.eval.overlap import overlap_of, withheld
+from buildtrain.steps.eval.suites import (
+    Encode,
+    accuracy,
+    pair_ids,
+    scored_sequence,
+    subset_indices,
+    text_codec,
+)
 from buildtrain.steps.sources import read_source
-from buildtrain.steps.suites import Encode, accuracy, pair_ids, scored_sequence, subset_indices, text_codec
 from buildtrain.store.layout import DEFAULT_NGRAM
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from buildtrain.config.steps import EvalStep, SuiteStep
-    from buildtrain.steps.eval import Loaded
+    from buildtrain.steps.eval.step import Loaded
     from buildtrain.steps.sources import Source
 
 

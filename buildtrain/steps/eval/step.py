@@ -4,9 +4,9 @@ The held-out loss, then each benchmark suite of `[eval] suites`, scored by the m
 names (`config/suites/`: `choice.py`, `exact.py`, `harness.py` here), with its overlap with the
 training documents (`overlap.py`), and with `checkpoints_every` each suite again at the train
 step's kept checkpoints: each scored as soon as training seals it, in a process beside the train
-step (`evaluate_checkpoint`), and whatever that left is scored here. Every result is keyed in the evaluation cache (`eval_cache.py`) by what
-determines it, so weights evaluated before are not evaluated again, and the model is loaded only
-for what the cache lacks.
+step (`evaluate_checkpoint`), and whatever that left is scored here. Every result is keyed in the
+evaluation cache (`cache.py`) by what determines it, so weights evaluated before are not
+evaluated again, and the model is loaded only for what the cache lacks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import attrs
 from buildtrain.config.steps import EvalStep, SuiteStep
 from buildtrain.config.suites import suite_kind
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.steps.eval_cache import (
+from buildtrain.steps.eval.cache import (
     assemble,
     cache_key,
     checkpoint_weights_digest,
