@@ -61,9 +61,9 @@ def worker_buildtrain(package: Path, suite: Path, out: Path) -> None:
     import torch
 
     from buildtrain.config.suite_files import read_multiple_choice
-    from buildtrain.steps.choice import choice_loglikelihoods
+    from buildtrain.steps.eval.choice import choice_loglikelihoods
+    from buildtrain.steps.eval.suites import text_codec
     from buildtrain.steps.sample import package_model
-    from buildtrain.steps.suites import text_codec
 
     hf = json.loads((package / "hf" / "config.json").read_bytes())
     model = package_model(package, hf["vocab_size"])

@@ -30,7 +30,7 @@ from conftest import MICRO, run_bt, step_digests
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import BuildtrainError, ExitCode
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.eval_cache import cache_key, lookup
+from buildtrain.steps.eval.cache import cache_key, lookup
 from buildtrain.store import objects
 from buildtrain.store.checkpoints import checkpoint_problems
 from buildtrain.store.store import STAMP_FORMAT, Store

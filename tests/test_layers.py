@@ -212,11 +212,11 @@ def test_presentation_fsck_and_gc_reach_no_step_for_a_fact_about_a_file() -> Non
 def test_the_reach_rule_catches_a_view_reading_a_step(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from buildtrain.steps.eval_cache import cache_key\nfrom buildtrain.store import layout\n"
+        "from buildtrain.steps.eval.cache import cache_key\nfrom buildtrain.store import layout\n"
     )
     known = {**modules(), "buildtrain.views.probe": probe}
     assert [line for line in reaches(known) if "probe" in line] == [
-        "buildtrain.views.probe:1 (presentation) imports buildtrain.steps.eval_cache"
+        "buildtrain.views.probe:1 (presentation) imports buildtrain.steps.eval.cache"
     ]
 
 

@@ -40,9 +40,9 @@ def buildtrain_scores(store: Path, plan: str, package: Path, suite: Path) -> lis
 
     from buildtrain.config.suite_files import read_multiple_choice
     from buildtrain.plan.stored import load_plan
-    from buildtrain.steps.choice import choice_loglikelihoods
+    from buildtrain.steps.eval.choice import choice_loglikelihoods
+    from buildtrain.steps.eval.suites import text_codec
     from buildtrain.steps.sample import package_model
-    from buildtrain.steps.suites import text_codec
     from buildtrain.store.store import Store
 
     loaded = load_plan(Store(store), plan)
@@ -190,7 +190,7 @@ def test_the_harness_renders_task_templates_in_the_sandbox(bt, tmp_path):
 def test_the_sandboxed_harness_renders_honest_templates_as_lm_eval_does():
     from lm_eval import utils
 
-    from buildtrain.steps.harness import sandbox_templates
+    from buildtrain.steps.eval.harness import sandbox_templates
 
     theirs = utils.apply_template
     doc = {"context": "1 + 1 =", "choices": [" 2", " 3"], "answer": 0}
@@ -225,7 +225,7 @@ def test_a_task_yaml_is_data(text, fragment):
 def test_a_dataset_that_does_not_load_is_named_as_such(tmp_path):
     """R14: a dataset that fails to load is the task's problem, not a full disk."""
     from buildtrain.errors import StepFailed
-    from buildtrain.steps.harness import load_tasks, task_config
+    from buildtrain.steps.eval.harness import load_tasks, task_config
 
     config = task_config((SUITES / "sums_gen.yaml").read_bytes(), "sums_gen.yaml", tmp_path / "missing.jsonl")
     with pytest.raises(StepFailed) as raised:

@@ -27,7 +27,7 @@ from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig, NumericsConfig, TrainConfig
 from buildtrain.config.steps import EvalStep
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps import eval as evaluation
+from buildtrain.steps.eval import step as evaluation
 from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.state import load_model

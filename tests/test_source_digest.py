@@ -41,7 +41,7 @@ PRESENTATION = (
 
 def computing_modules(kind: str, root: Path) -> list[str]:
     """The modules that compute steps of `kind`, read from the package at `root`."""
-    return sources_digest.computing_modules(KINDS[kind].computes, root)
+    return sources_digest.computing_modules(KINDS[kind].computes, root, KINDS[kind].also_computes)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +213,10 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
 
 def digests(root: Path) -> dict[str, str]:
     sources_digest.clear_cache()
-    return {kind: sources_digest.source_digest(KINDS[kind].computes, root) for kind in KINDS}
+    return {
+        kind: sources_digest.source_digest(KINDS[kind].computes, root, KINDS[kind].also_computes)
+        for kind in KINDS
+    }
 
 
 def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(package: Path) -> None:
@@ -225,7 +228,7 @@ def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(packag
         reads = {"buildtrain.steps.sources"} if kind == "eval" else set()
         assert closures[kind].isdisjoint(DATA_READING - reads), kind
     assert "buildtrain.steps.tokenizer" not in closures["data"]  # it reads a tokenizer, never trains one
-    assert "buildtrain.steps.eval_cache" not in closures["train"]
+    assert "buildtrain.steps.eval.cache" not in closures["train"]
 
 
 def test_per_kind_an_edit_changes_exactly_the_kinds_whose_closure_holds_it(
@@ -298,7 +301,10 @@ def cold_digests(root: Path) -> dict[str, str]:
     sources_digest.clear_cache()
     sources_digest._CACHE.append(sources_digest.ImportCache(None))
     try:
-        return {kind: sources_digest.source_digest(KINDS[kind].computes, root) for kind in KINDS}
+        return {
+            kind: sources_digest.source_digest(KINDS[kind].computes, root, KINDS[kind].also_computes)
+            for kind in KINDS
+        }
     finally:
         sources_digest.clear_cache()
 

@@ -125,7 +125,7 @@ def test_the_plan_refuses_a_task_exactly_when_the_harness_cannot_build_it(tmp_pa
     import yaml
 
     from buildtrain.errors import StepFailed
-    from buildtrain.steps.harness import load_tasks, task_config
+    from buildtrain.steps.eval.harness import load_tasks, task_config
 
     for name, value in {
         "HF_DATASETS_OFFLINE": "1",

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from buildtrain.config.suite_files import MultipleChoice, read_multiple_choice
 from buildtrain.errors import ExitCode, StepFailed
-from buildtrain.steps.suites import accuracy, pair_ids, subset_indices, text_codec
+from buildtrain.steps.eval.suites import accuracy, pair_ids, subset_indices, text_codec
 
 ARITHMETIC = REPO / "tests" / "suites" / "arithmetic.jsonl"
 ARITH = '{ name = "arith", file = "arithmetic.jsonl" }'

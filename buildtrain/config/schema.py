@@ -28,6 +28,7 @@ from buildtrain.config.checks import (
     setting,
     since,
 )
+from buildtrain.config.suites import SUITE_KINDS, suite_kind
 
 # Byte-level tokenizer: 256 byte values plus one end-of-document token.
 BYTE_VOCAB_SIZE = 257
@@ -459,9 +460,6 @@ def world_size_problem(train: TrainConfig, world_size: int) -> str | None:
     )
 
 
-SUITE_KINDS = ("multiple_choice", "exact_match", "lm_eval")
-
-
 @attrs.frozen(kw_only=True)
 class SuiteConfig:
     """A benchmark suite: a named, versioned set of questions, given by content (never by path)."""
@@ -512,11 +510,13 @@ class SuiteConfig:
     @task.validator
     @reads("kind")
     def _task_for_the_harness(self, _: attrs.Attribute[Any], value: str | None) -> None:
-        if self.kind == "lm_eval" and value is None:
-            raise ValueError('an lm_eval suite runs a harness task; add task = "task.yaml"')
-        if self.kind != "lm_eval" and value is not None:
+        takes = "task" in suite_kind(self.kind).config_keys()
+        if takes and value is None:
+            raise ValueError(f'an {self.kind} suite runs a harness task; add task = "task.yaml"')
+        if not takes and value is not None:
+            runners = " or ".join(k.name for k in SUITE_KINDS.values() if "task" in k.config_keys())
             raise ValueError(
-                f"only an lm_eval suite runs a harness task; drop it from this {self.kind} suite"
+                f"only an {runners} suite runs a harness task; drop it from this {self.kind} suite"
             )
 
 

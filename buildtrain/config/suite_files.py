@@ -5,7 +5,7 @@ A line of a suite's JSONL is at most `LINE_BYTES` and nests at most `DEPTH` leve
 has at most `CHOICES` choices. An `lm_eval` suite's task YAML is plain YAML (no `!function`, no
 other tag), holds only the keys of `TASK_KEYS`, reads its data as JSON, and its templates name
 no attribute or key starting with '_' (how every escape from Jinja's sandbox begins: the harness
-renders them in the sandbox too, `steps/harness.py`).
+renders them in the sandbox too, `steps/eval/harness.py`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from buildtrain.errors import StepFailed
 OUTPUT_TYPES = ("loglikelihood", "multiple_choice", "generate_until")  # the harness's, less rolling
 DEFAULT_OUTPUT_TYPE = "generate_until"  # the harness's TaskConfig default
 SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
-DEFAULT_MAX_GEN_TOKS = 256  # the harness's (and `steps/harness.generate_until`'s) default budget
+DEFAULT_MAX_GEN_TOKS = 256  # the harness's (and `steps/eval/harness.generate_until`'s) default budget
 
 
 def check_task_data(
@@ -43,7 +43,7 @@ def check_task_data(
 
 
 def _check_splits(config: dict[str, Any], where: str) -> None:
-    """The file holds one split (`steps/harness.task_config`); the harness reads every split the
+    """The file holds one split (`steps/eval/harness.task_config`); the harness reads every split the
     task names, few-shot ones while it builds the task, so any other is missing there."""
     split = config.get("test_split") or config.get("validation_split")
     if not isinstance(split, str):

@@ -13,11 +13,12 @@ from typing import Any
 
 import attrs
 
+from buildtrain.config.suites import suite_kind
 from buildtrain.errors import UsageError
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.steps.context import read_json
-from buildtrain.steps.eval_cache import SUITE_SOURCES, lookup, record_entry, suite_keys
+from buildtrain.steps.eval.cache import lookup, record_entry, suite_keys
 from buildtrain.store.layout import CHECKPOINTS, RESULT
 from buildtrain.store.store import Store
 
@@ -41,7 +42,7 @@ def suite_step(plan: Plan, reference: str, subset: float | None) -> tuple[Step, 
     suites = step.config.get("suites", [])
     sources, at = list(step.inputs.get("sources", [])), 0
     for suite in suites:
-        count = len(SUITE_SOURCES[suite["kind"]])
+        count = len(suite_kind(suite["kind"]).sources)
         if suite["name"] == name and (not version or version == str(suite["version"])):
             config = {**step.config, "suites": [suite]}
             if subset is not None:
@@ -68,7 +69,7 @@ def kept_weights(store: Store, eval_step: Step, update: int | None) -> tuple[str
         raise UsageError(
             f"--update {update}: the train step kept the checkpoints of updates {kept}; give one"
         )
-    from buildtrain.steps.eval_cache import checkpoint_weights_digest
+    from buildtrain.steps.eval.cache import checkpoint_weights_digest
 
     path = f"{CHECKPOINTS}/{name}"  # the folder: eval loads either layout, and merges LoRA adapters
     return checkpoint_weights_digest(output / path, eval_step.config.get("lora")), path, f"update {update}"
@@ -108,7 +109,7 @@ def _compute(store: Store, plan: Plan, step: Step, inputs: dict[str, Any], weigh
     wanted = (settings.profile, settings.device, 1)
     os.environ.update(numerics.environment(*wanted))
     numerics.import_torch(*wanted)
-    from buildtrain.steps.eval import load, score_suite
+    from buildtrain.steps.eval.step import load, score_suite
 
     config = EvalStep.from_config(step.config)
     files = planned_sources(step.inputs["sources"], source_paths(store, plan, step))

@@ -8,7 +8,7 @@ becomes one job (one work unit): locally, sent to one evaluation worker (`worker
 started under the plan's numerics on one thread: the second core), which runs its jobs one after
 another; on a cluster engine, a task of its own (a Ray task, a Slurm job) on one core. Each
 result is recorded in the evaluation cache as it is computed, under its own key (checkpoint
-digest, suite, version, subset, ...; `steps/eval_cache.py`): a worker killed midway loses at most
+digest, suite, version, subset, ...; `steps/eval/cache.py`): a worker killed midway loses at most
 the result it was computing, and whatever is missing is scored by the eval step (or by the next
 `bt run`). The train step never waits for evaluation and never reads what it writes, so its bits
 are the same with or without it.

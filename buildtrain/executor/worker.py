@@ -62,7 +62,7 @@ def _interrupt_now(number: int, _: object) -> None:
 def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
     from buildtrain.executor.inputs import verified_inputs
     from buildtrain.steps.context import StepContext
-    from buildtrain.steps.eval_cache import StoreResults
+    from buildtrain.steps.eval.cache import StoreResults
     from buildtrain.steps.sources import planned_sources
     from buildtrain.steps.train.controls import StopRequest
 
@@ -134,7 +134,7 @@ def _evaluate_checkpoint(job: Job, store: Store, settings: NumericsConfig, step:
     result in the evaluation cache; nothing is published."""
     from buildtrain.executor.inputs import verified_inputs
     from buildtrain.steps.context import StepContext
-    from buildtrain.steps.eval_cache import StoreResults
+    from buildtrain.steps.eval.cache import StoreResults
     from buildtrain.steps.sources import planned_sources
     from buildtrain.store.layout import CHECKPOINTS
 

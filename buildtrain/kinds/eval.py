@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 from buildtrain.canonical import digest
 from buildtrain.config.schema import Config, Stage
 from buildtrain.config.steps import EvalStep, SuiteStep
+from buildtrain.config.suites import SUITE_KINDS, suite_kind
 from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
-from buildtrain.plan.toolchain import Machine, lm_eval_version
+from buildtrain.plan.toolchain import Machine, library_version
 from buildtrain.store.evals import keys_of_output
 from buildtrain.store.layout import EVAL_RESULT
 
@@ -43,7 +44,7 @@ def lineage(config: Config) -> list[str]:
 
 class EvalKind(StepKind):
     name = "eval"
-    computes = "buildtrain.steps.eval"
+    computes = "buildtrain.steps.eval.step"
     headline = "eval"
     torch_toolchain = True
     spot_checked = False  # a spot check (--steps) covers training only
@@ -51,6 +52,8 @@ class EvalKind(StepKind):
     completes_from_store = "same weights evaluated before"  # found in the evaluation cache
     reads_sources = True  # the suites' files, located by content before it runs
     checkpoints_of = "weights"  # the suites at kept checkpoints (eval.checkpoints_every), beside training
+    # Each suite kind and its scoring, reached by name from `computes`: their code is this kind's too.
+    also_computes = tuple(sorted({m for k in SUITE_KINDS.values() for m in (type(k).__module__, k.scores)}))
 
     def plan(self, planning: Planning, stage: Stage | None) -> Step | None:
         config = planning.config
@@ -93,9 +96,8 @@ class EvalKind(StepKind):
 
     def library_facts(self, config: Mapping[str, Any], machine: Machine) -> dict[str, str]:
         # A harness task's numbers are the harness's: its release enters the hash where one runs.
-        if any(suite["kind"] == "lm_eval" for suite in config.get("suites", [])):
-            return {"lm-eval": lm_eval_version()}
-        return {}
+        kinds = [suite_kind(suite["kind"]) for suite in config.get("suites", [])]
+        return {name: library_version(name) for name in sorted({k.library for k in kinds if k.library})}
 
     def references(self, output: Path) -> list[str]:
         return keys_of_output(output)

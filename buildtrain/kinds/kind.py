@@ -8,7 +8,7 @@ do with it; none of them tests a kind's name. A kind says:
 - what enters its hash besides its config and inputs (`toolchain`: buildtrain's own computing code,
   and torch's build and numerics where it computes with torch);
 - where its computation starts (`computes`: a module with `execute(ctx, out)`, which is also the
-  root of its code hash);
+  root of its code hash, with `also_computes`: modules it reaches by name);
 - what it needs to run (`reads_sources`, `needs_torch`, `ranks`: several processes as one step);
 - how `bt verify` compares it (`verify_by_updates`: watched update by update, else re-executed and
   its digests compared; `spot_checked`: whether a `--steps N` spot check re-executes it);
@@ -44,6 +44,9 @@ class StepKind:
 
     name: ClassVar[str]
     computes: ClassVar[str]  # the module whose `execute(ctx, out)` computes an output of this kind
+    # Modules its computation reaches by name rather than by import (the eval kind's suite
+    # scorers, `config/suites/`): roots of its code hash beside `computes`.
+    also_computes: ClassVar[tuple[str, ...]] = ()
     per_stage: ClassVar[bool] = False  # planned once for each stage (else once per plan, after them)
     torch_toolchain: ClassVar[bool] = False  # computes with torch: its build and numerics enter the hash
     reads_sources: ClassVar[bool] = False  # data files are located by content before it runs
@@ -86,6 +89,7 @@ class StepKind:
         facts = fingerprint(
             self.computes,
             numerics,
+            also=self.also_computes,
             torch=self.torch_toolchain,
             threads=threads,
             world_size=self.hashed_world_size(config, world_size),

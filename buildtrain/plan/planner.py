@@ -15,8 +15,7 @@ from buildtrain.config.preflight import preflight
 from buildtrain.config.pretrained import Checkpoint
 from buildtrain.config.schema import TokenizerConfig
 from buildtrain.config.steps import SUITE_PATHS
-from buildtrain.config.suite_files import check_data, check_task, read_exact_match, read_multiple_choice
-from buildtrain.config.task_check import check_task_data
+from buildtrain.config.suites import suite_kind
 from buildtrain.errors import ConfigError, StepFailed
 from buildtrain.kinds.planning import CheckpointFiles
 from buildtrain.plan.card import save_card
@@ -189,20 +188,13 @@ def _suite_digests(
 
 
 def _check_suite(loaded: LoadedPreset, index: int) -> None:
-    """Read a suite's files as the eval step will (`config/suite_files.py`), so that a malformed
+    """Read a suite's files as the eval step will (its kind's `check`), so that a malformed
     line or a task that is more than data stops the plan, not the eval step after training."""
     suite = loaded.config.eval.suites[index]
+    kind = suite_kind(suite.kind)
+    files = {key: getattr(suite, key) for key in kind.config_keys()}
     try:
-        raw = Path(suite.file).read_bytes() if suite.file is not None else b""
-        if suite.kind == "multiple_choice":
-            read_multiple_choice(raw, suite.file)
-        elif suite.kind == "exact_match":
-            read_exact_match(raw, suite.file)
-        elif suite.kind == "lm_eval" and suite.task is not None:
-            records = check_data(raw, suite.file)
-            task = check_task(Path(suite.task).read_bytes(), suite.task)
-            context = loaded.config.final_stage.train.seq_len  # the eval step's (kinds/eval.py)
-            check_task_data(task, suite.task, records, suite.file, context)
+        kind.check(files, loaded.config.final_stage.train.seq_len)  # the eval step's context (kinds/eval.py)
     except StepFailed as exc:
         where = loaded.source_of(("eval", "suites", index))
         raise ConfigError([f"{where}: eval.suites[{index}]: {exc}"]) from None

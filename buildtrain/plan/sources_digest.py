@@ -239,10 +239,11 @@ def closure(root: Path, starts: tuple[str, ...]) -> list[str]:
     return sorted(seen)
 
 
-def computing_modules(computes: str, root: Path | None = None) -> list[str]:
+def computing_modules(computes: str, root: Path | None = None, also: tuple[str, ...] = ()) -> list[str]:
     """The modules that compute a step whose kind names `computes` (`StepKind.computes`, the
-    module the executor's worker runs) as where its computation starts."""
-    return closure(root or PACKAGE_ROOT, (computes, *SHARED_ROOTS))
+    module the executor's worker runs) as where its computation starts, and `also` (modules it
+    reaches by name, `StepKind.also_computes`)."""
+    return closure(root or PACKAGE_ROOT, (computes, *also, *SHARED_ROOTS))
 
 
 @functools.cache
@@ -251,9 +252,9 @@ def _c_form(path: Path) -> bytes:
 
 
 @functools.cache
-def _digest(computes: str, root: Path) -> str:
+def _digest(computes: str, root: Path, also: tuple[str, ...]) -> str:
     hasher = blake3.blake3(PYTHON.encode() + b"\n")  # the trees' encoding is this version's
-    for module in computing_modules(computes, root):
+    for module in computing_modules(computes, root, also):
         path = module_path(root, module)
         assert path is not None  # closure() keeps only modules with a source file
         name, code = module.encode(), _parsed(path).code.encode()
@@ -267,10 +268,10 @@ def _digest(computes: str, root: Path) -> str:
     return hasher.hexdigest()
 
 
-def source_digest(computes: str, root: Path | None = None) -> str:
+def source_digest(computes: str, root: Path | None = None, also: tuple[str, ...] = ()) -> str:
     """blake3 over the name and normal form of every module that computes a step whose kind's
-    computation starts at the module `computes`."""
-    return _digest(computes, root or PACKAGE_ROOT)
+    computation starts at the module `computes` (and at `also`, reached by name)."""
+    return _digest(computes, root or PACKAGE_ROOT, also)
 
 
 def clear_cache() -> None:

@@ -180,6 +180,7 @@ def fingerprint(
     numerics: NumericsConfig,
     *,
     torch: bool,
+    also: tuple[str, ...] = (),
     threads: int | None = None,
     world_size: int | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -189,12 +190,13 @@ def fingerprint(
     `computes` (`StepKind.computes`) under `numerics`; a kind that computes without `torch`
     depends only on buildtrain's own code (its kind says which).
 
-    `threads` overrides the thread count a native plan pins (the executor checks a machine with
-    the count the plan will run at). `world_size` is given where a step's result depends on it;
+    `also`: modules the computation reaches by name, not by import (`StepKind.also_computes`),
+    hashed as the computing module is. `threads` overrides the thread count a native plan pins
+    (the executor checks a machine with the count the plan will run at). `world_size` is given where a step's result depends on it;
     `extra`: numerics settings the kind's bits depend on beyond the profile; `machine`: the one
     that will execute the step (default: this one).
     """
-    facts: dict[str, Any] = {"buildtrain": source_digest(computes)}
+    facts: dict[str, Any] = {"buildtrain": source_digest(computes, also=also)}
     if not torch:
         return facts
     machine = machine or Machine.here(cuda=numerics.device == "cuda")
@@ -224,12 +226,13 @@ def tokenizers_version() -> str:
         return "not-installed"
 
 
-def lm_eval_version() -> str:
-    """The `lm-eval` release: a harness task's prompts, splits and metrics are its code."""
+def library_version(distribution: str) -> str:
+    """The release of `distribution` (a suite kind's `library`: `lm-eval`, whose code is a harness
+    task's prompts, splits and metrics)."""
     from importlib import metadata
 
     try:
-        return metadata.version("lm-eval")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return "not-installed"
 

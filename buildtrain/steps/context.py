@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class ResultCache(Protocol):
-    """Results addressed by content (the store's `evals/`, see `eval_cache.py`)."""
+    """Results addressed by content (the store's `evals/`, see `steps/eval/cache.py`)."""
 
     def lookup(self, key: str) -> dict[str, Any] | None:
         """The result recorded under `key`, only if its entry verifies."""

@@ -105,14 +105,12 @@ def output_suites(output: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
-def output_curves(output: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each suite's (update, accuracy) points an eval step's output records (`checkpoints_every`)."""
+def output_curves(output: Path) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Each suite's (update, result) points an eval step's output records (`checkpoints_every`)."""
     try:
         curves = json.loads((output / EVAL_RESULT).read_bytes()).get("curves", {})
-        found = {}
-        for name, points in curves.items():
-            values = [(p["update"], p["result"].get("acc", p["result"].get("exact_match"))) for p in points]
-            found[name] = [(int(u), float(v)) for u, v in values if isinstance(v, (int, float))]
-        return found
+        return {
+            name: [(int(p["update"]), dict(p["result"])) for p in points] for name, points in curves.items()
+        }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}

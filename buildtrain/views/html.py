@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from buildtrain.config.suites import accuracy
 from buildtrain.plan.card import load_card
 from buildtrain.store.evals import output_curves
 from buildtrain.store.store import Store
@@ -165,7 +166,10 @@ def _suite_series(
         evals = card.summarizing("evaluation") if card is not None else []
         if evals and store.outputs.has(evals[-1][2]):
             for name, points in output_curves(store.outputs.path(evals[-1][2])).items():
-                series.append((f"{labels[row['hash']]}: {name}", points))
+                scored = [(update, accuracy(result)) for update, result in points]
+                series.append(
+                    (f"{labels[row['hash']]}: {name}", [(u, v) for u, v in scored if v is not None])
+                )
     return series
 
 

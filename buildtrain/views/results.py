@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from buildtrain.config.suites import accuracy
 from buildtrain.kinds import KINDS
 from buildtrain.plan.card import Card
 from buildtrain.plan.plan import Plan
@@ -25,12 +26,12 @@ def eval_result(store: Store, step_hash: str) -> dict[str, Any] | None:
 
 
 def suite_results(store: Store, step_hash: str) -> dict[str, dict[str, Any]]:
-    """Each benchmark suite's numbers from a built eval step: `accuracy` (the `acc` of a
-    multiple-choice suite, the `exact_match` of an exact-match one), `acc_norm` (multiple choice
-    only) and how many questions were scored."""
+    """Each benchmark suite's numbers from a built eval step: `accuracy` (the number its kind
+    says stands for it, `SuiteKind.accuracy`), `acc_norm` (where it has one) and how many
+    questions were scored."""
     return {
         name: {
-            "accuracy": result.get("acc", result.get("exact_match")),  # a harness task's too
+            "accuracy": accuracy(result),
             "acc_norm": result.get("acc_norm"),
             "questions": result.get("questions"),
             "overlap": (result.get("overlap") or {}).get("count"),  # questions found in training data
@@ -86,8 +87,8 @@ def suites_text(store: Store, plan: Plan) -> str:
 def _score(result: dict[str, Any]) -> str:
     if "refused" in result:
         return f"refused: {result['refused']}"
-    accuracy = result.get("acc", result.get("exact_match"))  # a harness task's names too
-    text = "accuracy -" if not isinstance(accuracy, (int, float)) else f"accuracy {accuracy:.4f}"
+    value = accuracy(result)
+    text = "accuracy -" if value is None else f"accuracy {value:.4f}"
     if isinstance(result.get("acc_norm"), (int, float)):
         text += f" (acc_norm {result['acc_norm']:.4f})"
     return text

@@ -13,14 +13,24 @@ weights.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from buildtrain.config.suite_files import ExactMatch
+from buildtrain.config.suite_files import ExactMatch, read_exact_match
 from buildtrain.errors import StepFailed
-from buildtrain.steps.suites import Codec
+from buildtrain.steps.eval.overlap import overlap_of, withheld
+from buildtrain.steps.eval.suites import Codec, subset_indices, text_codec
+from buildtrain.steps.sources import read_source
 from buildtrain.steps.train.generate import generate
+from buildtrain.store.layout import DEFAULT_NGRAM
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from buildtrain.config.steps import EvalStep, SuiteStep
+    from buildtrain.steps.eval.step import Loaded
+    from buildtrain.steps.sources import Source
 
 
 def continuation(model: Any, question: ExactMatch, codec: Codec, window: int) -> str:
@@ -42,3 +52,21 @@ def score(model: Any, questions: Sequence[ExactMatch], codec: Codec, window: int
     model.eval()
     right = sum(continuation(model, q, codec, window) == q.target for q in questions)
     return {"questions": len(questions), "exact_match": right / len(questions)}
+
+
+def score_suite(
+    loaded: Loaded,
+    config: EvalStep,
+    suite: SuiteStep,
+    files: list[Source],
+    inputs: dict[str, Path],
+    work: Path,
+) -> dict[str, Any]:
+    """An `exact_match` suite (`config/suites/exact.py`) scored on the subset `config` draws, with
+    its overlap with the training documents (`inputs`: the eval step's verified inputs)."""
+    questions = read_exact_match(read_source(files[0]), files[0].path)
+    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
+    result = score(loaded.model, chosen, text_codec(inputs.get("tokenizer")), config.context)
+    texts = [q.context + q.target for q in chosen]  # context and answer as one text
+    overlap = overlap_of(texts, [q.context for q in chosen], inputs, suite.ngram or DEFAULT_NGRAM)
+    return withheld(suite, result, overlap)

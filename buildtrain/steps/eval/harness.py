@@ -26,14 +26,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from buildtrain.config.suite_files import check_task
 from buildtrain.config.templates import TemplateRefused, compile_template, render
 from buildtrain.errors import BuildtrainError, StepFailed
-from buildtrain.steps.suites import Codec, pair_ids, scored_sequence, subset_indices
+from buildtrain.steps.eval.overlap import overlap_of, withheld
+from buildtrain.steps.eval.suites import Codec, pair_ids, scored_sequence, subset_indices, text_codec
+from buildtrain.steps.sources import read_source
+from buildtrain.store.layout import DEFAULT_NGRAM
+
+if TYPE_CHECKING:
+    from buildtrain.config.steps import EvalStep, SuiteStep
+    from buildtrain.steps.eval.step import Loaded
+    from buildtrain.steps.sources import Source
 
 
 @attrs.frozen(kw_only=True)
@@ -46,6 +54,48 @@ class Scorer:
     batch_size: int
     device: Any
     autocast: Any = None
+
+
+def score_suite(
+    loaded: Loaded,
+    config: EvalStep,
+    suite: SuiteStep,
+    files: list[Source],
+    inputs: dict[str, Path],
+    work: Path,
+) -> dict[str, Any]:
+    """An `lm_eval` suite (`config/suites/harness.py`: its data, then its task) run by the harness
+    on the subset `config` draws, with its overlap with the training documents (`inputs`: the
+    eval step's verified inputs; `work`: a folder for the harness's files)."""
+    scorer = Scorer(
+        model=loaded.model,
+        codec=text_codec(inputs.get("tokenizer")),
+        window=config.context,
+        batch_size=config.eval.batch_size,
+        device=loaded.device,
+        autocast=loaded.autocast,
+    )
+    data, task = files
+    rows = read_source(data)
+    result = run_task(scorer, read_source(task), str(task.path), rows, work, config.subset, config.seed)
+    texts = harness_texts(rows, config.subset, config.seed)
+    return withheld(suite, result, overlap_of(texts, texts, inputs, suite.ngram or DEFAULT_NGRAM))
+
+
+def harness_texts(data: bytes, subset: float, seed: int) -> list[str]:
+    """The text of each row of a harness task's data that the harness scores (the same subset),
+    every string in the row joined by spaces: what the contamination check reads of it."""
+    import json
+
+    def strings(value: Any) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+        return [s for item in items for s in strings(item)]
+
+    rows = [json.loads(line) for line in data.splitlines() if line.strip()]
+    chosen = rows if subset >= 1.0 else [rows[i] for i in subset_indices(len(rows), subset, seed)]
+    return [" ".join(strings(row)) for row in chosen]
 
 
 def task_config(raw: bytes, where: str, data: Path) -> dict[str, Any]:
@@ -173,7 +223,7 @@ def harness_lm(scorer: Scorer) -> Any:
 
 def loglikelihood(scorer: Scorer, pairs: list[tuple[str, str]]) -> list[tuple[float, bool]]:
     """(log-likelihood, whether greedy decoding gives it) of each (context, continuation)."""
-    from buildtrain.steps.choice import scored
+    from buildtrain.steps.eval.choice import scored
 
     sequences = []
     for context, continuation in pairs:

@@ -9,13 +9,30 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from buildtrain.config.suite_files import MultipleChoice
-from buildtrain.steps.suites import Encode, accuracy, pair_ids, scored_sequence
+from buildtrain.config.suite_files import MultipleChoice, read_multiple_choice
+from buildtrain.steps.eval.overlap import overlap_of, withheld
+from buildtrain.steps.eval.suites import (
+    Encode,
+    accuracy,
+    pair_ids,
+    scored_sequence,
+    subset_indices,
+    text_codec,
+)
+from buildtrain.steps.sources import read_source
+from buildtrain.store.layout import DEFAULT_NGRAM
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from buildtrain.config.steps import EvalStep, SuiteStep
+    from buildtrain.steps.eval.step import Loaded
+    from buildtrain.steps.sources import Source
 
 
 @torch.no_grad()
@@ -96,3 +113,25 @@ def score(
     """`acc` and `acc_norm` of the model on `questions` (see `suites.accuracy`)."""
     scores = choice_loglikelihoods(model, questions, encode, end, window, batch_size, device, autocast)
     return accuracy(scores, questions)
+
+
+def score_suite(
+    loaded: Loaded,
+    config: EvalStep,
+    suite: SuiteStep,
+    files: list[Source],
+    inputs: dict[str, Path],
+    work: Path,
+) -> dict[str, Any]:
+    """A `multiple_choice` suite (`config/suites/choice.py`) scored on the subset `config` draws,
+    with its overlap with the training documents (`inputs`: the eval step's verified inputs)."""
+    questions = read_multiple_choice(read_source(files[0]), files[0].path)
+    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
+    codec = text_codec(inputs.get("tokenizer"))
+    batch = config.eval.batch_size
+    result = score(
+        loaded.model, chosen, codec.encode, codec.end, config.context, batch, loaded.device, loaded.autocast
+    )
+    texts = [q.context + q.choices[q.answer] for q in chosen]  # context and answer as one text
+    overlap = overlap_of(texts, [q.context for q in chosen], inputs, suite.ngram or DEFAULT_NGRAM)
+    return withheld(suite, result, overlap)

@@ -1,16 +1,17 @@
 """The eval step: evaluate the final weights, with results content-addressed in the store.
 
-The held-out loss, then each benchmark suite of `[eval] suites` (multiple_choice, exact_match,
-lm_eval; `suites.py`), with its overlap with the training documents (`documents.py`), and with
-`checkpoints_every` each suite again at the train step's kept checkpoints: each scored as soon as
-training seals it, in a process beside the train step (`evaluate_checkpoint`), and whatever that
-left is scored here. Every result is keyed in the evaluation cache (`eval_cache.py`) by what
-determines it, so weights evaluated before are not evaluated again, and the model is loaded only
-for what the cache lacks.
+The held-out loss, then each benchmark suite of `[eval] suites`, scored by the module its kind
+names (`config/suites/`: `choice.py`, `exact.py`, `harness.py` here), with its overlap with the
+training documents (`overlap.py`), and with `checkpoints_every` each suite again at the train
+step's kept checkpoints: each scored as soon as training seals it, in a process beside the train
+step (`evaluate_checkpoint`), and whatever that left is scored here. Every result is keyed in the
+evaluation cache (`cache.py`) by what determines it, so weights evaluated before are not
+evaluated again, and the model is loaded only for what the cache lacks.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.config.steps import EvalStep, SuiteStep
-from buildtrain.config.suite_files import read_exact_match, read_multiple_choice
+from buildtrain.config.suites import suite_kind
 from buildtrain.steps.context import StepContext, final_weights, read_json
-from buildtrain.steps.eval_cache import (
-    SUITE_SOURCES,
+from buildtrain.steps.eval.cache import (
     assemble,
     cache_key,
     checkpoint_weights_digest,
@@ -30,11 +30,9 @@ from buildtrain.steps.eval_cache import (
     suite_keys,
     write_result,
 )
-from buildtrain.steps.sources import Source, read_source
-from buildtrain.steps.suites import subset_indices, text_codec
+from buildtrain.steps.sources import Source
 from buildtrain.store import objects
 from buildtrain.store.layout import CHECKPOINTS, RESULT, checkpoint_update
-from buildtrain.store.layout import DEFAULT_NGRAM as NGRAM
 
 if TYPE_CHECKING:
     from buildtrain.config.schema import NumericsConfig
@@ -122,7 +120,7 @@ def suite_files(config: EvalStep, sources: list[Source]) -> list[list[Source]]:
     """Each suite's sources (data, then a harness task), from the step's in plan order."""
     found, at = [], iter(sources)
     for suite in config.suites:
-        found.append([next(at) for _ in SUITE_SOURCES[suite.kind]])
+        found.append([next(at) for _ in suite_kind(suite.kind).sources])
     return found
 
 
@@ -217,10 +215,6 @@ def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) 
     return Loaded(model=model, device=device, autocast=autocast, index=index)
 
 
-OVERLAP_EXAMPLES = 3  # questions a result quotes from its overlap with the training documents
-EXAMPLE_CHARACTERS = 80
-
-
 def score_suite(
     loaded: Loaded,
     config: EvalStep,
@@ -230,98 +224,7 @@ def score_suite(
     work: Path,
 ) -> dict[str, Any]:
     """One suite scored on the subset `config` draws, with its overlap with the training
-    documents (`inputs`: the step's verified inputs; `work`: a folder for the harness's files)."""
-    model, device, autocast = loaded.model, loaded.device, loaded.autocast
-    codec = text_codec(inputs.get("tokenizer"))
-    if suite.kind == "lm_eval":
-        from buildtrain.steps.harness import Scorer, run_task
-
-        scorer = Scorer(
-            model=model,
-            codec=codec,
-            window=config.context,
-            batch_size=config.eval.batch_size,
-            device=device,
-            autocast=autocast,
-        )
-        data, task = files
-        result = run_task(
-            scorer, read_source(task), str(task.path), read_source(data), work, config.subset, config.seed
-        )
-        texts = harness_texts(read_source(data), config.subset, config.seed)
-        return withheld(suite, result, overlap_of(texts, texts, inputs, suite.ngram or NGRAM))
-    read = {"multiple_choice": read_multiple_choice, "exact_match": read_exact_match}[suite.kind]
-    questions = read(read_source(files[0]), files[0].path)
-    chosen = [questions[i] for i in subset_indices(len(questions), config.subset, config.seed)]
-    if suite.kind == "exact_match":
-        from buildtrain.steps import exact
-
-        result = exact.score(model, chosen, codec, config.context)
-    else:
-        from buildtrain.steps.choice import score
-
-        result = score(
-            model, chosen, codec.encode, codec.end, config.context, config.eval.batch_size, device, autocast
-        )
-    return withheld(suite, result, contamination(chosen, inputs, suite.ngram or NGRAM))
-
-
-def withheld(suite: SuiteStep, result: dict[str, Any], overlap: dict[str, Any]) -> dict[str, Any]:
-    """The suite's result with its overlap, its scores withheld (not hidden) past `max_overlap`."""
-    if suite.max_overlap is not None and overlap["count"] > suite.max_overlap:
-        why = f"{overlap['count']} questions are in the training data (max_overlap {suite.max_overlap})"
-        return {"kind": suite.kind, "questions": result["questions"], "overlap": overlap, "refused": why}
-    return {"kind": suite.kind, **result, "overlap": overlap}
-
-
-def harness_texts(data: bytes, subset: float, seed: int) -> list[str]:
-    """The text of each row of a harness task's data that the harness scores (the same subset),
-    every string in the row joined by spaces: what the contamination check reads of it."""
-    import json
-
-    def strings(value: Any) -> list[str]:
-        if isinstance(value, str):
-            return [value]
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
-        return [s for item in items for s in strings(item)]
-
-    rows = [json.loads(line) for line in data.splitlines() if line.strip()]
-    chosen = rows if subset >= 1.0 else [rows[i] for i in subset_indices(len(rows), subset, seed)]
-    return [" ".join(strings(row)) for row in chosen]
-
-
-def contamination(questions: list[Any], inputs: dict[str, Path], n: int) -> dict[str, Any]:
-    """How many questions (context and answer as one text) share an `n`-gram of words with the
-    data steps the weights were trained on (`ngrams.py`), and a few of them."""
-    texts = [q.context + (q.choices[q.answer] if hasattr(q, "choices") else q.target) for q in questions]
-    return overlap_of(texts, [q.context for q in questions], inputs, n)
-
-
-def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path], n: int) -> dict[str, Any]:
-    """The overlap of `texts` with the training data: `count` (and `fraction`, `examples` from
-    `shown`) by `n`-grams, `documents` by whole document (`documents.py`), and the filters' `n` and
-    estimated false-positive rate per n-gram. Data outputs from before n-grams: documents only."""
-    import numpy as np
-
-    from buildtrain.steps.documents import overlap, read_documents
-    from buildtrain.steps.ngrams import read_filter, shared
-
-    trained_on = [path for name, path in sorted(inputs.items()) if name.startswith("documents:")]
-    arrays = [read_documents(path) for path in trained_on]
-    trained = np.unique(np.concatenate([a for a in arrays if a is not None] or [np.zeros(0, np.uint64)]))
-    whole = overlap(trained, texts)
-    filters = [f for f in (read_filter(path, n) for path in trained_on) if f is not None]
-    found = sorted(set(shared(filters, texts, n)) | set(whole)) if filters else whole
-    examples = [shown[i][:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
-    result = {
-        "count": len(found),
-        "fraction": len(found) / len(texts) if texts else 0.0,
-        "examples": examples,
-    }
-    rate = sum(f.false_positive_rate() for f in filters)  # per n-gram, any filter
-    return {
-        **result,
-        "documents": len(whole),
-        "ngram": n if filters else None,
-        "false_positive_rate": rate,
-    }
+    documents (`inputs`: the step's verified inputs; `work`: a folder for the harness's files),
+    by its kind's scoring module (`SuiteKind.scores`)."""
+    scoring = importlib.import_module(suite_kind(suite.kind).scores)
+    return scoring.score_suite(loaded, config, suite, files, inputs, work)  # type: ignore[no-any-return]

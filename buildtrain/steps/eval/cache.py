@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.config.suites import suite_kind
 from buildtrain.store import objects
 from buildtrain.store.evals import entry_problem, key_of, seal_entry
 from buildtrain.store.layout import (
@@ -61,11 +62,6 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
     return key_of(identity), identity
 
 
-# Bump when a suite kind's scoring changes what it computes; results are cached by this version
-# as well as by the suite's own (which says when its questions changed).
-SCORING_VERSIONS = {"multiple_choice": 2, "exact_match": 2, "lm_eval": 2}  # 2: n-gram overlap
-# The sources each kind of suite reads, in the eval step's order: its data, then a harness task.
-SUITE_SOURCES = {"multiple_choice": ("data",), "exact_match": ("data",), "lm_eval": ("data", "task")}
 BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
 
 
@@ -97,13 +93,14 @@ def suite_keys(
             [_declared(inputs[k], step.inputs[k], name) for name in names if name in digests]
             for k, digests in declared.items()
         ]
-        files = {name: next(sources)["blake3"] for name in SUITE_SOURCES[suite["kind"]]}
-        harness = {"harness": step.toolchain["lm-eval"]} if "task" in files else {}  # its release
+        kind = suite_kind(suite["kind"])  # results are cached by its scoring as well as the suite's version
+        files = {name: next(sources)["blake3"] for name in kind.sources}
+        harness = {"harness": step.toolchain[kind.library]} if kind.library else {}  # its release
         identity = {
             **suite,
             **files,
             **harness,
-            "scoring": SCORING_VERSIONS[suite["kind"]],
+            "scoring": kind.scoring,
             "weights": weights,
             "trained_on": trained,
             "subset": config["subset"],
