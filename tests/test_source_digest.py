@@ -399,7 +399,11 @@ def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(
 TINY = REPO / "presets" / "tiny.toml"
 # (module file, text, replacement): each is an edit that cannot change a number.
 WORDING = [
-    ("executor/numerics.py", "# cuBLAS needs a fixed", "# cuBLAS wants, for deterministic sums, a fixed"),
+    (
+        "executor/numerics.py",
+        "# cuBLAS's workspace configuration, read",
+        "# the workspace cuBLAS is given, read",
+    ),
     ("config/schema.py", '"width of the residual stream"', '"the width of the residual stream"'),
     (
         "executor/numerics.py",
@@ -444,7 +448,11 @@ def test_a_comment_a_help_text_or_a_docstring_edit_keeps_the_plan_hash(
 @pytest.mark.parametrize(
     ("file", "text", "replacement"),
     [
-        ("executor/numerics.py", '":4096:8"', '":4096:16"'),  # a constant in a string
+        (
+            "executor/numerics.py",
+            '"CUBLAS_WORKSPACE_CONFIG": ":4096:8"',
+            '"CUBLAS_WORKSPACE_CONFIG": ":4096:16"',
+        ),
         ("steps/train/kernels.c", "1.0f / 120", "1.0f / 121"),  # a constant in a C kernel
     ],
 )
