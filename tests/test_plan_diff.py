@@ -121,7 +121,10 @@ def test_bt_diff_says_what_changed_and_what_is_reused(tmp_path: Path, store: Pat
     status = {line.split()[0]: line.split()[1].rstrip(":") for line in lines if line.split()[0] in LABELS}
     assert status == FINETUNE_LR_STATUS
     assert any(line.split()[0] == "train:finetune" and "config train.lr" in line for line in lines)
-    assert lines[-1] == "3 step(s) to rebuild, 3 reused"
+    assert lines[-2:] == [
+        "3 step(s) to rebuild, 3 reused",
+        "metrics: neither plan has been run (bt run builds them)",
+    ]
 
     as_json = bt("diff", before.hash, after.hash, "--json")
     body = json.loads(as_json.stdout)
