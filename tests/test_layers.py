@@ -1,7 +1,8 @@
 """Imports run one way: a module imports only from its own layer or the layers below it.
 
 The order follows the data's path, with what everything needs at the bottom: the canonical
-encoding and errors; the store (bytes, digests, manifests); the typed config; the plan compiled
+encoding and errors; the sources (regular files, durable writes, the stat cache, safetensors
+headers, data URLs); the store (bytes, digests, manifests); the typed config; the plan compiled
 from it; the steps that compute; the executor that runs them; verification, which drives the
 executor and checks the store; and the presentation (CLI, reports) on top. Every import counts,
 function-local and type-only ones included, read from the source without importing anything.
@@ -26,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "buildtrain.__init__",
         ),
     ),
+    ("sources", ("buildtrain.sources",)),
     ("store", ("buildtrain.store",)),
     ("config", ("buildtrain.config",)),
     ("plan", ("buildtrain.plan", "buildtrain.kinds")),
@@ -125,6 +127,7 @@ def test_the_design_page_draws_the_same_order() -> None:
         "plan": "plan/",
         "config": "config/",
         "store": "store/",
+        "sources": "sources/",
         "base": "canonical.py",
     }
     assert drawn == [first_module[name] for name, _ in reversed(LAYERS)]

@@ -10,8 +10,8 @@ from typing import Any
 
 from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store.data_url import is_object_url
-from buildtrain.store.sources import SourceFile, StatCache, locate, whereabouts
+from buildtrain.sources.data_url import is_object_url
+from buildtrain.sources.stat_cache import SourceFile, StatCache, locate, whereabouts
 from buildtrain.store.store import Store
 
 

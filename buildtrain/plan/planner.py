@@ -25,8 +25,8 @@ from buildtrain.plan.plan import Plan
 from buildtrain.plan.pretrained import apply_checkpoint
 from buildtrain.plan.stored import save_plan
 from buildtrain.plan.toolchain import WorkerProbe
-from buildtrain.store.data_url import ObjectVersion
-from buildtrain.store.sources import SourceFile, StatCache
+from buildtrain.sources.data_url import ObjectVersion
+from buildtrain.sources.stat_cache import SourceFile, StatCache
 from buildtrain.store.store import Store
 
 

@@ -23,9 +23,9 @@ from typing import Any
 from buildtrain import clock
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, Locked, UsageError
+from buildtrain.sources.stat_cache import StatCache
 from buildtrain.store import layout, locks, metrics, objects, plan_index
 from buildtrain.store.meta import read_meta, seal_meta
-from buildtrain.store.sources import StatCache
 
 DEFAULT_STORE = ".bt"
 HEX = re.compile(r"^[0-9a-f]+$")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-from buildtrain.store.data_url import ObjectVersion
+from buildtrain.sources.data_url import ObjectVersion
 from buildtrain.store.remote.backend import CHUNK, RemoteUnavailable
 from buildtrain.store.remote.s3_settings import credentials_problem, redact, shown_endpoint, store_options
 

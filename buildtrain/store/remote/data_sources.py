@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import blake3
 
 from buildtrain.errors import StepFailed, UsageError
-from buildtrain.store.data_url import SCHEME, ObjectUrl, ObjectVersion, parse_object_url
+from buildtrain.sources.data_url import SCHEME, ObjectUrl, ObjectVersion, parse_object_url
+from buildtrain.sources.stat_cache import SourceFile, StatCache
 from buildtrain.store.objects import fsync_dir
-from buildtrain.store.sources import SourceFile, StatCache
 
 if TYPE_CHECKING:
     from buildtrain.store.remote.bucket import Bucket
