@@ -2,10 +2,11 @@
 
 The order follows the data's path, with what everything needs at the bottom: the canonical
 encoding and errors; the sources (regular files, durable writes, the stat cache, safetensors
-headers, data URLs); the store (bytes, digests, manifests); the typed config; the plan compiled
-from it; the steps that compute; the executor that runs them; verification, which drives the
-executor and checks the store; and the presentation (CLI, reports) on top. Every import counts,
-function-local and type-only ones included, read from the source without importing anything.
+headers, data URLs, bucket data sources); the store (bytes, digests, manifests); the typed config;
+the plan compiled from it; the steps that compute; the executor that runs them; verification,
+which drives the executor and checks the store; and the presentation (CLI, reports) on top. Every
+import counts, function-local and type-only ones included, read from the source without importing
+anything.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ readers (Parquet needs random access), which check the bytes once more as they r
 build of the same content takes the cached file without a download. `bt fsck` re-hashes the
 folder; `bt gc` drops the files that no stored plan reads.
 
-The S3 client (`bucket.py`) is imported inside these functions, only for a preset that names one.
+The S3 client (`sources/bucket.py`) is imported inside these functions, only for a preset that names one.
 """
 
 from __future__ import annotations
@@ -31,24 +31,24 @@ import blake3
 
 from buildtrain.errors import StepFailed, UsageError
 from buildtrain.sources.data_url import SCHEME, ObjectUrl, ObjectVersion, parse_object_url
+from buildtrain.sources.durable import fsync_dir
 from buildtrain.sources.stat_cache import SourceFile, StatCache
-from buildtrain.store.objects import fsync_dir
 
 if TYPE_CHECKING:
-    from buildtrain.store.remote.bucket import Bucket
+    from buildtrain.sources.bucket import Bucket
     from buildtrain.store.store import Store
 
 
 @functools.cache
 def _bucket(name: str) -> Bucket:
     """One client per bucket and process (it keeps its connections)."""
-    from buildtrain.store.remote.bucket import Bucket
+    from buildtrain.sources.bucket import Bucket
 
     return Bucket(name)
 
 
 def _endpoint() -> str:
-    from buildtrain.store.remote.s3_settings import shown_endpoint
+    from buildtrain.sources.s3_settings import shown_endpoint
 
     return shown_endpoint()
 
@@ -56,7 +56,7 @@ def _endpoint() -> str:
 def expand(pattern: str) -> tuple[list[ObjectVersion], str | None]:
     """The objects an `s3://` entry names (a key, or a glob's matches in key order), or why it
     names none: a problem for the preset's `data.files`, worded with the fix."""
-    from buildtrain.store.remote.bucket import NoSuchBucket, NoSuchObject
+    from buildtrain.sources.bucket import NoSuchBucket, NoSuchObject
 
     try:
         url = parse_object_url(pattern)
@@ -89,7 +89,7 @@ def digest(cache: StatCache, version: ObjectVersion) -> SourceFile:
     known = cache.object_digest(version)
     if known is not None:
         return known
-    from buildtrain.store.remote.bucket import NoSuchBucket, NoSuchObject
+    from buildtrain.sources.bucket import NoSuchBucket, NoSuchObject
 
     url = parse_object_url(version.url)
     try:
@@ -123,7 +123,7 @@ def cached(store: Store, cache: StatCache, source: SourceFile) -> Path | None:
 def fetch(store: Store, source: SourceFile, url: str) -> Path:
     """Stream the object at `url` into the store's source cache under its blake3, which must be
     `source`'s (else StepFailed naming the URL, and nothing is kept)."""
-    from buildtrain.store.remote.bucket import NoSuchBucket, NoSuchObject
+    from buildtrain.sources.bucket import NoSuchBucket, NoSuchObject
 
     parsed = parse_object_url(url)
     target = store.folder(store.source_cache) / source.blake3
