@@ -57,7 +57,7 @@ def _expand_objects(patterns: tuple[str, ...]) -> tuple[list[ObjectVersion], lis
     client is loaded only here, for a preset that names a bucket."""
     if not patterns:
         return [], []
-    from buildtrain.store.source_cache import expand
+    from buildtrain.sources.bucket_sources import expand
 
     found: dict[str, ObjectVersion] = {}
     missing: list[str] = []

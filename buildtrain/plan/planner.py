@@ -146,9 +146,9 @@ def _checkpoint_files(
 def _source_digest(cache: StatCache, found: Path | ObjectVersion) -> tuple[SourceFile, str]:
     """A data file's content and where it was seen (a hint for the run, in no hash): a local
     file's absolute path, or an object's URL (hashed from its streamed bytes, see
-    `store/source_cache.py`)."""
+    `sources/bucket_sources.py`)."""
     if isinstance(found, ObjectVersion):
-        from buildtrain.store.source_cache import digest
+        from buildtrain.sources.bucket_sources import digest
 
         return digest(cache, found), found.url
     try:

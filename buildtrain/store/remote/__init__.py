@@ -7,7 +7,7 @@ and `connect.py` picks one for a URL (the S3 client is imported only inside `s3.
 `keys.py` lays the objects out; `remote.py` pushes and pulls plans, step outputs, checkpoints and
 evaluation entries and checks every byte that comes back; `leases.py` and `attest.py` coordinate
 builders. Data files in a bucket (`s3://` entries of `data.files`) are not the team cache's: they
-are read through `sources/bucket.py` (on the same S3 settings as `s3.py`, `sources/s3_settings.py`),
-hashed at plan time and fetched into the store's source cache by `store/source_cache.py`.
+are read in `sources/` (`bucket.py`, `bucket_sources.py`, on the same S3 settings as `s3.py`,
+`sources/s3_settings.py`) and fetched into the store's source cache by `store/source_cache.py`.
 Nothing here imports the plan, the steps or the executor: objects are bytes, digests and manifests.
 """
