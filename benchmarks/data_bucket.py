@@ -3,9 +3,9 @@
 Puts one object of random bytes (256 MB; `--quick`: 64 MB) into a SeaweedFS started for the run
 (127.0.0.1, stopped by pid at the end), then alternates, per round:
 
-- plan: `data_sources.digest` with an empty stat cache (the object streamed and hashed, nothing
+- plan: `bucket_sources.digest` with an empty stat cache (the object streamed and hashed, nothing
   written) against the client library's own streamed read of the same object, discarded;
-- fetch: `data_sources.fetch` into a fresh store (streamed, hashed as written, fsynced, renamed
+- fetch: `source_cache.fetch` into a fresh store (streamed, hashed as written, fsynced, renamed
   into `cache/sources/`) against the library's streamed read into a plain file (no hash, no fsync).
 
 Reports medians and the ratio raw time / buildtrain's time (goal: >= 0.8x), and the cost of planning
@@ -72,25 +72,26 @@ def timed(function: object, *args: object) -> float:
 
 
 def measure(space: object, size_mb: int, count: int) -> None:
-    from buildtrain.store.remote import data_sources
-    from buildtrain.store.sources import StatCache
+    from buildtrain.sources import bucket_sources
+    from buildtrain.sources.stat_cache import StatCache
+    from buildtrain.store import source_cache
     from buildtrain.store.store import Store
 
-    bucket = data_sources._bucket(seaweed.BUCKET)
+    bucket = bucket_sources.bucket_client(seaweed.BUCKET)
     import obstore
 
     note(f"putting {size_mb} MB")
     obstore.put(bucket.store, KEY, os.urandom(size_mb << 20))
     version = bucket.version(KEY)
     serial = iter(range(10**6))
-    source = data_sources.digest(StatCache(space.path("warm.json")), version)  # type: ignore[attr-defined]
+    source = bucket_sources.digest(StatCache(space.path("warm.json")), version)  # type: ignore[attr-defined]
     plans = alternate(
         [
             ("raw", lambda: raw_read(bucket, None)),
             (
                 "plan",
                 lambda: timed(
-                    data_sources.digest,
+                    bucket_sources.digest,
                     StatCache(space.path(f"c-{next(serial)}.json")),
                     version,  # type: ignore[attr-defined]
                 ),
@@ -104,7 +105,7 @@ def measure(space: object, size_mb: int, count: int) -> None:
             (
                 "fetch",
                 lambda: timed(
-                    data_sources.fetch,
+                    source_cache.fetch,
                     Store(space.path(f"s-{next(serial)}", ".bt")),
                     source,
                     bucket.url_of(KEY),  # type: ignore[attr-defined]
@@ -114,9 +115,9 @@ def measure(space: object, size_mb: int, count: int) -> None:
         count,
     )
     warm = StatCache(space.path("warm.json"))  # type: ignore[attr-defined]
-    data_sources.digest(warm, version)
+    bucket_sources.digest(warm, version)
     again = alternate(
-        [("again", lambda: timed(lambda: data_sources.digest(warm, bucket.version(KEY))))], count
+        [("again", lambda: timed(lambda: bucket_sources.digest(warm, bucket.version(KEY))))], count
     )
     rows = []
     for name, times, ours in (

@@ -147,8 +147,8 @@ def main() -> None:
     with common.workspace("data-step", args) as space:
         common.print_header("byte data step vs read + blake3", args, space)
         space.import_buildtrain()
+        from buildtrain.sources.stat_cache import hash_regular
         from buildtrain.steps.sources import Source
-        from buildtrain.store.sources import hash_regular
 
         corpus = space.path("corpus.txt")
         write_corpus(corpus, megabytes)

@@ -70,6 +70,12 @@ class Interrupted(BuildtrainError):
     exit_code = ExitCode.INTERRUPTED
 
 
+class RemoteUnavailable(BuildtrainError):
+    """The remote could not be reached or refused us: the message names the URL and the fix."""
+
+    exit_code = ExitCode.FAILED
+
+
 class CorruptObject(BuildtrainError):
     exit_code = ExitCode.CORRUPT
 

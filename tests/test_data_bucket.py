@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.plan.stored import load_plan
+from buildtrain.sources.data_url import ObjectUrl, ObjectVersion, is_object_url, parse_object_url
+from buildtrain.sources.stat_cache import SourceFile, StatCache
 from buildtrain.store import objects
-from buildtrain.store.data_url import ObjectUrl, ObjectVersion, is_object_url, parse_object_url
-from buildtrain.store.sources import SourceFile, StatCache
 from buildtrain.store.store import Store
 
 TEXTS = [f"story {i}: " + " ".join(f"{j} + {i} = {i + j}." for j in range(30)) for i in range(60)]

@@ -149,7 +149,8 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
 
     from buildtrain.executor.run import RunOptions, run_plan
     from buildtrain.plan.planner import plan_preset
-    from buildtrain.store import objects, sources
+    from buildtrain.sources import stat_cache
+    from buildtrain.store import objects
 
     root = tmp_path / ".bt"
     shutil.copytree(micro_built[0], root)
@@ -159,7 +160,7 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     monkeypatch.setattr(objects, "write_bytes_durably", refuse)
-    monkeypatch.setattr(sources, "write_bytes_durably", refuse)
+    monkeypatch.setattr(stat_cache, "write_bytes_durably", refuse)
     assert plan_preset(MICRO, [], store).plan.hash == micro_built[1]
     code = run_plan(
         store, load_plan(store, micro_built[1]), RunOptions(experiments=tmp_path / "exp", progress=False)

@@ -1,10 +1,12 @@
 """Imports run one way: a module imports only from its own layer or the layers below it.
 
 The order follows the data's path, with what everything needs at the bottom: the canonical
-encoding and errors; the store (bytes, digests, manifests); the typed config; the plan compiled
-from it; the steps that compute; the executor that runs them; verification, which drives the
-executor and checks the store; and the presentation (CLI, reports) on top. Every import counts,
-function-local and type-only ones included, read from the source without importing anything.
+encoding and errors; the sources (regular files, durable writes, the stat cache, safetensors
+headers, data URLs, bucket data sources); the store (bytes, digests, manifests); the typed config;
+the plan compiled from it; the steps that compute; the executor that runs them; verification,
+which drives the executor and checks the store; and the presentation (CLI, reports) on top. Every
+import counts, function-local and type-only ones included, read from the source without importing
+anything.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "buildtrain.__init__",
         ),
     ),
+    ("sources", ("buildtrain.sources",)),
     ("store", ("buildtrain.store",)),
     ("config", ("buildtrain.config",)),
     ("plan", ("buildtrain.plan", "buildtrain.kinds")),
@@ -125,6 +128,7 @@ def test_the_design_page_draws_the_same_order() -> None:
         "plan": "plan/",
         "config": "config/",
         "store": "store/",
+        "sources": "sources/",
         "base": "canonical.py",
     }
     assert drawn == [first_module[name] for name, _ in reversed(LAYERS)]
@@ -327,3 +331,63 @@ def test_the_kinds_sit_between_the_plan_model_and_the_planner() -> None:
                 if t.startswith("buildtrain.plan.") and t not in PLAN_MODEL
             ]
     assert not wrong, "arrows up from the plan model or the kinds:\n" + "\n".join(wrong)
+
+
+# -- config on the ground floor --------------------------------------------------------------------
+
+# (what, modules, prefixes they must not import, counting every import). The config reads files,
+# the stat cache, safetensors headers and bucket data sources from the sources room; the planner
+# digests a bucket object there too, never through the team cache; the sources room stands on the
+# base alone.
+GROUND_FLOOR: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    ("config", ("buildtrain.config",), ("buildtrain.store",)),
+    ("plan", ("buildtrain.plan", "buildtrain.kinds"), ("buildtrain.store.remote",)),
+    (
+        "sources",
+        ("buildtrain.sources",),
+        tuple(prefix for name, prefixes in LAYERS if name not in {"base", "sources"} for prefix in prefixes),
+    ),
+]
+
+
+def floor_breaches(known: dict[str, Path]) -> list[str]:
+    wrong = []
+    for what, owners, forbidden in GROUND_FLOOR:
+        for module, path in known.items():
+            if not any(module == o or module.startswith(o + ".") for o in owners):
+                continue
+            for target in sorted(arrows(path, known)):
+                if any(target == f or target.startswith(f + ".") for f in forbidden):
+                    wrong.append(f"{module} ({what}) imports {target}")
+    return wrong
+
+
+def test_config_stands_on_the_sources_room_alone() -> None:
+    """config/ imports nothing from store/ (nor store/remote/), plan/ and kinds/ nothing from the
+    team cache, and sources/ nothing above the base."""
+    wrong = floor_breaches(modules())
+    assert not wrong, "imports off the ground floor:\n" + "\n".join(wrong)
+
+
+def test_the_floor_rule_catches_each_breach(tmp_path: Path) -> None:
+    """A config module reading the stat cache's old home inside a function, a plan module that
+    digests through the team cache, and a sources module that names the store for types only."""
+    config, plan, source = tmp_path / "config.py", tmp_path / "plan.py", tmp_path / "source.py"
+    config.write_text("def f():\n    from buildtrain.store.store import Store\n")
+    plan.write_text(
+        "from buildtrain.store.remote.backend import CHUNK\nfrom buildtrain.store import layout\n"
+    )
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from buildtrain.store.store import Store\n"
+    )
+    known = {
+        **modules(),
+        "buildtrain.config.probe": config,
+        "buildtrain.plan.probe": plan,
+        "buildtrain.sources.probe": source,
+    }
+    assert [line for line in floor_breaches(known) if "probe" in line] == [
+        "buildtrain.config.probe (config) imports buildtrain.store.store",
+        "buildtrain.plan.probe (plan) imports buildtrain.store.remote.backend",
+        "buildtrain.sources.probe (sources) imports buildtrain.store.store",
+    ]

@@ -1,4 +1,4 @@
-"""Every S3 client buildtrain builds (`store/remote/s3_settings.py`): traffic to the configured
+"""Every S3 client buildtrain builds (`sources/s3_settings.py`): traffic to the configured
 endpoint only (never the instance metadata service unless asked), bounded waits against a server
 that never answers, and no endpoint credentials on stderr. Every socket here is on 127.0.0.1."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import run_bt
 
+from buildtrain.sources.s3_settings import INSTANCE_CREDENTIALS, redact
 from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
-from buildtrain.store.remote.s3_settings import INSTANCE_CREDENTIALS, redact
 
 CREDENTIALS = (
     "AWS_ACCESS_KEY_ID",
@@ -90,7 +90,7 @@ def _use_team_cache() -> None:
 
 
 def _use_bucket() -> None:
-    from buildtrain.store.remote.bucket import Bucket
+    from buildtrain.sources.bucket import Bucket
 
     Bucket("bt-data").version("corpus.jsonl")
 

@@ -188,7 +188,7 @@ NOT_COMPUTING = {
     "buildtrain.store.store",
     "buildtrain.store.locks",
     "buildtrain.store.meta",
-    "buildtrain.store.sources",
+    "buildtrain.sources.stat_cache",
     "buildtrain.plan.plan",
     "buildtrain.executor.inputs",
 }

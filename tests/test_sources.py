@@ -15,9 +15,8 @@ from conftest import time_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.store import sources
-from buildtrain.store.objects import MMAP_THRESHOLD
-from buildtrain.store.sources import (
+from buildtrain.sources import stat_cache as sources
+from buildtrain.sources.stat_cache import (
     RACY_SECONDS,
     NotRegularFile,
     SourceFile,
@@ -27,6 +26,7 @@ from buildtrain.store.sources import (
     open_regular,
     whereabouts,
 )
+from buildtrain.store.objects import MMAP_THRESHOLD
 
 OLD = time.time() - 3600  # an mtime well outside the racy window
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from buildtrain.config import vocabulary
 from buildtrain.config.vocabulary import MAX_VOCAB_SIZE, Vocabulary, VocabularyError, read_vocabulary
-from buildtrain.store.sources import StatCache
+from buildtrain.sources.stat_cache import StatCache
 
 TOKENS = st.text("abcdefgh", min_size=1, max_size=3)
 

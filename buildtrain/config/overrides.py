@@ -14,7 +14,7 @@ import tomli
 from buildtrain.config.presets import Layered, limit_message
 from buildtrain.config.problems import Fatal, KeyPath, Problem, key_text, suggest
 from buildtrain.config.provenance import forget_below, record
-from buildtrain.store.data_url import is_object_url
+from buildtrain.sources.data_url import is_object_url
 
 SET_SOURCE = "--set"
 EXPECTED_ASSIGNMENT = "expected KEY=VALUE, for example train.lr=3e-4"

@@ -20,8 +20,8 @@ from buildtrain.config.problems import KeyPath, Problem
 from buildtrain.config.schema import Stage, TokenizerConfig, world_size_problem
 from buildtrain.config.shape import memory_estimate, planned_vocab_size, rank_memory
 from buildtrain.config.vocabulary import Vocabulary, VocabularyError, read_vocabulary
-from buildtrain.store.data_url import ObjectVersion, is_object_url
-from buildtrain.store.sources import StatCache, kind_of
+from buildtrain.sources.data_url import ObjectVersion, is_object_url
+from buildtrain.sources.stat_cache import StatCache, kind_of
 
 GIB = 1 << 30
 
@@ -57,7 +57,7 @@ def _expand_objects(patterns: tuple[str, ...]) -> tuple[list[ObjectVersion], lis
     client is loaded only here, for a preset that names a bucket."""
     if not patterns:
         return [], []
-    from buildtrain.store.remote.data_sources import expand
+    from buildtrain.sources.bucket_sources import expand
 
     found: dict[str, ObjectVersion] = {}
     missing: list[str] = []

@@ -19,8 +19,8 @@ import tomli
 from buildtrain.config.convert import describe
 from buildtrain.config.problems import Fatal, Problem, display
 from buildtrain.config.provenance import Provenance, merge_base, merge_layer
-from buildtrain.store.data_url import is_object_url
-from buildtrain.store.sources import NotRegularFile, kind_of, open_regular
+from buildtrain.sources.data_url import is_object_url
+from buildtrain.sources.regular import NotRegularFile, kind_of, open_regular
 
 # A chain of `extends` deeper than this is a mistake (or a cycle through links), not a design.
 MAX_EXTENDS_DEPTH = 32

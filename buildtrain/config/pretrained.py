@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from buildtrain.config.schema import RopeScalingConfig
-from buildtrain.store.tensors import read_safetensors_header
+from buildtrain.sources.safetensors_header import read_safetensors_header
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

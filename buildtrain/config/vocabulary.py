@@ -16,7 +16,8 @@ from typing import Any
 
 import attrs
 
-from buildtrain.store.sources import StatCache, open_regular
+from buildtrain.sources.regular import open_regular
+from buildtrain.sources.stat_cache import StatCache
 
 # Token shards hold uint32 ids (steps/tokenized.py), so no larger vocabulary can be trained on.
 MAX_VOCAB_SIZE = 1 << 32

@@ -10,8 +10,8 @@ from typing import Any
 
 from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan, Step
-from buildtrain.store.data_url import is_object_url
-from buildtrain.store.sources import SourceFile, StatCache, locate, whereabouts
+from buildtrain.sources.data_url import is_object_url
+from buildtrain.sources.stat_cache import SourceFile, StatCache, locate, whereabouts
 from buildtrain.store.store import Store
 
 
@@ -69,7 +69,7 @@ def _from_bucket(
     """A data file planned from a bucket: the store's cached copy, else downloaded from a URL the
     plan saw it at (into the cache, checked against the plan as it is written); the next URL is
     tried when one no longer holds the planned bytes, and the last refusal is the error."""
-    from buildtrain.store.remote.data_sources import cached, fetch
+    from buildtrain.store.source_cache import cached, fetch
 
     path = cached(store, cache, wanted)
     if path is not None:

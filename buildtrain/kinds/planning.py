@@ -16,7 +16,7 @@ import attrs
 from buildtrain.config.schema import Config
 from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine
-from buildtrain.store.sources import SourceFile
+from buildtrain.sources.stat_cache import SourceFile
 
 
 @attrs.frozen(kw_only=True)

@@ -21,7 +21,7 @@ from buildtrain.kinds.data import data_view
 from buildtrain.kinds.planning import CheckpointFiles, Planning
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import Machine
-from buildtrain.store.sources import SourceFile
+from buildtrain.sources.stat_cache import SourceFile
 
 
 def config_view(config: Config) -> dict[str, Any]:

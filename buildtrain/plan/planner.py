@@ -24,8 +24,8 @@ from buildtrain.plan.plan import Plan
 from buildtrain.plan.pretrained import apply_checkpoint
 from buildtrain.plan.stored import save_plan
 from buildtrain.plan.toolchain import WorkerProbe
-from buildtrain.store.data_url import ObjectVersion
-from buildtrain.store.sources import SourceFile, StatCache
+from buildtrain.sources.data_url import ObjectVersion
+from buildtrain.sources.stat_cache import SourceFile, StatCache
 from buildtrain.store.store import Store
 
 
@@ -145,9 +145,9 @@ def _checkpoint_files(
 def _source_digest(cache: StatCache, found: Path | ObjectVersion) -> tuple[SourceFile, str]:
     """A data file's content and where it was seen (a hint for the run, in no hash): a local
     file's absolute path, or an object's URL (hashed from its streamed bytes, see
-    `store/remote/data_sources.py`)."""
+    `sources/bucket_sources.py`)."""
     if isinstance(found, ObjectVersion):
-        from buildtrain.store.remote.data_sources import digest
+        from buildtrain.sources.bucket_sources import digest
 
         return digest(cache, found), found.url
     try:

@@ -22,7 +22,7 @@ import attrs
 import blake3
 
 from buildtrain.errors import StepFailed
-from buildtrain.store.regular import NotRegularFile, open_regular
+from buildtrain.sources.regular import NotRegularFile, open_regular
 
 READ_CHUNK = 1 << 20
 # What a read returns: bytes of its own, or a view of the caller's buffer

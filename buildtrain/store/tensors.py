@@ -18,7 +18,15 @@ import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
 
-MAX_HEADER = 100 << 20
+# The header reader sits in the sources room below the store (the config reads a pretrained
+# model's header through it); the store's callers keep finding it here.
+from buildtrain.sources.safetensors_header import (  # noqa: F401
+    MAX_HEADER,
+    decode_header,
+    header_size,
+    read_safetensors_header,
+)
+
 # Canonical dtype names are safetensors' codes in lower case; torch names map onto them.
 DTYPE_CODES = {
     "float64": "f64",
@@ -55,24 +63,6 @@ def combine(digests: dict[str, str]) -> str:
     return digest("tensors", digests)
 
 
-def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The header of a safetensors file and the offset where tensor data starts."""
-    with open(path, "rb") as handle:
-        size = header_size(handle.read(8), path.name)
-        raw = handle.read(size)
-    return decode_header(raw, size, path.name), 8 + size
-
-
-def header_size(prefix: bytes, label: str) -> int:
-    """The header's length from a safetensors file's first 8 bytes (little-endian u64)."""
-    if len(prefix) != 8:
-        raise ValueError(f"{label}: too short for safetensors")
-    (size,) = struct.unpack("<Q", prefix)
-    if size > MAX_HEADER:
-        raise ValueError(f"{label}: safetensors header of {size} bytes is implausible")
-    return int(size)
-
-
 def encode_header(tensors: Iterable[tuple[str, str, list[int], int]]) -> tuple[bytes, dict[str, int]]:
     """The start of a safetensors file holding (name, dtype code, shape, byte length) tensors, in
     name order with no gaps, and where each tensor's bytes start in the file: the same tensors give
@@ -89,21 +79,6 @@ def encode_header(tensors: Iterable[tuple[str, str, list[int], int]]) -> tuple[b
         name: start + entry["data_offsets"][0] for name, entry in header.items() if name != "__metadata__"
     }
     return struct.pack("<Q", len(encoded)) + encoded, places
-
-
-def decode_header(raw: bytes | memoryview, size: int, label: str) -> dict[str, Any]:
-    """The JSON header of `size` bytes, read as `raw`: an object, or a ValueError naming `label`."""
-    if len(raw) != size:
-        raise ValueError(f"{label}: truncated safetensors header")
-    try:
-        header = json.loads(bytes(raw))
-    except RecursionError:  # inputs are untrusted: a crafted header must be rejected, not crash
-        raise ValueError(f"{label}: safetensors header is nested too deeply") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{label}: safetensors header is not UTF-8") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{label}: safetensors header is not an object")
-    return header
 
 
 def tensor_entries(header: dict[str, Any], start: int) -> Iterator[tuple[str, str, list[int], int, int]]:

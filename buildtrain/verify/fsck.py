@@ -37,12 +37,12 @@ from buildtrain.plan.card import read_card
 from buildtrain.plan.plan import Step
 from buildtrain.plan.stored import claim_store, load_plan
 from buildtrain.plan.sweep import sweep_problem
+from buildtrain.sources.stat_cache import hash_regular
 from buildtrain.store import layout, trace
 from buildtrain.store.checkpoints import checkpoint_problems, state_problem
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
 from buildtrain.store.metrics import step_metrics_problem
-from buildtrain.store.sources import hash_regular
 from buildtrain.store.store import META_SUFFIX, Store
 
 # Derived records: a damaged one is removed, never kept (they are recomputed or left blank).

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from buildtrain.errors import BuildtrainError, ExitCode
+# What a back end raises and the size of the pieces it streams in are shared with the S3 client of
+# bucket data sources, below the store; the back ends keep finding them here.
+from buildtrain.errors import RemoteUnavailable  # noqa: F401
+from buildtrain.sources.s3_settings import CHUNK  # noqa: F401
 from buildtrain.store.remote.url import RemoteUrl
-
-CHUNK = 8 << 20  # streamed downloads arrive in pieces this large (8 MB: fewer Python round trips)
 
 
 class ObjectMissing(KeyError):
@@ -24,12 +25,6 @@ class ObjectMissing(KeyError):
 
 class AlreadyExists(Exception):
     """A create-only write found an object under its key."""
-
-
-class RemoteUnavailable(BuildtrainError):
-    """The remote could not be reached or refused us: the message names the URL and the fix."""
-
-    exit_code = ExitCode.FAILED
 
 
 class Backend(Protocol):

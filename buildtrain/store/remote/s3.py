@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from buildtrain.store.remote.backend import CHUNK, AlreadyExists, ObjectMissing, RemoteUnavailable
-from buildtrain.store.remote.s3_settings import (
+from buildtrain.sources.s3_settings import (
     credentials_problem,
     redact,
     shown_endpoint,
     store_options,
 )
+from buildtrain.store.remote.backend import CHUNK, AlreadyExists, ObjectMissing, RemoteUnavailable
 from buildtrain.store.remote.url import RemoteUrl
 
 try:

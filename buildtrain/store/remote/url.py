@@ -11,7 +11,7 @@ from typing import Literal
 import attrs
 
 from buildtrain.errors import UsageError
-from buildtrain.store.data_url import BUCKET
+from buildtrain.sources.data_url import BUCKET
 
 # One segment of a prefix: the characters S3 documents as safe in keys, no "." or ".." segment.
 SEGMENT = re.compile(r"^[A-Za-z0-9!_.*'()-]+$")

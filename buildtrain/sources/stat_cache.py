@@ -28,9 +28,9 @@ import attrs
 import blake3
 
 from buildtrain.errors import BuildtrainError
-from buildtrain.store.data_url import ObjectVersion
-from buildtrain.store.objects import MMAP_THRESHOLD, framed, unframed, write_bytes_durably
-from buildtrain.store.regular import NotRegularFile, kind_of, open_regular
+from buildtrain.sources.data_url import ObjectVersion
+from buildtrain.sources.durable import MMAP_THRESHOLD, framed, unframed, write_bytes_durably
+from buildtrain.sources.regular import NotRegularFile, kind_of, open_regular
 
 CACHE_FORMAT = 3  # 3: ctime in the key
 RACY_SECONDS = 2.0

@@ -3,7 +3,7 @@ in its place would block a reader forever, a link to /dev/zero never end. `open_
 the kind of file before opening and again on the open descriptor, never waiting on the open.
 
 Its own small module because the data and tokenizer steps read their sources through it: what it
-imports enters their code hash, and the stat cache beside it (`sources.py`) must not.
+imports enters their code hash, and the stat cache beside it (`stat_cache.py`) must not.
 """
 
 from __future__ import annotations

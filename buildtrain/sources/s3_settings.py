@@ -1,6 +1,7 @@
-"""How every S3 client buildtrain builds is configured (the team cache in `s3.py`, bucket data
-sources in `bucket.py`): where it may send requests, which credentials it may look for, and how
-long it waits. Imports no obstore, so these rules are tested without a server.
+"""How every S3 client buildtrain builds is configured (the team cache in `store/remote/s3.py`,
+bucket data sources in `bucket.py` beside this file): where it may send requests, which
+credentials it may look for, how long it waits, and the size of the pieces it streams. Imports
+no obstore, so these rules are tested without a server.
 
 Two rules, both failing closed:
 - Traffic goes to the configured endpoint only. With no credentials in the environment, the S3
@@ -20,6 +21,8 @@ from datetime import timedelta
 from typing import Any
 
 INSTANCE_CREDENTIALS = "BT_S3_INSTANCE_CREDENTIALS"
+CHUNK = 8 << 20  # streamed downloads arrive in pieces this large (8 MB: fewer Python round trips)
+
 
 # Any one of these is a credential the client takes without asking the metadata service: static
 # keys (a lone one is an error the client reports), a web identity, a container's credentials
