@@ -17,8 +17,8 @@ from pathlib import Path
 
 from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.sources.stat_cache import StatCache
 from buildtrain.store import layout, objects
-from buildtrain.store.sources import StatCache
 
 MARKER_BODY = {"format": 1, "store": "buildtrain"}  # the bytes of STORE.json, canonical
 
