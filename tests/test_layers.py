@@ -165,7 +165,7 @@ NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("views", ("buildtrain.views",), ("buildtrain.executor", "buildtrain.verify.verify")),
     (
         "fsck and gc",
-        ("buildtrain.verify.fsck", "buildtrain.verify.gc"),
+        ("buildtrain.verify.fsck", "buildtrain.verify.fsck_objects", "buildtrain.verify.gc"),
         ("buildtrain.steps", "buildtrain.executor"),
     ),
     ("the store", ("buildtrain.store",), ("buildtrain.config", "buildtrain.plan", "buildtrain.steps")),
@@ -343,7 +343,6 @@ NOT_YET_SPLIT = {
     "buildtrain.executor.slurm_engine",
     "buildtrain.store.remote.remote",
     "buildtrain.executor.remote",
-    "buildtrain.verify.fsck",
     "buildtrain.cli.commands",
     "buildtrain.executor.ray_engine",
     "buildtrain.steps.train.trainer",
