@@ -341,7 +341,6 @@ TABLES = ("buildtrain.cli.parser", "buildtrain.config.schema")
 NOT_YET_SPLIT = {
     "buildtrain.store.store",
     "buildtrain.executor.remote",
-    "buildtrain.steps.train.trainer",
 }
 LONG_FUNCTIONS_NOT_YET_SPLIT = {
     "buildtrain.plan.planner.plan_loaded",
