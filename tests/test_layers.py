@@ -343,7 +343,6 @@ NOT_YET_SPLIT = {
     "buildtrain.executor.remote",
 }
 LONG_FUNCTIONS_NOT_YET_SPLIT = {
-    "buildtrain.plan.planner.plan_loaded",
     "buildtrain.executor.worker.execute",
     "buildtrain.executor.run.run_plan",
     "buildtrain.steps.tokenized.build_tokenized",
