@@ -345,7 +345,6 @@ NOT_YET_SPLIT = {
 LONG_FUNCTIONS_NOT_YET_SPLIT = {
     "buildtrain.executor.worker.execute",
     "buildtrain.executor.run.run_plan",
-    "buildtrain.steps.tokenized.build_tokenized",
 }
 
 
