@@ -169,7 +169,7 @@ NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
     ("views", ("buildtrain.views",), ("buildtrain.executor", "buildtrain.verify.verify")),
     (
         "fsck and gc",
-        ("buildtrain.verify.fsck", "buildtrain.verify.gc"),
+        ("buildtrain.verify.fsck", "buildtrain.verify.fsck_objects", "buildtrain.verify.gc"),
         ("buildtrain.steps", "buildtrain.executor"),
     ),
     ("the store", ("buildtrain.store",), ("buildtrain.config", "buildtrain.plan", "buildtrain.steps")),
@@ -391,3 +391,59 @@ def test_the_floor_rule_catches_each_breach(tmp_path: Path) -> None:
         "buildtrain.plan.probe (plan) imports buildtrain.store.remote.backend",
         "buildtrain.sources.probe (sources) imports buildtrain.store.store",
     ]
+
+
+# -- sizes ----------------------------------------------------------------------------------------
+
+# A newcomer reads a module in one sitting and a function on one screen (issue 47). The argument
+# and schema tables are long because each entry is one setting, read alone, not a flow to follow.
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+TABLES = ("buildtrain.cli.parser", "buildtrain.config.schema")
+
+
+def long_modules(known: dict[str, Path]) -> dict[str, int]:
+    """Modules over MAX_MODULE_LINES lines, tables left out, with their line counts."""
+    counts = {m: len(p.read_bytes().splitlines()) for m, p in known.items() if m not in TABLES}
+    return {m: n for m, n in counts.items() if n > MAX_MODULE_LINES}
+
+
+def long_functions(known: dict[str, Path]) -> dict[str, int]:
+    """Functions and methods over MAX_FUNCTION_LINES lines (decorators left out, as ast counts
+    them), named `module.function` or `module.Class.method`, tables left out."""
+    found = {}
+    for module, path in known.items():
+        if module in TABLES:
+            continue
+
+        def visit(node: ast.AST, prefix: str) -> None:
+            for child in ast.iter_child_nodes(node):
+                name = getattr(child, "name", None)
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    size = (child.end_lineno or child.lineno) - child.lineno + 1
+                    if size > MAX_FUNCTION_LINES:
+                        found[f"{prefix}.{name}"] = size
+                visit(child, f"{prefix}.{name}" if name else prefix)
+
+        visit(ast.parse(path.read_bytes()), module)
+    return found
+
+
+def test_no_module_or_function_is_too_long_to_read_in_one_sitting() -> None:
+    known = modules()
+    modules_over, functions_over = long_modules(known), long_functions(known)
+    wrong = [f"{m}: {n} lines" for m, n in sorted(modules_over.items())]
+    wrong += [f"{f}(): {n} lines" for f, n in sorted(functions_over.items())]
+    assert not wrong, (
+        f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: split it along"
+        " a seam of responsibility (a module) or into named steps (a function):\n" + "\n".join(wrong)
+    )
+
+
+def test_the_size_rule_catches_a_long_module_and_a_long_method(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    probe.write_text(f"class C:\n    def m(self):\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    known = {"buildtrain.store.probe": probe, "buildtrain.cli.parser": probe}
+    assert long_modules(known) == {"buildtrain.store.probe": MAX_MODULE_LINES + MAX_FUNCTION_LINES + 3}
+    assert long_functions(known) == {"buildtrain.store.probe.C.m": MAX_FUNCTION_LINES + 1}

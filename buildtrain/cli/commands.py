@@ -1,6 +1,8 @@
-"""One function per `bt` command: parse nothing, call the library, print its result, return an exit
-code. Heavy modules (the executor, torch) are imported only by the commands that need them, so
-`bt plan` and a null `bt run` stay instant."""
+"""One function per `bt` command that builds (`bt plan`, `bt run`, `bt verify`): parse nothing,
+call the library, print its result, return an exit code; the store's upkeep is in `upkeep.py`,
+the uses of built weights in `delivery.py`, the queries in `queries.py`. Heavy modules (the
+executor, torch) are imported only by the commands that need them, so `bt plan` and a null
+`bt run` stay instant."""
 
 from __future__ import annotations
 
@@ -261,109 +263,6 @@ def _attest(args: argparse.Namespace, store: Store, plan: Plan, verification: An
         err(line)
 
 
-def cmd_fsck(args: argparse.Namespace) -> int:
-    import json
-
-    from buildtrain.verify.fsck import fsck
-
-    store = store_of(args)
-    report = fsck(store, fix=args.repair)
-    if report is None:
-        err(f"bt fsck: no store at {store.root}")
-        return ExitCode.OK
-    if args.json:
-        body = {
-            "store": report.store,
-            "checked": report.checked,
-            "damaged": [item.to_json() for item in report.damaged],
-            "repaired": report.repaired,
-            "not_repaired": report.not_repaired,
-        }
-        print(json.dumps(body, indent=2))
-    for item in report.damaged:
-        err(f"damaged {item.kind}: {item.object}")
-        for problem in item.problems[:5]:
-            err(f"    {problem}")
-        for referrer in item.referenced_by:
-            err(f"    used by {referrer}")
-        if item.note:
-            err(f"    {item.note}")
-    for line in report.repaired:
-        err(f"repaired {line}")
-    for line in report.not_repaired:
-        err(f"not repaired {line}")
-    verdict = f"{len(report.damaged)} damaged" if report.damaged else "all intact"
-    err(f"bt fsck: {report.checked} objects checked in {store.root}: {verdict}")
-    if report.damaged and not args.repair:
-        err(
-            "bt fsck --repair moves every damaged object to quarantine/; then bt run rebuilds what "
-            "a plan needs (a damaged plan: bt plan PRESET again)"
-        )
-    elif report.damaged and not report.not_repaired:
-        err("repaired: bt run rebuilds what a plan needs; bt gc removes the quarantine")
-        return ExitCode.OK
-    return ExitCode.CORRUPT if report.damaged else ExitCode.OK
-
-
-def cmd_gc(args: argparse.Namespace) -> int:
-    if args.records or args.keep is not None:
-        return _gc_records(args)
-    from buildtrain.verify.gc import collect
-
-    store = store_of(args)
-    report = collect(store, drop=args.drop, dry_run=args.dry_run)
-    for line in report.warnings:
-        err(f"warning: {line}")
-    for plan_hash in report.dropped:
-        err(f"{'would drop' if args.dry_run else 'dropped'} plan {plan_hash[:12]}")
-    for path in report.removed:
-        err(f"{'would remove' if args.dry_run else 'removed'} {path}")
-    for line in report.left:
-        err(f"could not remove {line}")
-    if report.busy:
-        err("note: a bt run holds a step lock; work and temporary folders were left alone")
-    err(
-        f"bt gc: {'would free' if args.dry_run else 'freed'} {report.freed / 1e6:.1f} MB "
-        f"in {len(report.removed)} item(s)"
-    )
-    return ExitCode.FAILED if report.left else ExitCode.OK
-
-
-def _gc_records(args: argparse.Namespace) -> int:
-    from buildtrain.verify.records import prune_records
-
-    if args.drop:
-        raise UsageError(
-            "--drop forgets plans in the store; bt gc --records prunes run records: give one of them"
-        )
-    folder = experiments(args)
-    pruned = prune_records(folder, args.keep, dry_run=args.dry_run)
-    for path in pruned.removed:
-        err(f"{'would remove' if args.dry_run else 'removed'} {path}")
-    for line in pruned.left:
-        err(f"could not remove {line}")
-    err(
-        f"bt gc: {'would free' if args.dry_run else 'freed'} {pruned.freed / 1e6:.1f} MB in "
-        f"{len(pruned.removed)} run record(s) of {folder}; {pruned.kept} kept"
-    )
-    return ExitCode.FAILED if pruned.left else ExitCode.OK
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from buildtrain.executor.deliver import export_plan, sign_package
-
-    store = store_of(args)
-    destination = export_plan(store, one_plan(args, store), Path(args.dest) if args.dest else None)
-    print(destination)
-    if args.sign:
-        signature = sign_package(destination, Path(args.sign))
-        err(
-            f"bt export: signed in the OpenSSF model-signing format: {signature} (check it with: "
-            f"model_signing verify key {destination} --signature {signature} --public_key PUBLIC.pem)"
-        )
-    return ExitCode.OK
-
-
 def one_plan(args: argparse.Namespace, store: Store) -> Plan:
     """The one plan `args.plan` names: a hash or prefix, or a preset path (planned, as `bt run` does)."""
     return plan_named(store, args.plan, getattr(args, "nproc", 1) * getattr(args, "nnodes", 1))
@@ -381,63 +280,3 @@ def plan_named(store: Store, ref: str, world_size: int = 1) -> Plan:
             f"{ref} is a sweep of {len(targets)} plans; give one of their hashes (bt plan {ref})"
         )
     return targets[0].plan
-
-
-def _prompt(text: str) -> str:
-    """The prompt as given, refused when the command line did not hold UTF-8 text."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        byte = ord(text[exc.start]) & 0xFF
-        raise UsageError(
-            f"--prompt is not UTF-8 text (byte 0x{byte:02x} at position {exc.start}); give the prompt in UTF-8"
-        ) from None
-    return text
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    import json
-
-    from buildtrain.executor.adhoc import evaluate
-
-    store = store_of(args)
-    done = evaluate(store, one_plan(args, store), args.suite, args.subset, args.update)
-    print(
-        json.dumps(
-            {
-                "suite": done.suite,
-                "weights": done.weights,
-                "cached": done.cached,
-                "key": done.key,
-                "result": done.result,
-            },
-            sort_keys=True,
-        )
-    )
-    how = "found in the store, no model loaded" if done.cached else "computed and stored"
-    err(f"bt eval: {done.suite} on the {done.weights} weights: {how} (evals/{done.key[:12]}…)")
-    return ExitCode.OK
-
-
-def cmd_sample(args: argparse.Namespace) -> int:
-    from buildtrain.executor.deliver import sample_text
-
-    store = store_of(args)
-    result = sample_text(
-        store,
-        one_plan(args, store),
-        prompt=_prompt(args.prompt),
-        tokens=args.tokens,
-        temperature=args.temperature,
-        top_k=args.top_k or 0,
-        seed=args.seed,
-    )
-    print(args.prompt + result.text, flush=True)
-    if result.stop == "end of document":
-        err(f"bt sample: stopped at an end-of-document token after {result.tokens} of {args.tokens} tokens")
-    elif result.stop == "context":
-        err(
-            f"bt sample: stopped at the model's context of {result.context} tokens "
-            f"({result.prompt_tokens} of prompt, {result.tokens} generated; --tokens asked for {args.tokens})"
-        )
-    return ExitCode.OK

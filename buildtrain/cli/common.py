@@ -1,6 +1,7 @@
 """What every command module uses: the store an invocation names and a line on stderr. It sits
-below `commands.py`, `team.py`, `queries.py` and `trust.py`, so that none of them imports another
-for these (commands and team used to import each other)."""
+below the command modules (`commands.py`, `upkeep.py`, `delivery.py`, `team.py`, `queries.py`,
+`trust.py`), so that none of them imports another for these (commands and team used to import
+each other)."""
 
 from __future__ import annotations
 

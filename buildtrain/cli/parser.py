@@ -7,7 +7,7 @@ import typing
 from collections.abc import Callable
 
 from buildtrain import __version__
-from buildtrain.cli import commands, queries, team, trust
+from buildtrain.cli import commands, delivery, queries, team, trust, upkeep
 from buildtrain.cli.arguments import (
     add_executor,
     add_world_size,
@@ -325,7 +325,7 @@ def _add_fsck(command: Command) -> None:
     sub.add_argument(
         "--repair", action="store_true", help="move every damaged object to quarantine/ (caches are removed)"
     )
-    sub.set_defaults(func=commands.cmd_fsck)
+    sub.set_defaults(func=upkeep.cmd_fsck)
 
 
 def _add_show(command: Command) -> None:
@@ -476,7 +476,7 @@ def _add_sample(command: Command) -> None:
     sub.add_argument(
         "--seed", type=seed, default=0, metavar="S", help="seed of the draws, 0..2**64-1 (default 0)"
     )
-    sub.set_defaults(func=commands.cmd_sample)
+    sub.set_defaults(func=delivery.cmd_sample)
 
 
 def _add_eval(command: Command) -> None:
@@ -506,7 +506,7 @@ def _add_eval(command: Command) -> None:
         metavar="N",
         help="the weights of the kept checkpoint of update N (default: the final weights)",
     )
-    sub.set_defaults(func=commands.cmd_eval)
+    sub.set_defaults(func=delivery.cmd_eval)
 
 
 def _add_gc(command: Command) -> None:
@@ -536,7 +536,7 @@ def _add_gc(command: Command) -> None:
         metavar="DIR",
         help="where run records are (default: $BT_EXPERIMENTS or ./experiments)",
     )
-    sub.set_defaults(func=commands.cmd_gc)
+    sub.set_defaults(func=upkeep.cmd_gc)
 
 
 def _add_export(command: Command) -> None:
@@ -554,7 +554,7 @@ def _add_export(command: Command) -> None:
         help="sign the package in the OpenSSF model-signing format with this elliptic-curve private "
         "key (PEM), offline; the signature goes to DEST.sig (needs pip install 'buildtrain[sign]')",
     )
-    sub.set_defaults(func=commands.cmd_export)
+    sub.set_defaults(func=delivery.cmd_export)
 
 
 def _add_keys(command: Command) -> None:

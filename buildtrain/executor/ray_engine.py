@@ -6,7 +6,8 @@ local instance for this run (about 5 s here). Ray is imported, and the cluster c
 a step must be built: a null build never does. A task that dies with its worker (a node lost, a
 killed process) is retried by Ray; with a remote the new attempt resumes from the newest
 checkpoint the lost one pushed. Ranks meet at an address that a first task in the placement
-group's bundle 0 picks (rank 0's node, a free port): the rendezvous goes through Ray.
+group's bundle 0 picks (rank 0's node, a free port): the rendezvous goes through Ray. Finding
+the cluster (the address checked, or a local instance) is `executor/ray_cluster.py`'s.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -39,6 +34,7 @@ from buildtrain.executor.engine import (
 from buildtrain.executor.launch import RankFailure
 from buildtrain.executor.on_node import REFUSED, NodeRequest, NodeResult, node_name, run_on_node
 from buildtrain.executor.outcome import Outcome
+from buildtrain.executor.ray_cluster import LocalInstance, probe
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
 
@@ -48,14 +44,6 @@ RETRIES = 2
 # Seconds to wait for a placement group's bundles, and for a cancelled task to checkpoint and end.
 PLACEMENT_TIMEOUT_S = 120
 CANCEL_GRACE_S = 60
-# Seconds to wait for the address in RAY_ADDRESS to accept a connection: Ray's own client retries
-# for minutes, printing a warning every five seconds, before it gives up.
-PROBE_TIMEOUT_S = 5
-# A local instance's head answered within about 5 s here; SIGTERM makes it drain for up to 30 s.
-LOCAL_START_TIMEOUT_S = 60
-STOP_GRACE_S = 3
-AUTH_MODE = "RAY_AUTH_MODE"
-PR_SET_PDEATHSIG = 1
 
 
 def _task(request: NodeRequest) -> NodeResult:
@@ -253,7 +241,7 @@ class RayEngine:
             self._instance = LocalInstance.start()
             address = self._instance.address
         elif address != "auto":
-            _probe(address)
+            probe(address)
         try:
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         except (ConnectionError, RuntimeError) as exc:
@@ -318,110 +306,6 @@ class RayEngine:
         if self._instance is not None:
             self._instance.stop()
             self._instance = None
-
-
-@attrs.define
-class LocalInstance:
-    """A Ray instance of this run's own, on this machine: `ray start --head --block` in a process
-    group of its own, stopped by that group's id when the run ends. (`ray.init()` starting one
-    itself left its dashboard and runtime-env agents running after `ray.shutdown()`, here, Ray
-    2.60: both still alive a minute later.) Its port is chosen free; it listens only while the run
-    lasts."""
-
-    process: subprocess.Popen[bytes]
-    address: str
-    log: Path
-
-    @classmethod
-    def start(cls) -> LocalInstance:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        log = Path(tempfile.mkstemp(prefix="bt-ray-", suffix=".log")[1])
-        command = [
-            str(Path(sys.executable).with_name("ray")),
-            *("start", "--head", "--block", "--port", str(port)),
-            *("--include-dashboard=false", "--disable-usage-stats", "--node-ip-address", "127.0.0.1"),
-        ]
-        # On loopback only, for this run's own processes: no token (Ray 2.60 otherwise turns token
-        # authentication on once ~/.ray/auth_token exists, and refused this driver's token here).
-        os.environ.setdefault(AUTH_MODE, "disabled")
-        env = {**os.environ}
-        process = _start_held(command, env, log)
-        instance = cls(process, f"127.0.0.1:{port}", log)
-        deadline = time.monotonic() + LOCAL_START_TIMEOUT_S
-        while not _answers(instance.address):
-            if process.poll() is not None or time.monotonic() > deadline:
-                instance.stop()
-                raise EngineUnavailable(f"--executor ray: a local Ray instance did not start; see {log}")
-            time.sleep(0.2)
-        return instance
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=STOP_GRACE_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # the raylet, agents and workers too
-        self.process.wait()
-        self.log.unlink(missing_ok=True)
-
-
-def _start_held(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """Start `command` from a thread that lives as long as this process: Linux sends a child its
-    parent-death signal when the *thread* that started it ends, and a step's thread ends with
-    its step. The signal is SIGTERM, so a `bt` killed outright still stops its Ray instance."""
-    started: list[subprocess.Popen[bytes]] = []
-    ready = threading.Event()
-
-    def hold() -> None:
-        with open(log, "wb") as out:
-            started.append(
-                subprocess.Popen(
-                    command,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=env,
-                    preexec_fn=_terminate_with_parent,
-                )
-            )
-        ready.set()
-        threading.Event().wait()  # never set: this thread is the instance's parent until exit
-
-    threading.Thread(target=hold, name="bt-ray-instance", daemon=True).start()
-    ready.wait()
-    return started[0]
-
-
-def _terminate_with_parent() -> None:
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _answers(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def _probe(address: str) -> None:
-    """One line for an address nothing listens on, instead of Ray's minutes of retries."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S):
-            pass
-    except (OSError, ValueError) as exc:
-        raise EngineUnavailable(
-            f"RAY_ADDRESS={address}: nothing answers there ({exc}); start the cluster (ray start --head) "
-            "or fix RAY_ADDRESS (unset it for a local Ray instance)"
-        ) from None
 
 
 def open_engine(options: EngineOptions) -> RayEngine:

@@ -6,7 +6,8 @@ client, and nothing here is imported without a remote. A remote never decides a 
 pulled byte is checked by the library (`store/remote/remote.py`) and re-hashed by the store
 before its first use; a damaged or foreign object is named and the step is built locally; a push
 that fails is a warning (the local result is good); a push that finds a different result on the
-remote is non-determinism, reported and never overwritten.
+remote is non-determinism, reported and never overwritten. A resumable step's checkpoints go
+through the remote in `executor/remote_checkpoints.py`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from buildtrain.canonical import canonical_bytes, digest
+from buildtrain.canonical import digest
 from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
+from buildtrain.executor.remote_checkpoints import SharedCheckpoints
 from buildtrain.kinds import kind_of
 from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
@@ -43,8 +45,6 @@ if TYPE_CHECKING:
 # remote this often. A machine that dies while building delays the others by at most LEASE_S.
 LEASE_S = 60.0
 POLL_S = 0.5
-# A training step's checkpoint folder is looked at this often for a new checkpoint to push.
-CHECKPOINT_POLL_S = 1.0
 
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
 
@@ -60,7 +60,7 @@ class PushReport:
     failed: str | None = None  # the push could not be done (the local result stays good)
 
 
-class RemoteCache:
+class RemoteCache(SharedCheckpoints):
     """One run's (or command's) remote: opened lazily, shared by its steps."""
 
     def __init__(self, url: RemoteUrl, say: Say, min_attestations: int = 0) -> None:
@@ -269,98 +269,6 @@ class RemoteCache:
             with self.checkpoints(store, step):
                 yield True
 
-    # -- checkpoints: resume anywhere ---------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def checkpoints(self, store: Store, step: Step) -> Iterator[None]:
-        """Around a resumable step's build: with no local checkpoint, start from the newest one on
-        the remote that verifies; while it runs, push each new checkpoint it keeps (from a thread
-        of this process: the step process never waits for the network)."""
-        folder = store.checkpoints_dir(step.hash)
-        if (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
-            if self.min_attestations > 0:  # a pulled checkpoint, and all after it: unsigned
-                self.say_once(
-                    step, "not resuming from checkpoints that began on the remote (no one signs one)"
-                )
-                store.set_aside(folder, keep=False)
-                (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).unlink()
-            else:
-                self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
-        if _newest(folder) is None:
-            self._start_from_remote(store, step, folder)
-        stop = threading.Event()
-        pusher = threading.Thread(target=self._push_checkpoints, args=(folder, step, stop), daemon=True)
-        pusher.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            pusher.join()
-
-    def _start_from_remote(self, store: Store, step: Step, folder: Path) -> None:
-        """No local checkpoint: pull the remote's newest that verifies and the older ones the
-        output keeps, and mark the build as resumed from a pulled one (never attested). Not
-        when signed results are required: no one signs a checkpoint."""
-        if self.min_attestations > 0:
-            if self.remote.checkpoints(step.hash):
-                self.say_once(
-                    step, "not resuming from the remote's checkpoint (no one signs one): building it"
-                )
-            return
-        folder.mkdir(parents=True, exist_ok=True)
-        pulled, problems = self.remote.pull_newest_checkpoint(store, step.hash, folder)
-        for problem in problems:
-            self.say(step.label, problem)
-        if pulled is None:
-            return
-        self._pull_kept(store, step, pulled, folder)
-        self.resumed.add(step.hash)
-        mark = {"checkpoint": pulled.name, "remote": str(self.url)}
-        store.replace_file(store.work_dir(step.hash) / layout.PULLED_CHECKPOINT, canonical_bytes(mark))
-        self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
-
-    def _pull_kept(self, store: Store, step: Step, newest: Path, folder: Path) -> None:
-        """After resuming from `newest`, pull the older checkpoints the finished output keeps
-        (`kept_updates`): a build resumed on another machine then publishes the files an
-        uninterrupted one does. One the remote lacks or that does not verify is named: the output
-        will lack it, and a push then reports the difference."""
-        update = layout.checkpoint_update(newest.name) or 0
-        held = set(self.remote.checkpoints(step.hash))
-        for older in kind_of(step.kind).kept_updates(step.config):
-            name = layout.checkpoint_name(older)
-            if older >= update or (folder / name).exists():
-                continue
-            if name not in held:
-                self.say(step.label, f"the remote lacks kept checkpoint {name}: the output will not hold it")
-                continue
-            try:
-                self.remote.pull_checkpoint(store, step.hash, name, folder)
-            except RemoteDamaged as exc:
-                self.say(step.label, str(exc))
-
-    def push_newest_checkpoint(self, store: Store, step: Step) -> None:
-        """Push what the pusher has not, after the step process ended (the checkpoint a stop
-        wrote may be newer than the pusher's last look); a failure is left to the next run."""
-        self._push_new(store.checkpoints_dir(step.hash), step, self._pushed.setdefault(step.hash, set()))
-
-    def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
-        pushed = self._pushed.setdefault(step.hash, set())
-        while not stop.wait(CHECKPOINT_POLL_S):
-            self._push_new(folder, step, pushed)
-
-    def _push_new(self, folder: Path, step: Step, pushed: set[str]) -> None:
-        """Push every finished checkpoint of `folder` not pushed yet, oldest first: the kept ones
-        before a resume point must be there for another machine to resume from (`_pull_kept`)."""
-        found = [path for _, path in layout.newest_first(folder.iterdir() if folder.is_dir() else ())]
-        for path in reversed(found):
-            if path.name in pushed or not path.is_dir() or path.is_symlink():
-                continue
-            try:
-                self.remote.push_checkpoint(step.hash, path)
-                pushed.add(path.name)
-            except (BuildtrainError, OSError, ValueError):
-                continue  # pruned or moved aside meanwhile, or a passing network problem
-
     def report_push(self, store: Store, plan: Plan, step: Step, event: Callable[..., None]) -> None:
         """Push a step this run built; a failure or a conflict is one line, never a failed step."""
         if self.offline:
@@ -445,12 +353,6 @@ def _entry_check(key: str, raw: bytes, recorded: dict[str, Any] | None) -> str |
     if body != recorded:
         return f"its result is not the one {layout.EVAL_RESULT} of the step records (forged)"
     return None
-
-
-def _newest(folder: Path) -> Path | None:
-    """The newest finished checkpoint folder (`step-NNNNNN`; hidden ones are being written)."""
-    found = [path for _, path in layout.newest_first(folder.iterdir() if folder.is_dir() else ())]
-    return next((path for path in found if path.is_dir() and not path.is_symlink()), None)
 
 
 def _stop_this_run() -> None:

@@ -122,13 +122,7 @@ def run_plan(
     told the run record's folder as soon as it exists."""
     started = time.perf_counter()
     launch = options.launch
-    steps = steps_for(plan, options.target)
-    if launch.follower:  # node 0 builds the rest; this node helps with the steps on ranks
-        steps = with_inputs(steps, {step.hash for step in steps if kind_of(step.kind).ranks})
-    # A plan made for an engine's workers (bt plan --executor) need not fit this machine: each node
-    # checks the steps' toolchains against its own before it builds (on_node, slurm_task).
-    here = (engine.name if engine is not None else options.executor.name) == DEFAULT_ENGINE
-    threads = prepare(plan, options.threads, launch, steps, here)
+    steps, threads = _steps_and_threads(plan, options, engine)
     record = RunRecord.create(options.experiments, plan, store.plans.meta(plan.hash), store.root)
     if on_record is not None:
         on_record(record.folder)
@@ -138,18 +132,7 @@ def run_plan(
     own_engine = engine is None
     if engine is None:
         engine = engine_for(options.executor, shared)
-    builder = Builder(
-        store=store,
-        plan=plan,
-        threads=threads,
-        record=record,
-        reporter=reporter,
-        launch=launch,
-        wait=options.wait,
-        engine=engine,
-        remote=_remote_cache(options.remote, reporter, options.min_attestations),
-        live=live if live is not None else LiveSteps(),
-    )
+    builder = _builder(store, plan, options, threads, record, reporter, engine, live)
 
     def build(step: Step) -> StepResult:
         joins = launch.follower and kind_of(step.kind).ranks
@@ -174,17 +157,59 @@ def run_plan(
     finally:
         if own_engine:
             engine.close()
-        duration = time.perf_counter() - started
-        record.close(outcome, code, duration)
-        if outcome == "done":
-            counts = collections.Counter(s.action for s in record.steps)
-            done = ", ".join(
-                f"{counts[action]} {action}"
-                for action in ("executed", "joined", "pulled", "cached")
-                if counts[action] or action not in ("joined", "pulled")
-            )
-            reporter.result(f"done in {duration:.1f}s: {done}; record: {record.folder}")
+        _close_record(record, reporter, outcome, code, time.perf_counter() - started)
     return code
+
+
+def _builder(
+    store: Store,
+    plan: Plan,
+    options: RunOptions,
+    threads: int,
+    record: RunRecord,
+    reporter: Reporter,
+    engine: Engine,
+    live: LiveSteps | None,
+) -> Builder:
+    """What builds each step of this run: through `engine`, with the run's remote if it has one."""
+    return Builder(
+        store=store,
+        plan=plan,
+        threads=threads,
+        record=record,
+        reporter=reporter,
+        launch=options.launch,
+        wait=options.wait,
+        engine=engine,
+        remote=_remote_cache(options.remote, reporter, options.min_attestations),
+        live=live if live is not None else LiveSteps(),
+    )
+
+
+def _steps_and_threads(plan: Plan, options: RunOptions, engine: Engine | None) -> tuple[list[Step], int]:
+    """The steps this run builds (a follower node: those on ranks and what they read) and the
+    threads each step process gets, the plan checked against this machine where it runs here."""
+    launch = options.launch
+    steps = steps_for(plan, options.target)
+    if launch.follower:  # node 0 builds the rest; this node helps with the steps on ranks
+        steps = with_inputs(steps, {step.hash for step in steps if kind_of(step.kind).ranks})
+    # A plan made for an engine's workers (bt plan --executor) need not fit this machine: each node
+    # checks the steps' toolchains against its own before it builds (on_node, slurm_task).
+    here = (engine.name if engine is not None else options.executor.name) == DEFAULT_ENGINE
+    return steps, prepare(plan, options.threads, launch, steps, here)
+
+
+def _close_record(record: RunRecord, reporter: Reporter, outcome: str, code: int, duration: float) -> None:
+    """Seal the run record; a run that is done says so in one line, with what each step came to."""
+    record.close(outcome, code, duration)
+    if outcome == "done":
+        counts = collections.Counter(s.action for s in record.steps)
+        done = ", ".join(
+            f"{counts[action]} {action}"
+            for action in ("executed", "joined", "pulled", "cached")
+            if counts[action] or action not in ("joined", "pulled")
+        )
+        reporter.result(f"done in {duration:.1f}s: {done}; record: {record.folder}")
 
 
 def engine_for(options: EngineOptions, shared: StepProcesses | None) -> Engine:

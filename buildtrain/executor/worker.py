@@ -45,6 +45,7 @@ from buildtrain.store.store import Store
 if TYPE_CHECKING:
     from buildtrain.config.schema import NumericsConfig
     from buildtrain.plan.plan import Step
+    from buildtrain.steps.context import StepContext
     from buildtrain.steps.train.controls import StopRequest, TrainControls
     from buildtrain.steps.train.observer import Observer
 
@@ -80,17 +81,8 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         _import_torch(job.numerics, log)
         _select_kernels(step.toolchain, log)
 
-    controls = None
-    lead = True
-    if kind.ranks:  # the loop reads the stop request between updates
-        controls = _train_controls(job, log, observer, stop)
-        lead = controls.ranks.lead
-        controls.ranks.agree_on(step.hash, step.label)
-    else:
-        if stop.signal_name is not None:
-            raise Interrupted(f"stopped by {stop.signal_name} before {step.label} began; nothing was written")
-        signal.signal(signal.SIGTERM, _interrupt_now)
-        signal.signal(signal.SIGINT, _interrupt_now)
+    controls = _controls(job, step, log, observer, stop)
+    lead = controls is None or controls.ranks.lead
     if job.options.checkpoint is not None:
         return _evaluate_checkpoint(job, store, plan.numerics, step, log)
 
@@ -109,6 +101,30 @@ def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
         computation.execute(ctx, None)
         log.info("rank_done")
         return ExitCode.OK
+    return _compute_and_publish(job, store, step, ctx, computation, stop, log)
+
+
+def _controls(
+    job: Job, step: Step, log: Any, observer: ObserverFactory | None, stop: StopRequest
+) -> TrainControls | None:
+    """A step on ranks gets its controls (the loop reads the stop request between updates), the
+    ranks agreeing first on what they build; any other step is interrupted by a signal at once."""
+    if kind_of(step.kind).ranks:
+        controls = _train_controls(job, log, observer, stop)
+        controls.ranks.agree_on(step.hash, step.label)
+        return controls
+    if stop.signal_name is not None:
+        raise Interrupted(f"stopped by {stop.signal_name} before {step.label} began; nothing was written")
+    signal.signal(signal.SIGTERM, _interrupt_now)
+    signal.signal(signal.SIGINT, _interrupt_now)
+    return None
+
+
+def _compute_and_publish(
+    job: Job, store: Store, step: Step, ctx: StepContext, computation: Any, stop: StopRequest, log: Any
+) -> int:
+    """Rank 0 (or the only process): compute the output into a temporary folder and publish it
+    as the step's output (with `job.options.commit`); nothing is left behind either way."""
     out = store.new_temp(step.label.replace(":", "-"))
     try:
         digests = computation.execute(ctx, out)

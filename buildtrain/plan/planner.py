@@ -63,8 +63,36 @@ def plan_loaded(
     if problems:
         raise ConfigError(problems)
 
-    sources: dict[str, list[SourceFile]] = {}
     locations: dict[str, list[str]] = {}
+    sources = _source_digests(source_paths, cache, locations)
+    tokenizer_files = _tokenizer_files(loaded, cache, locations)
+    imported = None if checkpoint is None else _checkpoint_files(cache, checkpoint, locations)
+    suite_files = _suite_digests(loaded, cache, locations)
+    cache.save()
+
+    machine = workers(loaded.config.numerics.device) if workers is not None else None
+    plan = compile_plan(
+        loaded.config,
+        sources,
+        world_size,
+        tokenizer_files,
+        checkpoint=imported,
+        suite_files=suite_files,
+        machine=machine,
+    )
+    record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
+    save_card(store, plan, record["created"])  # what bt ls --metrics reads
+    return Planned(
+        plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
+    )
+
+
+def _source_digests(
+    source_paths: dict[str, list[Path | ObjectVersion]], cache: StatCache, locations: dict[str, list[str]]
+) -> dict[str, list[SourceFile]]:
+    """Each stage's data files digested (through the stat cache), in order; where each digest was
+    found is added to `locations` (the plan's metadata records it)."""
+    sources: dict[str, list[SourceFile]] = {}
     for stage, paths in source_paths.items():
         sources[stage] = []
         for source_path in paths:
@@ -73,6 +101,14 @@ def plan_loaded(
             known = locations.setdefault(source.blake3, [])
             if where not in known:
                 known.append(where)
+    return sources
+
+
+def _tokenizer_files(
+    loaded: LoadedPreset, cache: StatCache, locations: dict[str, list[str]]
+) -> dict[str, SourceFile]:
+    """The tokenizer file of each stage that names one, digested; a stage that starts from
+    another's weights must keep its tokenizer (one line naming the setting, otherwise)."""
     tokenizer_files: dict[str, SourceFile] = {}
     for index, stage in enumerate(loaded.config.stages):
         tokenizer = stage.data.tokenizer
@@ -101,25 +137,7 @@ def plan_loaded(
             known = locations.setdefault(source.blake3, [])
             if str(path.absolute()) not in known:
                 known.append(str(path.absolute()))
-    imported = None if checkpoint is None else _checkpoint_files(cache, checkpoint, locations)
-    suite_files = _suite_digests(loaded, cache, locations)
-    cache.save()
-
-    machine = workers(loaded.config.numerics.device) if workers is not None else None
-    plan = compile_plan(
-        loaded.config,
-        sources,
-        world_size,
-        tokenizer_files,
-        checkpoint=imported,
-        suite_files=suite_files,
-        machine=machine,
-    )
-    record = save_plan(store, plan, preset=str(loaded.path), overrides=overrides, sources=locations)
-    save_card(store, plan, record["created"])  # what bt ls --metrics reads
-    return Planned(
-        plan=plan, loaded=loaded, threads=loaded.config.numerics.threads, hashed_bytes=cache.hashed_bytes
-    )
+    return tokenizer_files
 
 
 def _checkpoint_files(

@@ -10,7 +10,7 @@ Token ids go into uint16 shards while the vocabulary fits 65,536 ids, uint32 sha
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -78,8 +78,26 @@ def build_tokenized(
         counts["pieces"] += len(batch)
         log.info("data_progress", documents=counts["documents"], blocks=counts["pieces"])
 
-    # The library releases the GIL while it encodes: batch k is encoded in a helper thread while
-    # this one reads and cuts the text of batch k + 1. Results are written in batch order.
+    _encode_in_order(tokenizer, _batches(pieces(text, recorder.documents(corpus(text, sources)))), write)
+    return finish(
+        out,
+        writers,
+        tokenizer=description,
+        documents=counts["documents"],
+        blocks=counts["pieces"],
+        units=f"{counts['pieces']} pieces of at most {text.split_block} bytes",
+        log=log,
+        recorder=recorder,
+    )
+
+
+def _encode_in_order(
+    tokenizer: Any, batches: Iterable[list[Piece]], write: Callable[[list[Piece], list[Any]], None]
+) -> None:
+    """Encode each batch of pieces and `write` it with its encodings.
+
+    The library releases the GIL while it encodes: batch k is encoded in a helper thread while
+    this one reads and cuts the text of batch k + 1. Results are written in batch order."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending: tuple[list[Piece], Future[Any]] | None = None
 
@@ -91,17 +109,7 @@ def build_tokenized(
                 write(pending[0], pending[1].result())
             pending = (batch, future)
 
-        for batch in _batches(pieces(text, recorder.documents(corpus(text, sources)))):
+        for batch in batches:
             submit(batch)
         if pending is not None:
             write(pending[0], pending[1].result())
-    return finish(
-        out,
-        writers,
-        tokenizer=description,
-        documents=counts["documents"],
-        blocks=counts["pieces"],
-        units=f"{counts['pieces']} pieces of at most {text.split_block} bytes",
-        log=log,
-        recorder=recorder,
-    )

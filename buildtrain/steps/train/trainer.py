@@ -9,12 +9,8 @@ randomness wrong. Faults and watchers reach the loop only through its observer (
 
 from __future__ import annotations
 
-import contextlib
 import math
-import resource
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -22,7 +18,6 @@ import torch
 
 from buildtrain.errors import Interrupted, StepFailed
 from buildtrain.steps.data_index import embedding_rows
-from buildtrain.steps.failures import out_of_memory
 from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train import checkpoint
@@ -30,6 +25,7 @@ from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.gradient import batch_gradient, seeded
 from buildtrain.steps.train.lora import add_adapters
+from buildtrain.steps.train.memory import held_bytes, max_rss_mb, newest, out_of_memory_fails
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.record import RECORD_EVERY, Recorder, recorded_state, update_entry
@@ -56,46 +52,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     matrices = [p for p in trained if p.dim() >= 2]
     vectors = [p for p in trained if p.dim() < 2]
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-
-
-def held_bytes(model: torch.nn.Module, optimizer: AdamW) -> dict[str, int]:
-    """Bytes of weights, gradients and AdamW moments this rank holds (sharded: its shards), read
-    off the tensors themselves: what benchmarks/sharding.py compares across world sizes."""
-
-    def size(tensor: Any) -> int:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return local.numel() * local.element_size()
-
-    parameters = list(model.parameters())
-    moments = [v for p in parameters for k, v in optimizer.state.get(p, {}).items() if k != "step"]
-    return {
-        "weights_bytes": sum(size(p.detach()) for p in parameters),
-        "gradient_bytes": sum(size(p.grad) for p in parameters if p.grad is not None),
-        "optimizer_bytes": sum(size(m) for m in moments),
-    }
-
-
-def max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def newest(folder: Path) -> str:
-    saved = checkpoint.candidates(folder)
-    return saved[0][1].name if saved else "none"
-
-
-@contextlib.contextmanager
-def out_of_memory_fails(update: int, work: Path) -> Iterator[None]:
-    """Turn an allocation failure during an update into a step failure that names the update."""
-    try:
-        yield
-    except (RuntimeError, MemoryError) as exc:
-        if not out_of_memory(exc):
-            raise
-        raise StepFailed(
-            f"out of memory at step {update} (newest checkpoint: {newest(work)}, intact); "
-            "lower train.micro_batch_size (the batch stays the same) or train.seq_len"
-        ) from None
 
 
 @attrs.define

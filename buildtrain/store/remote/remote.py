@@ -22,25 +22,20 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal
 
 import attrs
-import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
-from buildtrain.store import checkpoints, layout, objects, trace
-from buildtrain.store.layout import TRACE, trace_segments
-from buildtrain.store.remote import keys
+from buildtrain.store import checkpoints, layout, objects
+from buildtrain.store.remote import blobs, keys, manifests, traces
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing
 from buildtrain.store.remote.connect import open_backend
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
 
-# Blobs move on this many threads: 8 was the fastest of 1, 4, 8 and 16 for 4 MB blobs here.
-TRANSFERS = 8
 CHECKPOINT_FORMAT = 1
 
 Accept = Callable[[Path], "str | None"]
@@ -155,52 +150,8 @@ class Remote:
         manifest = {**objects.parse_manifest(raw), "self": json.loads(raw)["self"]}  # whole, as sealed
         body = {"format": CHECKPOINT_FORMAT, "step": step_hash, "name": folder.name, "manifest": manifest}
         sealed = canonical_bytes({**body, "seal": digest("remote-checkpoint", body)})
-        self._push_trace(folder)
+        traces.push(self.backend, folder)
         return self._push_files(folder, manifest, keys.checkpoint(step_hash, folder.name), sealed)
-
-    def _push_trace(self, folder: Path) -> None:
-        """Upload the trace segments a checkpoint links back to (blobs by their blake3), oldest
-        first, so that a segment on the remote always has every one before it there too: the
-        walk back stops at the first one already pushed, and a push costs the segments since."""
-        pool, missing = trace_segments(folder.parent), []
-        try:
-            previous = trace.read_header((folder / TRACE).read_bytes()).previous
-            while previous is not None and self.backend.exists(keys.blob(previous)) is None:
-                path = trace.pool_path(pool, previous)
-                raw = path.read_bytes()
-                if trace.segment_digest(raw) != previous:
-                    raise trace.TraceDamaged(f"{path.name} does not match its blake3")
-                missing.append((previous, path))
-                previous = trace.read_header(raw).previous
-        except (OSError, trace.TraceDamaged) as exc:
-            raise CorruptObject(f"checkpoint {folder} was not pushed: its trace is damaged ({exc})") from None
-        for segment, path in reversed(missing):
-            self.backend.put_file(keys.blob(segment), path)
-
-    def _pull_trace(self, checkpoint: Path, what: str) -> None:
-        """Download the trace segments the pulled `checkpoint` links back to that the local pool
-        lacks, each checked against its blake3; kept oldest first."""
-        pool, fetched = trace_segments(checkpoint.parent), []
-        previous: str | None = None
-        try:
-            previous = trace.read_header((checkpoint / TRACE).read_bytes()).previous
-            while previous is not None:
-                local = trace.pool_path(pool, previous)
-                raw = local.read_bytes() if local.is_file() and not local.is_symlink() else None
-                if raw is None or trace.segment_digest(raw) != previous:
-                    raw = self.backend.get(keys.blob(previous))
-                    if trace.segment_digest(raw) != previous:
-                        raise trace.TraceDamaged(f"segment {previous[:12]} does not match its blake3")
-                    fetched.append((previous, raw))
-                previous = trace.read_header(raw).previous
-        except ObjectMissing:
-            key = keys.blob(str(previous))
-            raise self.damaged(what, key, "links to a trace segment it does not hold") from None
-        except (OSError, trace.TraceDamaged) as exc:
-            key = keys.blob(previous) if previous else f"{TRACE} of the checkpoint"
-            raise self.damaged(what, key, f"has a damaged trace ({exc})") from None
-        for segment, raw in reversed(fetched):
-            trace.keep(pool, segment, raw=raw)
 
     def push_newest_checkpoint(self, step_hash: str, parent: Path) -> Pushed | None:
         """Push the newest checkpoint folder in `parent` that verifies (names such as
@@ -237,7 +188,9 @@ class Remote:
             problem = problem or checkpoints.state_problem(destination, update or 0, required=True)
             if problem:
                 raise self.damaged(what, key, f"is refused: {problem}")
-            self._pull_trace(destination, what)
+            fault = traces.pull(self.backend, destination)
+            if fault is not None:
+                raise self.damaged(what, *fault)
         except RemoteDamaged:
             objects.remove_tree(destination)  # never resumed from: forged, or its trace unpublishable
             raise
@@ -258,7 +211,7 @@ class Remote:
 
     def _checkpoint_manifest(self, raw: bytes, step_hash: str, name: str, *, what: str, key: str) -> Any:
         try:
-            body = _json_object(raw)
+            body = manifests.json_object(raw)
             claimed = body.pop("seal", None)
             intact = (
                 claimed == digest("remote-checkpoint", body)
@@ -322,20 +275,11 @@ class Remote:
         self, folder: Path, manifest: Mapping[str, Any], key: str, sealed: bytes, *, name: str | None = None
     ) -> Pushed:
         """Every blob first (each once), then the object that names them, create-only."""
-        blobs = {
+        listed = {
             entry["blake3"]: (folder / relative, entry["size"])
             for relative, entry in manifest["files"].items()
         }
-
-        def upload(item: tuple[str, tuple[Path, int]]) -> int:
-            blob, (path, size) = item
-            if self.backend.exists(keys.blob(blob)) == size:
-                return -1
-            self.backend.put_file(keys.blob(blob), path)
-            return size
-
-        with ThreadPoolExecutor(TRANSFERS) as pool:
-            sizes = list(pool.map(upload, blobs.items()))
+        sizes = blobs.upload(self.backend, listed)
         uploaded = [size for size in sizes if size >= 0]
         state, conflict = self._put_manifest(key, sealed, name)
         return Pushed(
@@ -359,8 +303,8 @@ class Remote:
                 continue
             if there == sealed:
                 return "present", None
-            if _sealed_intact(there, name):
-                mine, theirs = _describe(sealed), _describe(there)
+            if manifests.sealed_intact(there, name):
+                mine, theirs = manifests.describe(sealed), manifests.describe(there)
                 return "conflict", f"{key} holds another build's result ({theirs}), this build has ({mine})"
             self.backend.delete(key)  # damaged: replace it with ours
         return "conflict", f"{key} kept changing while it was written; push again"
@@ -388,7 +332,7 @@ class Remote:
             files = self._listed(raw, name, folder, what=what, key=key)
             self._fetch(files, folder, what)  # each file hashed, written and fsynced
             (folder / objects.MANIFEST).write_bytes(raw)
-            _fsync(folder / objects.MANIFEST)
+            blobs.fsync(folder / objects.MANIFEST)
             # Contents were hashed piece by piece on their way to disk (the same buffers), so
             # the folder is checked for everything else: the manifest, its name, exactly the
             # listed files, their sizes, no links. A full re-hash here, and the store's own
@@ -420,7 +364,7 @@ class Remote:
             raise self.damaged(what, key, f"has a damaged manifest ({exc})") from None
         if body["name"] != name:
             raise self.damaged(what, key, f"is sealed for {body['name'][:24]} (a foreign object)")
-        files = _file_entries(body["files"])
+        files = manifests.file_entries(body["files"])
         if files is None:
             raise self.damaged(
                 what,
@@ -436,12 +380,7 @@ class Remote:
         return files
 
     def _fetch(self, files: dict[str, tuple[str, int]], folder: Path, what: str) -> None:
-        def fetch(item: tuple[str, tuple[str, int]]) -> str | None:
-            relative, (blob, size) = item
-            return self._fetch_blob(blob, size, folder / relative, f"{what}: {relative}")
-
-        with ThreadPoolExecutor(TRANSFERS) as pool:
-            problems = [problem for problem in pool.map(fetch, sorted(files.items())) if problem]
+        problems = blobs.fetch(self.backend, files, folder, what)
         if problems:
             raise RemoteDamaged(
                 f"remote {self.url}: {problems[0]}"
@@ -449,93 +388,3 @@ class Remote:
                 + "; it was not used (nothing of it is in the local store): build it locally, "
                 "and push it again to repair the remote"
             )
-
-    def _fetch_blob(self, blob: str, size: int, path: Path, what: str) -> str | None:
-        """Write one blob to `path`, hashing every piece as it arrives; the problem, or None."""
-        key = keys.blob(blob)
-        hasher, written = blake3.blake3(), 0
-        try:
-            pieces = self.backend.stream(key)
-        except ObjectMissing:
-            return f"{what}: blob {blob[:12]} ({key}) is missing"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as handle:
-                for piece in pieces:
-                    hasher.update(piece)
-                    written += handle.write(piece)
-                    if written > size:  # never more than the manifest declares
-                        break
-        except OSError as exc:  # the local side: a full disk, a name the file system refuses
-            return f"{what}: cannot be written into the store ({exc.strerror or exc})"
-        if written != size or hasher.hexdigest() != blob:
-            return f"{what}: blob {blob[:12]} ({key}) does not match its blake3 (damaged)"
-        try:  # once closed, through a descriptor of its own: 15 ms against 17 ms with fsync
-            _fsync(path)  # before close for 8 files of 4 MB, 19-22 ms from a pool of its own
-        except OSError as exc:
-            return f"{what}: cannot be written into the store ({exc.strerror or exc})"
-        return None
-
-
-def _fsync(path: Path) -> None:
-    """Make a file's bytes durable (Linux flushes a file's data through any descriptor of it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    body = json.loads(raw)
-    if not isinstance(body, dict):
-        raise ValueError("not a JSON object")
-    return body
-
-
-def _file_entries(listed: Mapping[str, Any]) -> dict[str, tuple[str, int]] | None:
-    """relative path -> (blake3, size), or None when any entry could write outside the folder
-    or is not a well-formed (blake3, size)."""
-    files = {}
-    for relative, entry in listed.items():
-        parts = PurePosixPath(relative).parts
-        if (
-            not parts
-            or "\0" in relative
-            or any("/".join(parts[:end]) in listed for end in range(1, len(parts)))  # a file, and a folder
-            or relative.startswith("/")
-            or any(part in {"", ".", ".."} for part in relative.split("/"))
-            or relative == objects.MANIFEST
-            or not isinstance(entry, dict)
-            or not isinstance(entry.get("blake3"), str)
-            or not keys.HASH.match(entry["blake3"])
-            or not isinstance(entry.get("size"), int)
-            or entry["size"] < 0
-        ):
-            return None
-        files[relative] = (entry["blake3"], entry["size"])
-    return files
-
-
-def _sealed_intact(raw: bytes, name: str | None) -> bool:
-    """Whether an object already on the remote is intact (an output manifest that names `name`,
-    or a sealed checkpoint): intact and different means two builds disagree."""
-    try:
-        if name is not None:
-            return objects.parse_manifest(raw)["name"] == name
-        body = _json_object(raw)
-        claimed = body.pop("seal", None)
-        return claimed == digest("remote-checkpoint", body)
-    except (ValueError, TypeError):
-        return False
-
-
-def _describe(raw: bytes) -> str:
-    """A short description of a manifest's content: its declared digests, or its own digest."""
-    try:
-        body = _json_object(raw)
-        body = body.get("manifest", body)
-        named = ", ".join(f"{k} {str(v)[:12]}" for k, v in sorted(body.get("digests", {}).items()))
-        return named or f"manifest {str(body.get('self'))[:12]}"
-    except (ValueError, TypeError, AttributeError):
-        return "unreadable"
