@@ -27,7 +27,7 @@ from conftest import MICRO, run_bt, summaries
 from buildtrain import cli
 from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import ExitCode
-from buildtrain.executor.launch import Launch
+from buildtrain.executor.process.launch import Launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.objects import append_flushed

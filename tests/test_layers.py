@@ -155,7 +155,7 @@ ENTRY_POINTS = {
     "presentation": (
         "buildtrain.executor.run",
         "buildtrain.executor.batch",
-        "buildtrain.executor.launch",
+        "buildtrain.executor.process.launch",
         "buildtrain.executor.deliver",
         "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
         "buildtrain.executor.engine",  # --executor: which engine, with what options

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import PurePath
 
-from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+from buildtrain.executor.process.launch import DEFAULT_RDZV_TIMEOUT
 
 # More processes per machine or machines than this is a typo, not a cluster.
 MAX_PROCESSES = 1024

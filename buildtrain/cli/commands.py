@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.cli.common import err, store_of
 from buildtrain.errors import ExitCode, Interrupted, UsageError
-from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+from buildtrain.executor.process.launch import DEFAULT_RDZV_TIMEOUT
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.executor.engine import Engine
-    from buildtrain.executor.launch import Launch
     from buildtrain.executor.probes import WorkerProbes
+    from buildtrain.executor.process.launch import Launch
     from buildtrain.executor.run import RunOptions
     from buildtrain.plan.plan import Plan
     from buildtrain.plan.refs import Target
@@ -33,7 +33,7 @@ def experiments(args: argparse.Namespace) -> Path:
 
 
 def _launch(args: argparse.Namespace) -> Launch:
-    from buildtrain.executor.launch import Launch
+    from buildtrain.executor.process.launch import Launch
 
     endpoint = getattr(args, "rdzv_endpoint", None)
     if endpoint and args.nnodes > 1:

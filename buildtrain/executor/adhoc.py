@@ -83,7 +83,7 @@ def evaluate(store: Store, plan: Plan, reference: str, subset: float | None, upd
         raise UsageError(
             f"plan {plan.hash[:12]}: its weights are not built yet; bt run {plan.hash[:12]} first"
         )
-    from buildtrain.executor.inputs import verified_inputs
+    from buildtrain.executor.process.inputs import verified_inputs
 
     inputs = verified_inputs(store, alone)  # re-hashed against their manifests, as a step's are
     digest, path, named = kept_weights(store, alone, update)
@@ -101,8 +101,8 @@ def _compute(store: Store, plan: Plan, step: Step, inputs: dict[str, Any], weigh
     """Score the one suite of `step` in this process, under the plan's numerics environment (set
     before torch is imported, on one thread, and checked after, as a step process does)."""
     from buildtrain.config.steps import EvalStep
-    from buildtrain.executor import numerics
-    from buildtrain.executor.step_sources import source_paths
+    from buildtrain.executor.process import numerics
+    from buildtrain.executor.process.step_sources import source_paths
     from buildtrain.steps.sources import planned_sources
 
     settings = plan.numerics

@@ -20,7 +20,7 @@ import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted
 from buildtrain.executor.engine import Engine
-from buildtrain.executor.processes import StepProcesses
+from buildtrain.executor.process.processes import StepProcesses
 from buildtrain.executor.run import LOCAL, RunOptions, engine_for, run_plan, signals_interrupt
 from buildtrain.executor.schedule import LiveSteps
 from buildtrain.plan.plan import Plan

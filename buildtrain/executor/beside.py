@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.errors import BuildtrainError, ExitCode
-from buildtrain.executor import numerics
 from buildtrain.executor.engine import Engine, Handle, Submission, job_of
-from buildtrain.executor.job import JobOptions
-from buildtrain.executor.launch import PARENT_PID
-from buildtrain.executor.processes import JOB_EXIT, Worker, start
+from buildtrain.executor.process import numerics
+from buildtrain.executor.process.job import JobOptions
+from buildtrain.executor.process.launch import PARENT_PID
+from buildtrain.executor.process.processes import JOB_EXIT, Worker, start
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import layout

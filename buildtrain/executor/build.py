@@ -14,14 +14,14 @@ import attrs
 
 from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.executor.engine import Engine, Submission
-from buildtrain.executor.launch import Launch
 from buildtrain.executor.local import LocalEngine
 from buildtrain.executor.on_node import NODE_PUSHED
-from buildtrain.executor.outcome import StepResult, raise_for_status
+from buildtrain.executor.process.launch import Launch
+from buildtrain.executor.process.outcome import StepResult, raise_for_status
+from buildtrain.executor.process.spawn import spawn
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
 from buildtrain.executor.schedule import LiveSteps
-from buildtrain.executor.spawn import spawn
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects

@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from buildtrain.errors import EngineUnavailable, UsageError
-from buildtrain.executor import numerics
-from buildtrain.executor.faults import test_hooks_from_environment
-from buildtrain.executor.job import PLAIN_RUN, Job, JobNumerics, JobOptions
-from buildtrain.executor.launch import SINGLE_PROCESS, Launch
-from buildtrain.executor.policy import step_launch
-from buildtrain.executor.step_sources import source_paths
+from buildtrain.executor.process import numerics
+from buildtrain.executor.process.faults import test_hooks_from_environment
+from buildtrain.executor.process.job import PLAIN_RUN, Job, JobNumerics, JobOptions
+from buildtrain.executor.process.launch import SINGLE_PROCESS, Launch
+from buildtrain.executor.process.policy import step_launch
+from buildtrain.executor.process.step_sources import source_paths
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.executor.outcome import Outcome
+    from buildtrain.executor.process.outcome import Outcome
     from buildtrain.store.remote.url import RemoteUrl
 
 # The engines `--executor` names, each the module that implements it (imported only when named).
@@ -82,7 +82,7 @@ class Submission:
 
 
 def job_of(submission: Submission, on_event: OnEvent) -> Job:
-    """The job file's content: what the worker (`buildtrain.executor.worker`) reads; a data
+    """The job file's content: what the worker (`buildtrain.executor.process.worker`) reads; a data
     step's files are located by content here (`on_event` hears of one found elsewhere)."""
     store, plan, step = submission.store, submission.plan, submission.step
     settings = plan.numerics

@@ -10,9 +10,9 @@ from __future__ import annotations
 import attrs
 
 from buildtrain.executor.engine import EngineOptions, OnEvent, Submission
-from buildtrain.executor.outcome import Outcome
-from buildtrain.executor.processes import StepProcesses
-from buildtrain.executor.spawn import spawn
+from buildtrain.executor.process.outcome import Outcome
+from buildtrain.executor.process.processes import StepProcesses
+from buildtrain.executor.process.spawn import spawn
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
 

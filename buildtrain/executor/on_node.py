@@ -1,7 +1,7 @@
 """A step's process on a cluster node, whatever engine placed it there (a Ray task, a Slurm job).
 
 `run_on_node` runs inside the engine's process on the node and starts the ordinary worker
-(`python -m buildtrain.executor.worker`) as a fresh child, with the numerics environment set
+(`python -m buildtrain.executor.process.worker`) as a fresh child, with the numerics environment set
 before torch loads, exactly as `bt run` does locally. Before that it refuses a node whose toolchain
 is not the one in the step's hash (never used silently). Where does the step read and write?
 
@@ -34,8 +34,8 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode
-from buildtrain.executor.job import Job
-from buildtrain.executor.launch import PARENT_PID
+from buildtrain.executor.process.job import Job
+from buildtrain.executor.process.launch import PARENT_PID
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
@@ -254,7 +254,7 @@ def _run_worker(
     command = [
         sys.executable,
         "-m",
-        "buildtrain.executor.worker",
+        "buildtrain.executor.process.worker",
         "--job",
         str(path),
         "--events-fd",

@@ -31,9 +31,9 @@ from buildtrain.executor.engine import (
     job_of,
     resources_of,
 )
-from buildtrain.executor.launch import RankFailure
 from buildtrain.executor.on_node import REFUSED, NodeRequest, NodeResult, node_name, run_on_node
-from buildtrain.executor.outcome import Outcome
+from buildtrain.executor.process.launch import RankFailure
+from buildtrain.executor.process.outcome import Outcome
 from buildtrain.executor.ray_cluster import LocalInstance, probe
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store

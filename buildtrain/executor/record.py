@@ -25,9 +25,9 @@ from typing import Any
 import attrs
 
 from buildtrain import clock
-from buildtrain.executor import logs
 from buildtrain.executor.metrics import MetricsCollector
-from buildtrain.executor.outcome import StepResult
+from buildtrain.executor.process import logs
+from buildtrain.executor.process.outcome import StepResult
 from buildtrain.plan.plan import Plan
 from buildtrain.store.objects import append_flushed, write_bytes_durably
 

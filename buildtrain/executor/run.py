@@ -1,7 +1,7 @@
 """`bt run`: execute a plan's steps in order, each a cache hit or a child process.
 
 The executor itself never imports torch, so a fully cached plan (a null build) returns at once.
-A step that must compute runs in `buildtrain.executor.worker`, started with the numerics
+A step that must compute runs in `buildtrain.executor.process.worker`, started with the numerics
 environment, holding the step's lock, and reporting JSON events through a pipe that the executor
 writes to the run record and the terminal. Consecutive steps of one numerics environment share a
 worker (see `processes.py`); a train step on several processes runs the same worker on every rank
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, UsageError
-from buildtrain.executor import numerics
 from buildtrain.executor.build import Builder
 from buildtrain.executor.engine import DEFAULT_ENGINE, Engine, EngineOptions, open_engine
-from buildtrain.executor.launch import SINGLE_PROCESS, Launch
 from buildtrain.executor.local import LocalEngine
-from buildtrain.executor.outcome import StepResult
-from buildtrain.executor.policy import pinned_threads, prepare
-from buildtrain.executor.processes import StepProcesses
+from buildtrain.executor.process import numerics
+from buildtrain.executor.process.launch import SINGLE_PROCESS, Launch
+from buildtrain.executor.process.outcome import StepResult
+from buildtrain.executor.process.policy import pinned_threads, prepare
+from buildtrain.executor.process.processes import StepProcesses
 from buildtrain.executor.progress import Reporter
 from buildtrain.executor.record import RunRecord
 from buildtrain.executor.schedule import LiveSteps, build_in_order

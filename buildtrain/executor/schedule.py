@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
-from buildtrain.executor.outcome import StepResult
+from buildtrain.executor.process.outcome import StepResult
 from buildtrain.plan.plan import Step
 
 if TYPE_CHECKING:

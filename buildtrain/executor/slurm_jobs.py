@@ -22,7 +22,7 @@ import attrs
 from buildtrain.errors import EngineUnavailable, ExitCode, ToolchainMismatch
 from buildtrain.executor.engine import OnEvent
 from buildtrain.executor.on_node import REFUSED
-from buildtrain.executor.outcome import Outcome
+from buildtrain.executor.process.outcome import Outcome
 from buildtrain.executor.slurm_task import TaskOutcome, events_path, outcome_path
 
 # Seconds between two looks at a job (one `scontrol` call each); a step takes seconds at least.

@@ -1,7 +1,7 @@
 """What runs inside a step's Slurm job: one task per rank, each starting the step's worker fresh.
 
 submitit starts `StepTask` in every task of the job (`srun`, one per rank). The task process has
-not imported torch and never does: it starts `python -m buildtrain.executor.worker` under the
+not imported torch and never does: it starts `python -m buildtrain.executor.process.worker` under the
 step's numerics environment, exactly as `spawn` does on this machine, with the rendezvous taken
 from Slurm's environment (rank = SLURM_PROCID, world = SLURM_NTASKS, the job's first node hosts
 it). The worker's JSON events go to a file per rank beside the job's files, where `bt run` reads
@@ -29,8 +29,8 @@ from typing import Any
 
 import attrs
 
-from buildtrain.executor.job import Job
 from buildtrain.executor.on_node import REFUSED, toolchain_problem
+from buildtrain.executor.process.job import Job
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
@@ -115,7 +115,7 @@ def _ignore_timeout_warning() -> None:
 class StepTask:
     """The callable submitit runs in each task: the worker for `job_file` under `environment`."""
 
-    job_file: str  # the worker's job (buildtrain.executor.job.Job), in the store's tmp/
+    job_file: str  # the worker's job (buildtrain.executor.process.job.Job), in the store's tmp/
     environment: Mapping[str, str]  # the numerics environment, applied before torch is imported
     folder: str  # the job's files: submitit's, the events and the outcome
 
@@ -139,7 +139,7 @@ class StepTask:
         with open(events_path(folder, job.job_id, rank), "a", encoding="utf-8") as events:
             events.write(json.dumps({"event": "slurm_task_started", "node": node, "rank": rank}) + "\n")
             events.flush()
-            command = [sys.executable, "-m", "buildtrain.executor.worker", "--job", self.job_file]
+            command = [sys.executable, "-m", "buildtrain.executor.process.worker", "--job", self.job_file]
             process = subprocess.Popen(
                 [*command, "--events-fd", str(events.fileno())],
                 env=env,

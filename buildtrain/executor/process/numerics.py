@@ -143,7 +143,7 @@ def before_import(profile: str, device: str, threads: int) -> None:
     """
     check_before_import(profile, device, threads)
     if device == "cpu":
-        from buildtrain.executor import mkl
+        from buildtrain.executor.process import mkl
 
         if mkl.applies():
             mkl.load_shim()
@@ -174,7 +174,7 @@ def apply_after_import(torch: Any, profile: str, device: str, threads: int) -> d
 def check_after_import(torch: Any, profile: str, device: str) -> dict[str, Any]:
     """Fail closed: under portable on the CPU, refuse to compute unless MKL really runs the branch
     the environment asked for (`mkl.check_branch`); returns what was found, for the log."""
-    from buildtrain.executor import mkl
+    from buildtrain.executor.process import mkl
 
     if not (portable_cpu(profile, device) and mkl.applies()):
         return {}

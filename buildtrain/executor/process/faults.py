@@ -80,7 +80,7 @@ def signal_after_publish_for_tests(label: str) -> None:
         return
     import signal
 
-    from buildtrain.executor.launch import PARENT_PID
+    from buildtrain.executor.process.launch import PARENT_PID
 
     parent = os.environ.get(PARENT_PID)
     if parent:

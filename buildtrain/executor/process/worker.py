@@ -1,4 +1,4 @@
-"""The process that executes one step: `python -m buildtrain.executor.worker --job JOB.json`.
+"""The process that executes one step: `python -m buildtrain.executor.process.worker --job JOB.json`.
 
 It is started by the executor with the numerics environment already in place, imports torch only
 after checking that, logs structured JSON events to a pipe the executor reads, builds the step's
@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, StepFailed, accept_stop_signals
-from buildtrain.executor import logs, numerics
-from buildtrain.executor.faults import signal_after_publish_for_tests, signal_inside_import_for_tests
-from buildtrain.executor.job import Job, JobNumerics
-from buildtrain.executor.launch import PARENT_PID, die_with_parent
-from buildtrain.executor.processes import JOB_EXIT
+from buildtrain.executor.process import logs, numerics
+from buildtrain.executor.process.faults import signal_after_publish_for_tests, signal_inside_import_for_tests
+from buildtrain.executor.process.job import Job, JobNumerics
+from buildtrain.executor.process.launch import PARENT_PID, die_with_parent
+from buildtrain.executor.process.processes import JOB_EXIT
 from buildtrain.kinds import kind_of
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.failures import out_of_memory
@@ -61,7 +61,7 @@ def _interrupt_now(number: int, _: object) -> None:
 
 
 def execute(job: Job, log: Any, observer: ObserverFactory | None = None) -> int:
-    from buildtrain.executor.inputs import verified_inputs
+    from buildtrain.executor.process.inputs import verified_inputs
     from buildtrain.steps.context import StepContext
     from buildtrain.steps.eval.cache import StoreResults
     from buildtrain.steps.sources import planned_sources
@@ -148,7 +148,7 @@ def _evaluate_checkpoint(job: Job, store: Store, settings: NumericsConfig, step:
     """Evaluation beside training: score the kept checkpoint the job names, of the train step
     that is the step's `checkpoints_of` input (whose output does not exist yet), and record each
     result in the evaluation cache; nothing is published."""
-    from buildtrain.executor.inputs import verified_inputs
+    from buildtrain.executor.process.inputs import verified_inputs
     from buildtrain.steps.context import StepContext
     from buildtrain.steps.eval.cache import StoreResults
     from buildtrain.steps.sources import planned_sources
@@ -298,7 +298,7 @@ def serve(control_fd: int, log: Any, observer: ObserverFactory | None = None) ->
 
 def main(argv: list[str] | None = None, observer: ObserverFactory | None = None) -> int:
     """Run the job (or serve jobs) named by `argv`; `observer` makes a train step's observer."""
-    parser = argparse.ArgumentParser(prog="buildtrain.executor.worker")
+    parser = argparse.ArgumentParser(prog="buildtrain.executor.process.worker")
     job_or_serve = parser.add_mutually_exclusive_group(required=True)
     job_or_serve.add_argument("--job", help="JSON job description written by the executor")
     job_or_serve.add_argument("--serve", type=int, metavar="FD", help="socket to receive jobs on")

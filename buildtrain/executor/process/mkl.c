@@ -1,4 +1,4 @@
-/* MKL's vendor check, answered "yes" (loaded by buildtrain/executor/mkl.py before torch).
+/* MKL's vendor check, answered "yes" (loaded by buildtrain/executor/process/mkl.py before torch).
  *
  * MKL honours a conditional-numerical-reproducibility branch (MKL_CBWR=AVX2,STRICT) only when
  * this internal function says the CPU is Intel's; on any other vendor it silently computes on its

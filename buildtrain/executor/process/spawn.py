@@ -15,9 +15,9 @@ from typing import Any, TextIO
 import attrs
 
 from buildtrain.errors import ExitCode
-from buildtrain.executor import numerics
-from buildtrain.executor.job import PLAIN_RUN, JobOptions
-from buildtrain.executor.launch import (
+from buildtrain.executor.process import numerics
+from buildtrain.executor.process.job import PLAIN_RUN, JobOptions
+from buildtrain.executor.process.launch import (
     PARENT_PID,
     SINGLE_PROCESS,
     Launch,
@@ -26,9 +26,9 @@ from buildtrain.executor.launch import (
     python,
     root_cause,
 )
-from buildtrain.executor.outcome import Outcome
-from buildtrain.executor.policy import step_launch
-from buildtrain.executor.processes import JOB_EXIT, StepProcesses, Worker
+from buildtrain.executor.process.outcome import Outcome
+from buildtrain.executor.process.policy import step_launch
+from buildtrain.executor.process.processes import JOB_EXIT, StepProcesses, Worker
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
@@ -60,7 +60,7 @@ def spawn(
         env[PARENT_PID] = str(os.getpid())
     # A watched job (bt verify) runs in verify's entry point, which hands this worker its watcher:
     # the executor never imports verification.
-    module = "buildtrain.verify.worker" if options.watch else "buildtrain.executor.worker"
+    module = "buildtrain.verify.worker" if options.watch else "buildtrain.executor.process.worker"
     arguments = ["-m", module, "--job", str(job_path)]
     failure = None
     try:

@@ -73,9 +73,7 @@ def load_shim() -> str | None:
     loaded (None: loaded), for `check_branch` to name if MKL then ignores the asked branch; an
     Intel CPU needs no shim, so a missing compiler fails nothing by itself. Once per process."""
     if native.compiler() is None:
-        return (
-            "no C compiler builds buildtrain's MKL shim (executor/mkl.c): install one (apt-get install gcc)"
-        )
+        return "no C compiler builds buildtrain's MKL shim (executor/process/mkl.c): install one (apt-get install gcc)"
     try:
         native.load(SHIM, threaded=False, shared_symbols=True)
     except (StepFailed, OSError) as exc:

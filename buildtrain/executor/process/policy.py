@@ -9,8 +9,8 @@ import attrs
 
 from buildtrain.config.schema import NumericsConfig
 from buildtrain.errors import ToolchainMismatch, UsageError
-from buildtrain.executor import numerics
-from buildtrain.executor.launch import Launch
+from buildtrain.executor.process import numerics
+from buildtrain.executor.process.launch import Launch
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.toolchain import cpu_facts, differences, portable_target

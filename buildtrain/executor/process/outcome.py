@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import CorruptObject, ExitCode, Interrupted, StepFailed
-from buildtrain.executor.launch import RankFailure
+from buildtrain.executor.process.launch import RankFailure
 from buildtrain.plan.plan import Plan, Step
 
 

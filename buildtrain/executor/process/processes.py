@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import attrs
 
-from buildtrain.executor.launch import python
+from buildtrain.executor.process.launch import python
 
 if TYPE_CHECKING:
     import socket
@@ -91,7 +91,7 @@ def start(env: dict[str, str]) -> Worker:
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     read_fd, write_fd = os.pipe()
-    command = [*python(), "-m", "buildtrain.executor.worker"]
+    command = [*python(), "-m", "buildtrain.executor.process.worker"]
     process = subprocess.Popen(
         [*command, "--serve", str(theirs.fileno()), "--events-fd", str(write_fd)],
         env=env,
