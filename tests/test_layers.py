@@ -158,8 +158,8 @@ ENTRY_POINTS = {
         "buildtrain.executor.process.launch",
         "buildtrain.executor.deliver",
         "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
-        "buildtrain.executor.engine",  # --executor: which engine, with what options
-        "buildtrain.executor.probes",  # --executor: what a preset is planned for (the workers, kept)
+        "buildtrain.executor.engines.engine",  # --executor: which engine, with what options
+        "buildtrain.executor.engines.probes",  # --executor: what a preset is planned for (the workers, kept)
         "buildtrain.executor.adhoc",  # bt eval: one suite scored on a built plan's weights
     ),
 }

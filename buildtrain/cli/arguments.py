@@ -165,7 +165,7 @@ def add_executor(sub: argparse.ArgumentParser, planning: bool = False) -> None:
 
 
 # --slurm-* options: (option, variable, help); their values reach the engine as strings and are
-# checked there (buildtrain/executor/slurm_engine.py), with the variables as fallback.
+# checked there (buildtrain/executor/engines/slurm_engine.py), with the variables as fallback.
 SLURM_OPTIONS = (
     ("partition", "BT_SLURM_PARTITION", "the partition each step's job is submitted to (default: Slurm's)"),
     ("account", "BT_SLURM_ACCOUNT", "the account the jobs are charged to"),

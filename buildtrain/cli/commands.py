@@ -20,8 +20,8 @@ from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.executor.engine import Engine
-    from buildtrain.executor.probes import WorkerProbes
+    from buildtrain.executor.engines.engine import Engine
+    from buildtrain.executor.engines.probes import WorkerProbes
     from buildtrain.executor.process.launch import Launch
     from buildtrain.executor.run import RunOptions
     from buildtrain.plan.plan import Plan
@@ -145,7 +145,7 @@ def engine_of(args: argparse.Namespace) -> Iterator[Engine | None]:
         yield None
         return
     from buildtrain.cli.arguments import engine_settings
-    from buildtrain.executor.engine import DEFAULT_ENGINE, EngineOptions, engine_name, open_engine
+    from buildtrain.executor.engines.engine import DEFAULT_ENGINE, EngineOptions, engine_name, open_engine
 
     name = engine_name(given)
     if name == DEFAULT_ENGINE:
@@ -165,7 +165,7 @@ def worker_probe(
     only when a preset is planned; kept in the store unless `fresh`), else this machine (None)."""
     if engine is None:
         return None
-    from buildtrain.executor.probes import WorkerProbes
+    from buildtrain.executor.engines.probes import WorkerProbes
 
     return WorkerProbes(engine=engine, store=store, say=(lambda _: None) if quiet else err, fresh=fresh)
 
@@ -178,7 +178,7 @@ def _built(store: Store, targets: list[Target]) -> bool:
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
     from buildtrain.cli.arguments import engine_settings
     from buildtrain.cli.team import min_attestations, remote_of
-    from buildtrain.executor.engine import EngineOptions, engine_name
+    from buildtrain.executor.engines.engine import EngineOptions, engine_name
     from buildtrain.executor.run import RunOptions
 
     return RunOptions(

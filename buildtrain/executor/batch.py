@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted
-from buildtrain.executor.engine import Engine
+from buildtrain.executor.engines.engine import Engine
 from buildtrain.executor.process.processes import StepProcesses
 from buildtrain.executor.run import LOCAL, RunOptions, engine_for, run_plan, signals_interrupt
 from buildtrain.executor.schedule import LiveSteps

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.errors import BuildtrainError, ExitCode
-from buildtrain.executor.engine import Engine, Handle, Submission, job_of
+from buildtrain.executor.engines.engine import Engine, Handle, Submission, job_of
 from buildtrain.executor.process import numerics
 from buildtrain.executor.process.job import JobOptions
 from buildtrain.executor.process.launch import PARENT_PID

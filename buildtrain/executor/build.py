@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.errors import CorruptObject, StepFailed
-from buildtrain.executor.engine import Engine, Submission
-from buildtrain.executor.local import LocalEngine
-from buildtrain.executor.on_node import NODE_PUSHED
+from buildtrain.executor.engines.engine import Engine, Submission
+from buildtrain.executor.engines.local import LocalEngine
+from buildtrain.executor.engines.on_node import NODE_PUSHED
 from buildtrain.executor.process.launch import Launch
 from buildtrain.executor.process.outcome import StepResult, raise_for_status
 from buildtrain.executor.process.spawn import spawn

@@ -23,8 +23,8 @@ import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, UsageError
 from buildtrain.executor.build import Builder
-from buildtrain.executor.engine import DEFAULT_ENGINE, Engine, EngineOptions, open_engine
-from buildtrain.executor.local import LocalEngine
+from buildtrain.executor.engines.engine import DEFAULT_ENGINE, Engine, EngineOptions, open_engine
+from buildtrain.executor.engines.local import LocalEngine
 from buildtrain.executor.process import numerics
 from buildtrain.executor.process.launch import SINGLE_PROCESS, Launch
 from buildtrain.executor.process.outcome import StepResult

@@ -19,7 +19,7 @@ from buildtrain.executor.process.outcome import StepResult
 from buildtrain.plan.plan import Step
 
 if TYPE_CHECKING:
-    from buildtrain.executor.engine import Handle
+    from buildtrain.executor.engines.engine import Handle
 
 
 # How long the main thread sleeps at a time while steps run. The kernel may hand a process signal

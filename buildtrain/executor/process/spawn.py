@@ -100,7 +100,7 @@ def _write_job(
     options: JobOptions,
     on_event: Callable[[dict[str, Any]], None],
 ) -> Path:
-    from buildtrain.executor.engine import Submission, job_of
+    from buildtrain.executor.engines.engine import Submission, job_of
 
     job = job_of(
         Submission(store=store, plan=plan, step=step, threads=threads, lock_fd=-1, options=options), on_event

@@ -7,7 +7,7 @@ a step must be built: a null build never does. A task that dies with its worker 
 killed process) is retried by Ray; with a remote the new attempt resumes from the newest
 checkpoint the lost one pushed. Ranks meet at an address that a first task in the placement
 group's bundle 0 picks (rank 0's node, a free port): the rendezvous goes through Ray. Finding
-the cluster (the address checked, or a local instance) is `executor/ray_cluster.py`'s.
+the cluster (the address checked, or a local instance) is `executor/engines/ray_cluster.py`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import EngineUnavailable, ToolchainMismatch
-from buildtrain.executor.engine import (
+from buildtrain.executor.engines.engine import (
     EngineOptions,
     OnEvent,
     Resources,
@@ -31,10 +31,10 @@ from buildtrain.executor.engine import (
     job_of,
     resources_of,
 )
-from buildtrain.executor.on_node import REFUSED, NodeRequest, NodeResult, node_name, run_on_node
+from buildtrain.executor.engines.on_node import REFUSED, NodeRequest, NodeResult, node_name, run_on_node
+from buildtrain.executor.engines.ray_cluster import LocalInstance, probe
 from buildtrain.executor.process.launch import RankFailure
 from buildtrain.executor.process.outcome import Outcome
-from buildtrain.executor.ray_cluster import LocalInstance, probe
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
 

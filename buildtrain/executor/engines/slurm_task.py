@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from buildtrain.executor.on_node import REFUSED, toolchain_problem
+from buildtrain.executor.engines.on_node import REFUSED, toolchain_problem
 from buildtrain.executor.process.job import Job
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.toolchain import Machine

@@ -9,7 +9,7 @@ job's own files (submitit's, the events, the outcome) live in the store's tmp/sl
 `bt run` follows a job through `scontrol show job` and the events file its worker appends to; a
 job ends only in one of Slurm's final states, and its step's outcome counts only when rank 0
 wrote it in the job's last run (a requeued job runs again under the same id): that is
-`executor/slurm_jobs.py`; this module submits, and turns a refused submission into one line
+`executor/engines/slurm_jobs.py`; this module submits, and turns a refused submission into one line
 naming the fix. Nothing here imports submitit until a step is submitted, so a null build never
 loads it or asks Slurm anything.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import EngineUnavailable, UsageError
-from buildtrain.executor.engine import (
+from buildtrain.executor.engines.engine import (
     EngineOptions,
     OnEvent,
     Resources,
@@ -38,8 +38,8 @@ from buildtrain.executor.engine import (
     job_of,
     resources_of,
 )
-from buildtrain.executor.slurm_jobs import SlurmHandle, check_controller, first_line
-from buildtrain.executor.slurm_task import StepTask, machine_of_node
+from buildtrain.executor.engines.slurm_jobs import SlurmHandle, check_controller, first_line
+from buildtrain.executor.engines.slurm_task import StepTask, machine_of_node
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.store import Store
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from buildtrain.executor.engine import EngineOptions, OnEvent, Submission
+from buildtrain.executor.engines.engine import EngineOptions, OnEvent, Submission
 from buildtrain.executor.process.outcome import Outcome
 from buildtrain.executor.process.processes import StepProcesses
 from buildtrain.executor.process.spawn import spawn

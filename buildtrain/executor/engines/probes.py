@@ -22,7 +22,7 @@ from cattrs.errors import BaseValidationError
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.convert import converter
-from buildtrain.executor.engine import Engine
+from buildtrain.executor.engines.engine import Engine
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store.layout import WORKER_PROBES
 from buildtrain.store.store import Store

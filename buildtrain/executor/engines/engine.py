@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 # The engines `--executor` names, each the module that implements it (imported only when named).
 ENGINES: Mapping[str, str] = {
-    "local": "buildtrain.executor.local",
-    "ray": "buildtrain.executor.ray_engine",
-    "slurm": "buildtrain.executor.slurm_engine",
+    "local": "buildtrain.executor.engines.local",
+    "ray": "buildtrain.executor.engines.ray_engine",
+    "slurm": "buildtrain.executor.engines.slurm_engine",
 }
 DEFAULT_ENGINE = "local"
 OnEvent = Callable[[dict[str, Any]], None]

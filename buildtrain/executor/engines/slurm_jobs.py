@@ -1,7 +1,7 @@
 """A submitted Slurm job, followed (`bt run --executor slurm`): the controller asked through
 `scontrol`, the events the job's ranks append to forwarded line by line, requeues noted, and the
 step's outcome read from rank 0's file of the job's last run. Submitting is
-`executor/slurm_engine.py`'s; nothing here imports submitit, so following a job never loads it.
+`executor/engines/slurm_engine.py`'s; nothing here imports submitit, so following a job never loads it.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import EngineUnavailable, ExitCode, ToolchainMismatch
-from buildtrain.executor.engine import OnEvent
-from buildtrain.executor.on_node import REFUSED
+from buildtrain.executor.engines.engine import OnEvent
+from buildtrain.executor.engines.on_node import REFUSED
+from buildtrain.executor.engines.slurm_task import TaskOutcome, events_path, outcome_path
 from buildtrain.executor.process.outcome import Outcome
-from buildtrain.executor.slurm_task import TaskOutcome, events_path, outcome_path
 
 # Seconds between two looks at a job (one `scontrol` call each); a step takes seconds at least.
 POLL_S = 0.5

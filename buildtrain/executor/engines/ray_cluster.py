@@ -1,7 +1,7 @@
 """Where `bt run --executor ray` finds its cluster: the one `RAY_ADDRESS` names, checked to
 answer before Ray's client is asked (one line instead of minutes of retries), or a local
 instance started for this run and stopped with it. Nothing here imports Ray (a local instance is
-Ray's own `ray start` command); submitting steps is `executor/ray_engine.py`'s.
+Ray's own `ray start` command); submitting steps is `executor/engines/ray_engine.py`'s.
 """
 
 from __future__ import annotations
