@@ -157,7 +157,7 @@ ENTRY_POINTS = {
         "buildtrain.executor.batch",
         "buildtrain.executor.process.launch",
         "buildtrain.executor.deliver",
-        "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
+        "buildtrain.executor.remote.transfer",  # bt push, bt pull, ls/show --remote, verify --push
         "buildtrain.executor.engines.engine",  # --executor: which engine, with what options
         "buildtrain.executor.engines.probes",  # --executor: what a preset is planned for (the workers, kept)
         "buildtrain.executor.adhoc",  # bt eval: one suite scored on a built plan's weights

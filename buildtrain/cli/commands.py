@@ -254,7 +254,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _attest(args: argparse.Namespace, store: Store, plan: Plan, verification: Any) -> None:
     """`bt verify --push`: attest on the remote each step this verification reproduced."""
     from buildtrain.cli.team import remote_of
-    from buildtrain.executor.transfer import attest_plan
+    from buildtrain.executor.remote.transfer import attest_plan
 
     url = remote_of(args, required=True)
     assert url is not None

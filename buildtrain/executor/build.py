@@ -30,7 +30,7 @@ from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
     from buildtrain.executor.beside import Beside
-    from buildtrain.executor.remote import RemoteCache
+    from buildtrain.executor.remote.remote import RemoteCache
 
 
 def damaged_inputs(store: Store, plan: Plan, step: Step) -> list[Step]:

@@ -38,7 +38,7 @@ from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.executor.remote import RemoteCache
+    from buildtrain.executor.remote.remote import RemoteCache
     from buildtrain.store.remote.url import RemoteUrl
 
 
@@ -226,7 +226,7 @@ def _remote_cache(url: RemoteUrl | None, reporter: Reporter, min_attestations: i
     of it, and a run with one opens it only when a step is not in the local store)."""
     if url is None:
         return None
-    from buildtrain.executor.remote import RemoteCache
+    from buildtrain.executor.remote.remote import RemoteCache
 
     return RemoteCache(url, reporter.step, min_attestations)
 

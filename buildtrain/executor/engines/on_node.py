@@ -197,7 +197,7 @@ def _cache(request: NodeRequest, events: list[dict[str, Any]]) -> Any:
     """The node's side of the team cache (None without a remote); what it says becomes events."""
     if request.remote is None:
         return None
-    from buildtrain.executor.remote import RemoteCache
+    from buildtrain.executor.remote.remote import RemoteCache
     from buildtrain.store.remote.url import parse_url
 
     def say(label: str, text: str) -> None:

@@ -10,7 +10,7 @@ import json
 import attrs
 
 from buildtrain.errors import ExitCode, RemoteDamaged, UsageError
-from buildtrain.executor.remote import RemoteCache
+from buildtrain.executor.remote.remote import RemoteCache
 from buildtrain.kinds import KINDS
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects

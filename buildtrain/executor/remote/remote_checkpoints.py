@@ -1,7 +1,7 @@
 """The team cache's checkpoints of a resumable step: with no local checkpoint, a build starts
 from the newest one on the remote that verifies (and pulls the older ones its output keeps);
 while it runs, each new checkpoint it keeps is pushed from a thread of this process. A part of
-`executor/remote.py`'s `RemoteCache`, which holds the remote, the run's messages and what was
+`executor/remote/remote.py`'s `RemoteCache`, which holds the remote, the run's messages and what was
 pushed; leases, pulls and pushes of outputs stay there.
 """
 

@@ -7,7 +7,7 @@ pulled byte is checked by the library (`store/remote/remote.py`) and re-hashed b
 before its first use; a damaged or foreign object is named and the step is built locally; a push
 that fails is a warning (the local result is good); a push that finds a different result on the
 remote is non-determinism, reported and never overwritten. A resumable step's checkpoints go
-through the remote in `executor/remote_checkpoints.py`.
+through the remote in `executor/remote/remote_checkpoints.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import attrs
 
 from buildtrain.canonical import digest
 from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
-from buildtrain.executor.remote_checkpoints import SharedCheckpoints
+from buildtrain.executor.remote.remote_checkpoints import SharedCheckpoints
 from buildtrain.kinds import kind_of
 from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
