@@ -106,11 +106,11 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     the canonical encoding is not."""
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from buildtrain.canonical import digest\n\ndef f():\n    from buildtrain.executor.run import run_plan\n"
+        "from buildtrain.canonical import digest\n\ndef f():\n    from buildtrain.executor.loop.run import run_plan\n"
     )
     known = {**modules(), "buildtrain.store.probe": probe}
     assert [line for line in violations(known) if "probe" in line] == [
-        "probe.py:4 (store) imports buildtrain.executor.run (executor)"
+        "probe.py:4 (store) imports buildtrain.executor.loop.run (executor)"
     ]
 
 
@@ -153,8 +153,8 @@ def test_presentation_never_imports_torch_itself() -> None:
 # never reaches into a step for a fact about a file (those live in store/layout.py and beside it).
 ENTRY_POINTS = {
     "presentation": (
-        "buildtrain.executor.run",
-        "buildtrain.executor.batch",
+        "buildtrain.executor.loop.run",
+        "buildtrain.executor.loop.batch",
         "buildtrain.executor.process.launch",
         "buildtrain.executor.deliver",
         "buildtrain.executor.remote.transfer",  # bt push, bt pull, ls/show --remote, verify --push
@@ -177,7 +177,7 @@ NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
 
 
 def owner(name: str, known: dict[str, Path]) -> str:
-    """The module an imported name lives in (`buildtrain.executor.run.RunOptions` -> `...run`)."""
+    """The module an imported name lives in (`buildtrain.executor.loop.run.RunOptions` -> `...run`)."""
     parts = name.split(".")
     while parts:
         found = known_module(".".join(parts), known)

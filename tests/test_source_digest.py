@@ -30,8 +30,8 @@ WITH_BPE = ['data.tokenizer={ kind = "bpe", vocab_size = 300 }']
 PRESENTATION = (
     "buildtrain.cli",
     "buildtrain.views.text",
-    "buildtrain.executor.progress",
-    "buildtrain.executor.run",
+    "buildtrain.executor.loop.progress",
+    "buildtrain.executor.loop.run",
     "buildtrain.verify.verify",
     "buildtrain.verify.watch",
     "buildtrain.verify.fsck",

@@ -22,8 +22,8 @@ from buildtrain.store.store import Store
 if TYPE_CHECKING:
     from buildtrain.executor.engines.engine import Engine
     from buildtrain.executor.engines.probes import WorkerProbes
+    from buildtrain.executor.loop.run import RunOptions
     from buildtrain.executor.process.launch import Launch
-    from buildtrain.executor.run import RunOptions
     from buildtrain.plan.plan import Plan
     from buildtrain.plan.refs import Target
 
@@ -94,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from buildtrain.executor.run import run_plan
+    from buildtrain.executor.loop.run import run_plan
     from buildtrain.plan.refs import resolve_targets
     from buildtrain.views.results import suites_text
 
@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if text := suites_text(store, targets[0].plan):  # scores where a person looks
                 err(text)
             return code
-        from buildtrain.executor.batch import run_plans
+        from buildtrain.executor.loop.batch import run_plans
         from buildtrain.views.sweep import batch_text
 
         summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets], engine=engine)
@@ -179,7 +179,7 @@ def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) 
     from buildtrain.cli.arguments import engine_settings
     from buildtrain.cli.team import min_attestations, remote_of
     from buildtrain.executor.engines.engine import EngineOptions, engine_name
-    from buildtrain.executor.run import RunOptions
+    from buildtrain.executor.loop.run import RunOptions
 
     return RunOptions(
         threads=threads,

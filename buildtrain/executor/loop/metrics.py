@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.errors import BuildtrainError
-from buildtrain.executor.events import EventWriter
+from buildtrain.executor.loop.events import EventWriter
 from buildtrain.store.store import Store
 
 TRAIN_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")

@@ -16,12 +16,12 @@ from buildtrain.errors import CorruptObject, StepFailed
 from buildtrain.executor.engines.engine import Engine, Submission
 from buildtrain.executor.engines.local import LocalEngine
 from buildtrain.executor.engines.on_node import NODE_PUSHED
+from buildtrain.executor.loop.progress import Reporter
+from buildtrain.executor.loop.record import RunRecord
+from buildtrain.executor.loop.schedule import LiveSteps
 from buildtrain.executor.process.launch import Launch
 from buildtrain.executor.process.outcome import StepResult, raise_for_status
 from buildtrain.executor.process.spawn import spawn
-from buildtrain.executor.progress import Reporter
-from buildtrain.executor.record import RunRecord
-from buildtrain.executor.schedule import LiveSteps
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import objects
@@ -29,7 +29,7 @@ from buildtrain.store.claims import Cached, Claim, Fresh, LockedBy, Resume
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.executor.beside import Beside
+    from buildtrain.executor.loop.beside import Beside
     from buildtrain.executor.remote.remote import RemoteCache
 
 
@@ -185,7 +185,7 @@ class Builder:
         process writes them into this store (`beside.py`); None for any other step."""
         if not shares_store or not kind_of(step.kind).resumable:
             return None
-        from buildtrain.executor.beside import Beside, planned
+        from buildtrain.executor.loop.beside import Beside, planned
 
         if not planned(self.plan, step):
             return None

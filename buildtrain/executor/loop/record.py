@@ -5,7 +5,7 @@ plan.json       the plan snapshot
 train.log       every event as a JSON line (executor and step processes alike)
 metrics.jsonl   training and evaluation metrics, one JSON line each
 summary.json    per step: cache hit, pulled from a remote or executed, duration, output digests; and the outcome
-events.out.tfevents.*  the same training and evaluation scalars for TensorBoard (executor/events.py)
+events.out.tfevents.*  the same training and evaluation scalars for TensorBoard (executor/loop/events.py)
 
 A record is a log, not store data, so nothing in it is fsynced (a null build syncs nothing): its
 files are replaced atomically, and train.log and metrics.jsonl are flushed line by line. Nothing
@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from buildtrain import clock
-from buildtrain.executor.metrics import MetricsCollector
+from buildtrain.executor.loop.metrics import MetricsCollector
 from buildtrain.executor.process import logs
 from buildtrain.executor.process.outcome import StepResult
 from buildtrain.plan.plan import Plan

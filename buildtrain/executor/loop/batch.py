@@ -20,9 +20,9 @@ import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted
 from buildtrain.executor.engines.engine import Engine
+from buildtrain.executor.loop.run import LOCAL, RunOptions, engine_for, run_plan, signals_interrupt
+from buildtrain.executor.loop.schedule import LiveSteps
 from buildtrain.executor.process.processes import StepProcesses
-from buildtrain.executor.run import LOCAL, RunOptions, engine_for, run_plan, signals_interrupt
-from buildtrain.executor.schedule import LiveSteps
 from buildtrain.plan.plan import Plan
 from buildtrain.store.layout import SHORT
 from buildtrain.store.store import Store

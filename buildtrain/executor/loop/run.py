@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.errors import BuildtrainError, ExitCode, Interrupted, UsageError
-from buildtrain.executor.build import Builder
 from buildtrain.executor.engines.engine import DEFAULT_ENGINE, Engine, EngineOptions, open_engine
 from buildtrain.executor.engines.local import LocalEngine
+from buildtrain.executor.loop.build import Builder
+from buildtrain.executor.loop.progress import Reporter
+from buildtrain.executor.loop.record import RunRecord
+from buildtrain.executor.loop.schedule import LiveSteps, build_in_order
 from buildtrain.executor.process import numerics
 from buildtrain.executor.process.launch import SINGLE_PROCESS, Launch
 from buildtrain.executor.process.outcome import StepResult
 from buildtrain.executor.process.policy import pinned_threads, prepare
 from buildtrain.executor.process.processes import StepProcesses
-from buildtrain.executor.progress import Reporter
-from buildtrain.executor.record import RunRecord
-from buildtrain.executor.schedule import LiveSteps, build_in_order
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
