@@ -352,7 +352,7 @@ def test_export_into_the_store_is_refused(micro_built, tmp_path, inside):
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_export_leaves_no_partial_copy(micro_built, tmp_path, monkeypatch, number):
     """The signal arrives once the copy is half made (a deterministic hook, not a sleep)."""
-    from buildtrain.executor import deliver
+    from buildtrain.executor.adhoc import deliver
 
     monkeypatch.chdir(tmp_path)
     store = tmp_path / ".bt"

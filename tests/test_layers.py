@@ -156,11 +156,11 @@ ENTRY_POINTS = {
         "buildtrain.executor.loop.run",
         "buildtrain.executor.loop.batch",
         "buildtrain.executor.process.launch",
-        "buildtrain.executor.deliver",
+        "buildtrain.executor.adhoc.deliver",
         "buildtrain.executor.remote.transfer",  # bt push, bt pull, ls/show --remote, verify --push
         "buildtrain.executor.engines.engine",  # --executor: which engine, with what options
         "buildtrain.executor.engines.probes",  # --executor: what a preset is planned for (the workers, kept)
-        "buildtrain.executor.adhoc",  # bt eval: one suite scored on a built plan's weights
+        "buildtrain.executor.adhoc.score",  # bt eval: one suite scored on a built plan's weights
     ),
 }
 NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [

@@ -100,7 +100,7 @@ def endpoint(text: str) -> str:
 
 def seed(text: str) -> int:
     """A seed torch's generator takes: a whole number in 0..2**64-1."""
-    from buildtrain.executor.deliver import MAX_SEED
+    from buildtrain.executor.adhoc.deliver import MAX_SEED
 
     try:
         value = int(text)
@@ -113,7 +113,7 @@ def seed(text: str) -> int:
 
 def temperature(text: str) -> float:
     """0 (greedy), or a temperature whose division keeps float32 logits finite."""
-    from buildtrain.executor.deliver import MAX_TEMPERATURE, MIN_TEMPERATURE
+    from buildtrain.executor.adhoc.deliver import MAX_TEMPERATURE, MIN_TEMPERATURE
 
     value = non_negative(text)
     if not (value == 0.0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):

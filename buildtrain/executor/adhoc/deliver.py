@@ -74,7 +74,7 @@ def export_plan(store: Store, plan: Plan, destination: Path | None) -> Path:
 def sign_package(package: Path, private_key: Path) -> Path:
     """`bt export --sign KEY`: the exported package signed in the OpenSSF model-signing format;
     the signature's path (beside the package). model-signing is imported only on this path."""
-    from buildtrain.executor.signed_export import sign_export
+    from buildtrain.executor.adhoc.signed_export import sign_export
 
     return sign_export(package, private_key)
 
