@@ -1,10 +1,10 @@
 """The executor seam: where a step's process runs (this machine, a Ray cluster, Slurm).
 
-An engine only places and runs step processes. Everything else is written once above it, in
-`run.py`, `build.py` and `batch.py`: the DAG order (a step starts when its inputs exist), the cache
-checks (a step already built here or on the remote never reaches an engine), the locks, the run
-record and the progress lines. An engine plugs in with one module under `buildtrain.executor`
-named in `ENGINES`, whose `open_engine(options)` returns an `Engine`; it is imported only when
+An engine only places and runs step processes. Everything else is written once above it, in the
+build loop (`executor/loop/`: `run.py`, `build.py`, `batch.py`): the DAG order (a step starts when
+its inputs exist), the cache checks (a step already built here or on the remote never reaches an
+engine), the locks, the run record and the progress lines. An engine plugs in with one module
+under `buildtrain.executor.engines` named in `ENGINES`, whose `open_engine(options)` returns an `Engine`; it is imported only when
 `--executor` (or `BT_EXECUTOR`) names it, so a run on this machine loads nothing of Ray or Slurm.
 
 Given a `Submission` (the store, plan and step, the threads per process, this run's lock on the

@@ -1,7 +1,7 @@
 """The local engine: a step's process on this machine, as `bt run` always started it.
 
 One worker per step, a worker shared by consecutive steps of one numerics environment
-(`processes.py`), or torchrun and its ranks (`launch.py`); see `spawn.py`. Steps run one at a
+(`process/processes.py`), or torchrun and its ranks (`launch.py`); see `spawn.py`. Steps run one at a
 time: the machine's cores go to the step that runs (its ranks or threads), not to several.
 """
 

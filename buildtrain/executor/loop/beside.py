@@ -2,9 +2,9 @@
 is scored as soon as its train step seals it, in a process of its own, while training goes on.
 
 A thread of `bt run` looks into the train step's checkpoint folder (as the remote's pusher does,
-`remote.py`): a checkpoint folder exists under its `step-NNNNNN` name only once its manifest is
+`remote/remote.py`): a checkpoint folder exists under its `step-NNNNNN` name only once its manifest is
 written and it is renamed into place, so what the thread sees is sealed. Each wanted checkpoint
-becomes one job (one work unit): locally, sent to one evaluation worker (`worker.py --serve`,
+becomes one job (one work unit): locally, sent to one evaluation worker (`process/worker.py --serve`,
 started under the plan's numerics on one thread: the second core), which runs its jobs one after
 another; on a cluster engine, a task of its own (a Ray task, a Slurm job) on one core. Each
 result is recorded in the evaluation cache as it is computed, under its own key (checkpoint

@@ -75,7 +75,7 @@ class RunRecord:
         return self.folder.name
 
     def event(self, event: str, **fields: Any) -> None:
-        """An executor event, rendered like the step processes' lines (`logs.py`)."""
+        """An executor event, rendered like the step processes' lines (`process/logs.py`)."""
         self._write_line(logs.event_line(event, **fields))
 
     def _write_line(self, line: str) -> None:

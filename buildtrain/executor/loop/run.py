@@ -4,7 +4,7 @@ The executor itself never imports torch, so a fully cached plan (a null build) r
 A step that must compute runs in `buildtrain.executor.process.worker`, started with the numerics
 environment, holding the step's lock, and reporting JSON events through a pipe that the executor
 writes to the run record and the terminal. Consecutive steps of one numerics environment share a
-worker (see `processes.py`); a train step on several processes runs the same worker on every rank
+worker (see `process/processes.py`); a train step on several processes runs the same worker on every rank
 under torchrun (see `launch.py`), the events arriving on its stdout.
 """
 

@@ -250,7 +250,7 @@ class RemoteCache(SharedCheckpoints):
         False: nothing to build), else yield True holding the remote lease while it builds. A
         remote that cannot be reached is one line, and the run goes on without it. Without
         `checkpoints` a resumable step's checkpoints are left to the process that builds it (on
-        a cluster node, in a store of its own: see `on_node.py`)."""
+        a cluster node, in a store of its own: see `engines/on_node.py`)."""
         try:
             pulled = not self.offline and self.pull(store, step)
         except RemoteUnavailable as exc:
