@@ -447,3 +447,30 @@ def test_the_size_rule_catches_a_long_module_and_a_long_method(tmp_path: Path) -
     known = {"buildtrain.store.probe": probe, "buildtrain.cli.parser": probe}
     assert long_modules(known) == {"buildtrain.store.probe": MAX_MODULE_LINES + MAX_FUNCTION_LINES + 3}
     assert long_functions(known) == {"buildtrain.store.probe.C.m": MAX_FUNCTION_LINES + 1}
+
+
+# -- cluster clients -------------------------------------------------------------------------------
+
+# Ray and Slurm's client are imported only inside their engines, so a run on this machine never
+# loads them (`tests/test_executor.py` proves the run side by importtime; this names the modules).
+CLUSTER_CLIENTS = {
+    "ray": ("buildtrain.executor.engines.ray_engine",),
+    "submitit": ("buildtrain.executor.engines.slurm_engine", "buildtrain.executor.engines.slurm_task"),
+}
+
+
+def test_ray_and_submitit_are_imported_only_inside_their_engines() -> None:
+    wrong = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                client = name.split(".")[0]
+                if client in CLUSTER_CLIENTS and module not in CLUSTER_CLIENTS[client]:
+                    wrong.append(f"{module}:{node.lineno} imports {name}")
+    assert not wrong, "cluster clients imported outside their engines:\n" + "\n".join(wrong)
