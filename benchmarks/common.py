@@ -207,7 +207,7 @@ def measure_in_child(script: str, threads: int, rounds: int) -> Any:
     """What `script --child` prints last (JSON: its measurements), run in a process started with
     the `native` numerics environment for `threads`, which MKL, OpenMP and the allocator read when
     torch loads; None, after its error output, if it failed."""
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
 
     env = {**os.environ, **numerics.environment("native", "cpu", threads)}
     spec = json.dumps({"threads": threads, "rounds": rounds})

@@ -139,7 +139,7 @@ def in_one_process(space: Workspace, n: int) -> None:
     """The tree's own cost, without processes or start-up: one model, one process, the two
     reductions alternated update by update (forward, backward, reduction, clip, AdamW step)."""
     space.import_buildtrain()
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
 
     threads = os.cpu_count() or 1
     os.environ.update(numerics.environment("portable", "cpu", threads))  # before torch loads

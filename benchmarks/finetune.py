@@ -186,7 +186,7 @@ def preset(space: Workspace, folder: Path, steps: int) -> Path:
 
 
 def lora_throughput(space: Workspace, args: Any, n: int) -> dict[str, list[float]]:
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
 
     steps = 12 if args.quick else 30
     folder = space.path("train-checkpoint", "hf")

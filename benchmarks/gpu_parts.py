@@ -38,7 +38,7 @@ def parts_child(spec: dict[str, Any], build_model: Callable[[dict[str, Any]], An
     import torch
 
     sys.path.insert(0, spec["src"])
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
     from buildtrain.steps.train.optimizer import AdamW
     from buildtrain.steps.train.reduce import gradients_to_vector, vector_to_gradients
     from buildtrain.steps.train.trainer import param_groups
@@ -142,7 +142,7 @@ def workspace_child(spec: dict[str, Any], build_model: Callable[[dict[str, Any]]
     import torch
 
     sys.path.insert(0, spec["src"])
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
 
     device = torch.device(spec["device"])
     numerics.apply_after_import(torch, "native", device.type, 1)
@@ -192,7 +192,7 @@ def report_parts(script: str, space: Workspace, base: dict[str, Any], add: Calla
     and what they add up to beyond the plain loop's own parts."""
     note("timing the parts of bt's update")
     space.import_buildtrain()
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
 
     environment = numerics.environment("native", base["device"], 1)  # the step process's
     times = child_json(script, {**base, "parts": True}, space.env(**environment))

@@ -170,7 +170,7 @@ def train_output(space: object) -> tuple[object, object, str]:
 def checked_pull(url: object, plan: object, step: object) -> Callable[[object], object]:
     """What `bt run` does to pull a step: every blob hashed as it is written, every declared
     digest re-derived from the files, kept checkpoints against the trace, then the store's check."""
-    from buildtrain.executor.remote import RemoteCache
+    from buildtrain.executor.remote.remote import RemoteCache
 
     def pull_into(store: object) -> object:
         store.save_plan(plan.hash, plan.canonical())  # type: ignore[attr-defined]

@@ -106,7 +106,7 @@ def op_census(space: Workspace) -> int:
     """Print which kernels change with the thread count; return how many do."""
     from_env = {k: v for k, v in space.env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     sys.path.insert(0, str(space.src or ""))
-    from buildtrain.executor.numerics import PORTABLE_CPU
+    from buildtrain.executor.process.numerics import PORTABLE_CPU
 
     env = {**from_env, **PORTABLE_CPU}
     done = subprocess.run(

@@ -1,7 +1,7 @@
 """Training throughput: tokens/s of buildtrain's training loop against a minimal PyTorch loop.
 
 Contenders, alternated round by round, each in its own fresh process started with the numerics
-environment of its profile (buildtrain.executor.numerics.environment), since MKL and ATen read it
+environment of its profile (buildtrain.executor.process.numerics.environment), since MKL and ATen read it
 when torch loads:
 
   plain          a hand-written loop: buildtrain's Transformer (the model of presets/tiny.toml,
@@ -29,7 +29,7 @@ Both loops time the same window, in the process, excluding start-up: from the en
 buildtrain always digests and checkpoints there). Each profile runs buildtrain twice: with the
 default train.digest_every = 1 (a fingerprint of every weight after every update, the full
 blake3 of the state at checkpoints, part of buildtrain's cost) and with digest_every = train.steps, so the digest cost is
-visible separately. Two more portable contenders price MKL's branch (executor/mkl.py): without
+visible separately. Two more portable contenders price MKL's branch (executor/process/mkl.py): without
 the vendor shim (portable as it was before it: on an AMD CPU MKL then runs AUTO, on an Intel one
 the same AVX2,STRICT), and with the shim but MKL_CBWR=AVX2, not strict.
 
@@ -285,7 +285,7 @@ def import_torch_as(spec: dict[str, Any]) -> Any:
     environment with MKL left to its vendor's own branch (no shim: the profile before the shim;
     on an AMD CPU, AUTO), or with MKL_CBWR=AVX2 not strict (shim loaded; the environment asks
     for it); the branch MKL took is checked either way."""
-    from buildtrain.executor import mkl, numerics
+    from buildtrain.executor.process import mkl, numerics
 
     variant = spec.get("mkl", "checked")
     if variant == "checked":
@@ -304,7 +304,7 @@ def import_torch_as(spec: dict[str, Any]) -> Any:
 def child_buildtrain(spec: dict[str, Any]) -> dict[str, Any]:
     import attrs
 
-    from buildtrain.executor.logs import configure
+    from buildtrain.executor.process.logs import configure
 
     torch = import_torch_as(spec)
     from buildtrain.steps.context import StepContext
@@ -394,7 +394,7 @@ class Results:
 def contenders(
     space: Workspace, plans: dict[tuple[str, int], str], data_dir: Path, spec: dict[str, Any], found: Results
 ) -> list[tuple[str, Any]]:
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
 
     runs = iter(range(1_000_000))
     steps = spec["steps"]

@@ -73,7 +73,7 @@ def load(source: Path, *, threaded: bool = True, shared_symbols: bool = False) -
 
     `threaded=False` builds without OpenMP (a library loaded before torch must not bring the
     system's OpenMP runtime in ahead of torch's own); `shared_symbols` loads it RTLD_GLOBAL, so
-    that libraries loaded after it link to its definitions (`executor/mkl.c`)."""
+    that libraries loaded after it link to its definitions (`executor/process/mkl.c`)."""
     cc = compiler()
     if cc is None:
         raise StepFailed(

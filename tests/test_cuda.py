@@ -15,7 +15,7 @@ import torch
 from conftest import MICRO, plan_hash, run_bt, step_digests
 from test_resume import killed_in_checkpoint, resume
 
-from buildtrain.executor import numerics
+from buildtrain.executor.process import numerics
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

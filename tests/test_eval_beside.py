@@ -1,4 +1,4 @@
-"""Evaluation beside training (`executor/beside.py`): each kept checkpoint that `eval.checkpoints_every`
+"""Evaluation beside training (`executor/loop/beside.py`): each kept checkpoint that `eval.checkpoints_every`
 asks for is scored by an evaluation worker of its own as soon as the train step seals it; the
 weights are those of a run without it, every kept checkpoint has its results, and a worker
 killed midway (SIGKILL) leaves neither a duplicate nor a missing result once `bt run` runs again."""

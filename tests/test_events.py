@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sweeps_built import BuiltSweep, built_sweep
 
 from buildtrain.errors import ExitCode
-from buildtrain.executor.events import EventWriter, crc32c, float32, masked_crc
+from buildtrain.executor.loop.events import EventWriter, crc32c, float32, masked_crc
 
 event_file_loader = pytest.importorskip("tensorboard.backend.event_processing.event_file_loader")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

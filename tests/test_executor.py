@@ -14,9 +14,9 @@ from conftest import MICRO, Reference, run_bt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buildtrain.executor.engine import ENGINES, Resources, engine_name
-from buildtrain.executor.outcome import StepResult
-from buildtrain.executor.schedule import build_in_order
+from buildtrain.executor.engines.engine import ENGINES, Resources, engine_name
+from buildtrain.executor.loop.schedule import build_in_order
+from buildtrain.executor.process.outcome import StepResult
 from buildtrain.plan.plan import Step
 
 ENGINE_PACKAGES = ("ray", "submitit")

@@ -27,7 +27,7 @@ from conftest import MICRO, run_bt, summaries
 from buildtrain import cli
 from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import ExitCode
-from buildtrain.executor.launch import Launch
+from buildtrain.executor.process.launch import Launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.objects import append_flushed
@@ -352,7 +352,7 @@ def test_export_into_the_store_is_refused(micro_built, tmp_path, inside):
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_export_leaves_no_partial_copy(micro_built, tmp_path, monkeypatch, number):
     """The signal arrives once the copy is half made (a deterministic hook, not a sleep)."""
-    from buildtrain.executor import deliver
+    from buildtrain.executor.adhoc import deliver
 
     monkeypatch.chdir(tmp_path)
     store = tmp_path / ".bt"

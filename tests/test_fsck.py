@@ -147,7 +147,7 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
 
     from conftest import MICRO
 
-    from buildtrain.executor.run import RunOptions, run_plan
+    from buildtrain.executor.loop.run import RunOptions, run_plan
     from buildtrain.plan.planner import plan_preset
     from buildtrain.sources import stat_cache
     from buildtrain.store import objects

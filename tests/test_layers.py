@@ -106,11 +106,11 @@ def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
     the canonical encoding is not."""
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "from buildtrain.canonical import digest\n\ndef f():\n    from buildtrain.executor.run import run_plan\n"
+        "from buildtrain.canonical import digest\n\ndef f():\n    from buildtrain.executor.loop.run import run_plan\n"
     )
     known = {**modules(), "buildtrain.store.probe": probe}
     assert [line for line in violations(known) if "probe" in line] == [
-        "probe.py:4 (store) imports buildtrain.executor.run (executor)"
+        "probe.py:4 (store) imports buildtrain.executor.loop.run (executor)"
     ]
 
 
@@ -153,14 +153,14 @@ def test_presentation_never_imports_torch_itself() -> None:
 # never reaches into a step for a fact about a file (those live in store/layout.py and beside it).
 ENTRY_POINTS = {
     "presentation": (
-        "buildtrain.executor.run",
-        "buildtrain.executor.batch",
-        "buildtrain.executor.launch",
-        "buildtrain.executor.deliver",
-        "buildtrain.executor.transfer",  # bt push, bt pull, ls/show --remote, verify --push
-        "buildtrain.executor.engine",  # --executor: which engine, with what options
-        "buildtrain.executor.probes",  # --executor: what a preset is planned for (the workers, kept)
-        "buildtrain.executor.adhoc",  # bt eval: one suite scored on a built plan's weights
+        "buildtrain.executor.loop.run",
+        "buildtrain.executor.loop.batch",
+        "buildtrain.executor.process.launch",
+        "buildtrain.executor.adhoc.deliver",
+        "buildtrain.executor.remote.transfer",  # bt push, bt pull, ls/show --remote, verify --push
+        "buildtrain.executor.engines.engine",  # --executor: which engine, with what options
+        "buildtrain.executor.engines.probes",  # --executor: what a preset is planned for (the workers, kept)
+        "buildtrain.executor.adhoc.score",  # bt eval: one suite scored on a built plan's weights
     ),
 }
 NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
@@ -177,7 +177,7 @@ NO_REACH: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
 
 
 def owner(name: str, known: dict[str, Path]) -> str:
-    """The module an imported name lives in (`buildtrain.executor.run.RunOptions` -> `...run`)."""
+    """The module an imported name lives in (`buildtrain.executor.loop.run.RunOptions` -> `...run`)."""
     parts = name.split(".")
     while parts:
         found = known_module(".".join(parts), known)
@@ -447,3 +447,30 @@ def test_the_size_rule_catches_a_long_module_and_a_long_method(tmp_path: Path) -
     known = {"buildtrain.store.probe": probe, "buildtrain.cli.parser": probe}
     assert long_modules(known) == {"buildtrain.store.probe": MAX_MODULE_LINES + MAX_FUNCTION_LINES + 3}
     assert long_functions(known) == {"buildtrain.store.probe.C.m": MAX_FUNCTION_LINES + 1}
+
+
+# -- cluster clients -------------------------------------------------------------------------------
+
+# Ray and Slurm's client are imported only inside their engines, so a run on this machine never
+# loads them (`tests/test_executor.py` proves the run side by importtime; this names the modules).
+CLUSTER_CLIENTS = {
+    "ray": ("buildtrain.executor.engines.ray_engine",),
+    "submitit": ("buildtrain.executor.engines.slurm_engine", "buildtrain.executor.engines.slurm_task"),
+}
+
+
+def test_ray_and_submitit_are_imported_only_inside_their_engines() -> None:
+    wrong = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                client = name.split(".")[0]
+                if client in CLUSTER_CLIENTS and module not in CLUSTER_CLIENTS[client]:
+                    wrong.append(f"{module}:{node.lineno} imports {name}")
+    assert not wrong, "cluster clients imported outside their engines:\n" + "\n".join(wrong)

@@ -1,4 +1,4 @@
-"""MKL's reproducible branch on any x86-64 vendor (`executor/mkl.py`): asked for, made to hold by
+"""MKL's reproducible branch on any x86-64 vendor (`executor/process/mkl.py`): asked for, made to hold by
 the shim on an AMD CPU, and checked after torch loads, failing closed.
 
 What is true differs by vendor, and each test says what it expects on each: MKL grants the asked
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from buildtrain import native
 from buildtrain.errors import ExitCode, StepFailed
-from buildtrain.executor import mkl, numerics
+from buildtrain.executor.process import mkl, numerics
 from buildtrain.plan.toolchain import cpu_vendor
 
 MICRO = REPO / "tests" / "presets" / "micro.toml"
@@ -45,7 +45,7 @@ IMPORT = textwrap.dedent(
     """
     import json, sys
     from buildtrain.errors import StepFailed
-    from buildtrain.executor import mkl, numerics
+    from buildtrain.executor.process import mkl, numerics
     try:
         torch, applied = numerics.import_torch("portable", "cpu", 1)
     except StepFailed as exc:

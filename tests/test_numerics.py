@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from buildtrain.executor import numerics
+from buildtrain.executor.process import numerics
 
 PROFILE_KEYS = (
     set(numerics.PORTABLE_CPU)
@@ -90,7 +90,7 @@ def test_check_before_import_refuses_when_torch_is_already_loaded() -> None:
 CHECK = textwrap.dedent(
     """
     import json, sys
-    from buildtrain.executor import numerics
+    from buildtrain.executor.process import numerics
     assert "torch" not in sys.modules, "importing the numerics module must not import torch"
     if sys.argv[4] == "import-torch":  # stands in for `import torch` at a fraction of the cost
         import types

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain import native
-from buildtrain.executor import numerics
+from buildtrain.executor.process import numerics
 from buildtrain.steps.train import kernels
 from buildtrain.steps.train import optimizer as adamw
 from buildtrain.steps.train.optimizer import AdamW
@@ -140,7 +140,7 @@ def test_the_fused_kernel_updates_a_shard_as_that_part_of_the_whole() -> None:
 
 PORTABLE_UPDATES = """
 import sys
-from buildtrain.executor import numerics
+from buildtrain.executor.process import numerics
 torch, _ = numerics.import_torch("portable", "cpu", 1)
 from buildtrain.steps.train import kernels
 from buildtrain.steps.train import optimizer as adamw

@@ -327,7 +327,7 @@ def machine(target: str, model: str) -> Machine:
 
 def test_the_portable_hash_names_neither_the_cpu_vendor_nor_the_model() -> None:
     """One portable plan trains to the same weights on an Intel Xeon and an AMD EPYC (MKL made to
-    take the asked branch on both, executor/mkl.py): a portable hash stands for the class of CPU,
+    take the asked branch on both, executor/process/mkl.py): a portable hash stands for the class of CPU,
     not its vendor or model; native's names the model."""
     xeon = machine(portable_target(), "Intel(R) Xeon(R) Processor")
     other_xeon = machine(portable_target(), "Intel(R) Xeon(R) Gold 6338")

@@ -390,7 +390,7 @@ def _worker_jobs() -> dict[Path, tuple[int, int]]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if b"buildtrain.executor.worker" not in command or b"--job" not in command:
+        if b"buildtrain.executor.process.worker" not in command or b"--job" not in command:
             continue
         job = Path(command[command.index(b"--job") + 1].decode())
         if job.is_file():

@@ -299,7 +299,7 @@ def test_a_lost_lease_stops_the_step(
     """A renewal that finds another holder's record stops the step (Marin #8107)."""
     import time
 
-    from buildtrain.executor import remote as run_remote
+    from buildtrain.executor.remote import remote as run_remote
     from buildtrain.store.remote import leases
     from buildtrain.store.remote.url import parse_url
 

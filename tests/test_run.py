@@ -457,7 +457,7 @@ def _report_training(progress: bool | None) -> str:
     """What the terminal shows of a train step of 20 updates, logged every 10, on a pipe."""
     import io
 
-    from buildtrain.executor.progress import Reporter
+    from buildtrain.executor.loop.progress import Reporter
 
     stream = io.StringIO()
     reporter = Reporter(progress, log_every=10, stream=stream)
@@ -499,7 +499,7 @@ def test_quiet_run_says_only_what_the_run_came_to(tmp_path):
 def test_the_lines_of_plans_running_at_once_say_whose_they_are():
     import io
 
-    from buildtrain.executor.progress import Reporter
+    from buildtrain.executor.loop.progress import Reporter
 
     stream = io.StringIO()
     reporter = Reporter(False, log_every=1, stream=stream, plan="ae4b709d87ac")

@@ -27,8 +27,8 @@ from conftest import (
 )
 
 from buildtrain.errors import ExitCode, UsageError
-from buildtrain.executor.slurm_engine import SlurmSettings
-from buildtrain.executor.slurm_task import rendezvous
+from buildtrain.executor.engines.slurm_engine import SlurmSettings
+from buildtrain.executor.engines.slurm_task import rendezvous
 
 SWEEP = ("--sweep", "train.lr=3e-3,1e-2", "--sweep", "train.steps=8,12")
 NO_SLURM = "/nonexistent/slurm.conf"  # any Slurm command reading it fails at once

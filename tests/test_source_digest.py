@@ -30,8 +30,8 @@ WITH_BPE = ['data.tokenizer={ kind = "bpe", vocab_size = 300 }']
 PRESENTATION = (
     "buildtrain.cli",
     "buildtrain.views.text",
-    "buildtrain.executor.progress",
-    "buildtrain.executor.run",
+    "buildtrain.executor.loop.progress",
+    "buildtrain.executor.loop.run",
     "buildtrain.verify.verify",
     "buildtrain.verify.watch",
     "buildtrain.verify.fsck",
@@ -190,7 +190,7 @@ NOT_COMPUTING = {
     "buildtrain.store.meta",
     "buildtrain.sources.stat_cache",
     "buildtrain.plan.plan",
-    "buildtrain.executor.inputs",
+    "buildtrain.executor.process.inputs",
 }
 DATA_READING = {
     "buildtrain.steps.data",
@@ -400,13 +400,13 @@ TINY = REPO / "presets" / "tiny.toml"
 # (module file, text, replacement): each is an edit that cannot change a number.
 WORDING = [
     (
-        "executor/numerics.py",
+        "executor/process/numerics.py",
         "# cuBLAS's workspace configuration, read",
         "# the workspace cuBLAS is given, read",
     ),
     ("config/schema.py", '"width of the residual stream"', '"the width of the residual stream"'),
     (
-        "executor/numerics.py",
+        "executor/process/numerics.py",
         '"""The numerics profile, in three parts',
         '"""The numerics profile, in 3 parts',
     ),
@@ -449,7 +449,7 @@ def test_a_comment_a_help_text_or_a_docstring_edit_keeps_the_plan_hash(
     ("file", "text", "replacement"),
     [
         (
-            "executor/numerics.py",
+            "executor/process/numerics.py",
             '"CUBLAS_WORKSPACE_CONFIG": ":4096:8"',
             '"CUBLAS_WORKSPACE_CONFIG": ":4096:16"',
         ),

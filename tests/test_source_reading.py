@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.errors import ExitCode, StepFailed
-from buildtrain.executor import worker
-from buildtrain.executor.job import Job, JobNumerics
+from buildtrain.executor.process import worker
+from buildtrain.executor.process.job import Job, JobNumerics
 from buildtrain.plan.planner import plan_preset
 from buildtrain.steps import formats, sources
 from buildtrain.steps.sources import Source, SourceReader, read_source

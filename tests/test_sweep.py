@@ -182,8 +182,8 @@ def test_each_plan_of_a_sweep_finds_its_record_without_listing_the_experiments(
 ) -> None:
     """The records of earlier runs, the same plans' included, are never read or listed: a sweep
     once listed the experiments folder twice per plan, a cost that grew with every run ever made."""
-    from buildtrain.executor.batch import run_plans
-    from buildtrain.executor.run import RunOptions
+    from buildtrain.executor.loop.batch import run_plans
+    from buildtrain.executor.loop.run import RunOptions
     from buildtrain.plan.stored import load_plan
     from buildtrain.store.store import Store
 

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 from buildtrain.config import preflight, shape
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
-from buildtrain.executor import numerics
-from buildtrain.executor.launch import SINGLE_PROCESS
-from buildtrain.executor.policy import step_launch
+from buildtrain.executor.process import numerics
+from buildtrain.executor.process.launch import SINGLE_PROCESS
+from buildtrain.executor.process.policy import step_launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
 from buildtrain.steps.heldout import evaluate

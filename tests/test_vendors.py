@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, plan_hash, run_bt
 
-from buildtrain.executor import mkl
-from buildtrain.executor.launch import EMULATOR_HOOK
+from buildtrain.executor.process import mkl
+from buildtrain.executor.process.launch import EMULATOR_HOOK
 from buildtrain.plan.stored import load_plan
 from buildtrain.plan.toolchain import cpu_vendor
 from buildtrain.store.store import Store

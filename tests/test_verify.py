@@ -243,7 +243,7 @@ def test_the_watcher_reports_each_update_it_compared_across_a_resume(tmp_path):
 
 
 def test_the_verify_worker_watches_only_a_job_that_asks(tmp_path):
-    from buildtrain.executor.job import Job, JobNumerics, JobOptions
+    from buildtrain.executor.process.job import Job, JobNumerics, JobOptions
     from buildtrain.verify.worker import watcher_for
 
     def job_with(watch):

@@ -15,7 +15,7 @@ import sys
 
 from conftest import MICRO, plan_hash, run_bt
 
-from buildtrain.executor.faults import SIGNAL_AFTER_PUBLISH
+from buildtrain.executor.process.faults import SIGNAL_AFTER_PUBLISH
 
 IN_IMPORT = {"BT_TEST_SIGNAL_IN_IMPORT": "torch.nn"}  # deep inside `import torch`
 
@@ -53,7 +53,7 @@ def test_a_sigterm_inside_import_torch_stops_an_eval_step_before_it_begins(tmp_p
 def test_a_step_process_whose_reader_is_gone_stops_quietly():
     code = (
         "import os\n"
-        "from buildtrain.executor.worker import EventStream\n"
+        "from buildtrain.executor.process.worker import EventStream\n"
         "read, write = os.pipe(); os.close(read)\n"
         "stream = EventStream(os.fdopen(write, 'w', buffering=1))\n"
         "stream.write('{}\\n'); stream.flush()\n"
@@ -65,10 +65,10 @@ def test_a_step_process_whose_reader_is_gone_stops_quietly():
 
 
 def test_a_worker_whose_parent_died_before_it_could_ask_for_its_signal_exits():
-    code = f"from buildtrain.executor.launch import die_with_parent; die_with_parent({os.getpid() + 10**6})"
+    code = f"from buildtrain.executor.process.launch import die_with_parent; die_with_parent({os.getpid() + 10**6})"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 137 and result.stderr == ""
-    same = f"from buildtrain.executor.launch import die_with_parent; die_with_parent({os.getpid()})"
+    same = f"from buildtrain.executor.process.launch import die_with_parent; die_with_parent({os.getpid()})"
     assert subprocess.run([sys.executable, "-c", same], timeout=60).returncode == 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import PurePath
 
-from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+from buildtrain.executor.process.launch import DEFAULT_RDZV_TIMEOUT
 
 # More processes per machine or machines than this is a typo, not a cluster.
 MAX_PROCESSES = 1024
@@ -100,7 +100,7 @@ def endpoint(text: str) -> str:
 
 def seed(text: str) -> int:
     """A seed torch's generator takes: a whole number in 0..2**64-1."""
-    from buildtrain.executor.deliver import MAX_SEED
+    from buildtrain.executor.adhoc.deliver import MAX_SEED
 
     try:
         value = int(text)
@@ -113,7 +113,7 @@ def seed(text: str) -> int:
 
 def temperature(text: str) -> float:
     """0 (greedy), or a temperature whose division keeps float32 logits finite."""
-    from buildtrain.executor.deliver import MAX_TEMPERATURE, MIN_TEMPERATURE
+    from buildtrain.executor.adhoc.deliver import MAX_TEMPERATURE, MIN_TEMPERATURE
 
     value = non_negative(text)
     if not (value == 0.0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
@@ -165,7 +165,7 @@ def add_executor(sub: argparse.ArgumentParser, planning: bool = False) -> None:
 
 
 # --slurm-* options: (option, variable, help); their values reach the engine as strings and are
-# checked there (buildtrain/executor/slurm_engine.py), with the variables as fallback.
+# checked there (buildtrain/executor/engines/slurm_engine.py), with the variables as fallback.
 SLURM_OPTIONS = (
     ("partition", "BT_SLURM_PARTITION", "the partition each step's job is submitted to (default: Slurm's)"),
     ("account", "BT_SLURM_ACCOUNT", "the account the jobs are charged to"),

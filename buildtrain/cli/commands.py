@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from buildtrain.cli.common import err, store_of
 from buildtrain.errors import ExitCode, Interrupted, UsageError
-from buildtrain.executor.launch import DEFAULT_RDZV_TIMEOUT
+from buildtrain.executor.process.launch import DEFAULT_RDZV_TIMEOUT
 from buildtrain.plan.stored import load_plan
 from buildtrain.store.store import Store
 
 if TYPE_CHECKING:
-    from buildtrain.executor.engine import Engine
-    from buildtrain.executor.launch import Launch
-    from buildtrain.executor.probes import WorkerProbes
-    from buildtrain.executor.run import RunOptions
+    from buildtrain.executor.engines.engine import Engine
+    from buildtrain.executor.engines.probes import WorkerProbes
+    from buildtrain.executor.loop.run import RunOptions
+    from buildtrain.executor.process.launch import Launch
     from buildtrain.plan.plan import Plan
     from buildtrain.plan.refs import Target
 
@@ -33,7 +33,7 @@ def experiments(args: argparse.Namespace) -> Path:
 
 
 def _launch(args: argparse.Namespace) -> Launch:
-    from buildtrain.executor.launch import Launch
+    from buildtrain.executor.process.launch import Launch
 
     endpoint = getattr(args, "rdzv_endpoint", None)
     if endpoint and args.nnodes > 1:
@@ -94,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from buildtrain.executor.run import run_plan
+    from buildtrain.executor.loop.run import run_plan
     from buildtrain.plan.refs import resolve_targets
     from buildtrain.views.results import suites_text
 
@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if text := suites_text(store, targets[0].plan):  # scores where a person looks
                 err(text)
             return code
-        from buildtrain.executor.batch import run_plans
+        from buildtrain.executor.loop.batch import run_plans
         from buildtrain.views.sweep import batch_text
 
         summary = run_plans(store, [(t.plan, options_for(t.threads)) for t in targets], engine=engine)
@@ -145,7 +145,7 @@ def engine_of(args: argparse.Namespace) -> Iterator[Engine | None]:
         yield None
         return
     from buildtrain.cli.arguments import engine_settings
-    from buildtrain.executor.engine import DEFAULT_ENGINE, EngineOptions, engine_name, open_engine
+    from buildtrain.executor.engines.engine import DEFAULT_ENGINE, EngineOptions, engine_name, open_engine
 
     name = engine_name(given)
     if name == DEFAULT_ENGINE:
@@ -165,7 +165,7 @@ def worker_probe(
     only when a preset is planned; kept in the store unless `fresh`), else this machine (None)."""
     if engine is None:
         return None
-    from buildtrain.executor.probes import WorkerProbes
+    from buildtrain.executor.engines.probes import WorkerProbes
 
     return WorkerProbes(engine=engine, store=store, say=(lambda _: None) if quiet else err, fresh=fresh)
 
@@ -178,8 +178,8 @@ def _built(store: Store, targets: list[Target]) -> bool:
 def _run_options(args: argparse.Namespace, threads: int | None, launch: Launch) -> RunOptions:
     from buildtrain.cli.arguments import engine_settings
     from buildtrain.cli.team import min_attestations, remote_of
-    from buildtrain.executor.engine import EngineOptions, engine_name
-    from buildtrain.executor.run import RunOptions
+    from buildtrain.executor.engines.engine import EngineOptions, engine_name
+    from buildtrain.executor.loop.run import RunOptions
 
     return RunOptions(
         threads=threads,
@@ -254,7 +254,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _attest(args: argparse.Namespace, store: Store, plan: Plan, verification: Any) -> None:
     """`bt verify --push`: attest on the remote each step this verification reproduced."""
     from buildtrain.cli.team import remote_of
-    from buildtrain.executor.transfer import attest_plan
+    from buildtrain.executor.remote.transfer import attest_plan
 
     url = remote_of(args, required=True)
     assert url is not None

@@ -13,7 +13,7 @@ from buildtrain.errors import ExitCode, UsageError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from buildtrain.executor.deliver import export_plan, sign_package
+    from buildtrain.executor.adhoc.deliver import export_plan, sign_package
 
     store = store_of(args)
     destination = export_plan(store, one_plan(args, store), Path(args.dest) if args.dest else None)
@@ -42,7 +42,7 @@ def _prompt(text: str) -> str:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from buildtrain.executor.adhoc import evaluate
+    from buildtrain.executor.adhoc.score import evaluate
 
     store = store_of(args)
     done = evaluate(store, one_plan(args, store), args.suite, args.subset, args.update)
@@ -64,7 +64,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from buildtrain.executor.deliver import sample_text
+    from buildtrain.executor.adhoc.deliver import sample_text
 
     store = store_of(args)
     result = sample_text(

@@ -1,6 +1,6 @@
 """The commands of the team cache: `bt push`, `bt pull`, `bt ls --remote`, `bt show --remote`,
 and where a command finds its remote (`--remote URL`, else $BT_REMOTE). Each is a thin call into
-`executor/remote.py`; nothing of the remote is imported by a command that was given none."""
+`executor/remote/remote.py`; nothing of the remote is imported by a command that was given none."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from buildtrain.cli.common import err, store_of
 from buildtrain.errors import ExitCode, UsageError
 
 if TYPE_CHECKING:
-    from buildtrain.executor.transfer import Transfer
+    from buildtrain.executor.remote.transfer import Transfer
     from buildtrain.plan.plan import Plan
     from buildtrain.store.remote.url import RemoteUrl
     from buildtrain.store.store import Store
@@ -79,7 +79,7 @@ def remote_hint(url: RemoteUrl | None) -> Iterator[None]:
 def fetch_plans(refs: list[str], store: Store, url: RemoteUrl) -> None:
     """Fetch each full plan hash among `refs` that the store lacks from the remote (checked
     against the hash), so a colleague's `bt run HASH` works from the hash alone."""
-    from buildtrain.executor.transfer import remote_plan
+    from buildtrain.executor.remote.transfer import remote_plan
     from buildtrain.store.remote import keys
 
     for ref in refs:
@@ -96,7 +96,7 @@ def _said(command: str, transfer: Transfer) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from buildtrain.executor.transfer import push_plans
+    from buildtrain.executor.remote.transfer import push_plans
 
     store, url = store_of(args), remote_of(args, required=True)
     assert url is not None
@@ -104,7 +104,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from buildtrain.executor.transfer import pull_plans
+    from buildtrain.executor.remote.transfer import pull_plans
 
     store, url = store_of(args), remote_of(args, required=True)
     assert url is not None
@@ -115,7 +115,7 @@ def ls_remote(args: argparse.Namespace) -> int:
     """`bt ls --remote`: the plans the remote holds, one `HASH  NAME` line each."""
     import json
 
-    from buildtrain.executor.transfer import remote_plans
+    from buildtrain.executor.remote.transfer import remote_plans
 
     url = remote_of(args, required=True)
     assert url is not None
@@ -129,7 +129,7 @@ def ls_remote(args: argparse.Namespace) -> int:
 
 def show_remote(args: argparse.Namespace, plan: Plan) -> int:
     """`bt show PLAN --remote`: per step, whether the remote holds it and how many builds agree."""
-    from buildtrain.executor.transfer import remote_status
+    from buildtrain.executor.remote.transfer import remote_status
 
     url = remote_of(args, required=True)
     assert url is not None

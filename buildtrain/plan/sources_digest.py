@@ -40,7 +40,7 @@ PACKAGE = "buildtrain"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 # Every step process applies the numerics environment before it imports torch.
-SHARED_ROOTS = ("buildtrain.executor.numerics",)
+SHARED_ROOTS = ("buildtrain.executor.process.numerics",)
 
 # The cache lives with the user's caches, not in the store or the package: the digests describe
 # the installed code, which every store shares, and nothing under the package may change while

@@ -100,7 +100,7 @@ def portable_target() -> str:
     The vendor is not part of it. It was, while MKL ignored the asked branch on AMD CPUs and one
     portable plan of presets/tiny.toml trained to other weights on an EPYC than on a Xeon; a
     portable step process now makes MKL take that branch on any vendor and refuses to compute
-    when it does not (`executor/mkl.py`), and the same plan trains to the same weights on both.
+    when it does not (`executor/process/mkl.py`), and the same plan trains to the same weights on both.
     """
     arch = platform.machine()
     if arch not in ("x86_64", "AMD64"):

@@ -6,7 +6,7 @@ step keeps checkpoints between attempts), the evaluation cache as a lookup and a
 and, for a train step, its controls. Not the store: a step cannot reach the rest of it, and the
 store's code (layout, locks, repair) stays outside every kind's code hash
 (`plan/sources_digest.py`), like the code that verifies inputs before a step starts
-(`executor/inputs.py`).
+(`executor/process/inputs.py`).
 
 Torch-free, so the executor can complete steps that need no computation (an evaluation already in
 the content cache) without starting a process.

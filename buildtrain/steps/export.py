@@ -8,7 +8,7 @@
     peft/               a LoRA stage's adapters, for peft on the base checkpoint
     BLAKE3SUMS          `<blake3>  <file>` per file (hf/ included), checkable with b3sum -c
 
-`bt export PLAN DEST` copies the package out of the store, read-only (`executor/deliver.py`).
+`bt export PLAN DEST` copies the package out of the store, read-only (`executor/adhoc/deliver.py`).
 """
 
 from __future__ import annotations

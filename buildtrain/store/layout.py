@@ -20,7 +20,7 @@ so the CLI and the views read what a torch-side step wrote without importing tor
     cache/verified/<step>.json    stamps: an output's file stats at its last full re-hash
     cache/sources/<blake3>        data files fetched from a bucket, named by their content
     cache/plans/<hh>/<plan hash>  the plan index by prefix (store/plan_index.py); INDEX.json: complete
-    cache/workers/<key>.json      an engine's workers' toolchain, as last asked (executor/probes.py)
+    cache/workers/<key>.json      an engine's workers' toolchain, as last asked (executor/engines/probes.py)
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ DEFAULT_STORE = ".bt"
 __all__ = ["DEFAULT_STORE", "HEX", "META_SUFFIX", "MOVED", "STAMP_FORMAT", "Store"]
 
 # The names `Store` had before it was in parts, and where each went: kept for the modules being
-# edited on other branches (executor/remote.py, store/remote/, steps/eval_cache.py, verify/) and
+# edited on other branches (executor/remote/remote.py, store/remote/, steps/eval_cache.py, verify/) and
 # for the tests, so this split merges without touching them. New code asks the part.
 # Remove an entry once nothing calls it (`grep -rn '\.has_output(' buildtrain tests`).
 MOVED = {

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from buildtrain.errors import ExitCode
-from buildtrain.executor.launch import SINGLE_PROCESS, Launch
+from buildtrain.executor.process.launch import SINGLE_PROCESS, Launch
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan
 

@@ -1,5 +1,5 @@
 """The step process of a watched job: `python -m buildtrain.verify.worker --job JOB.json
---events-fd FD` (or `--serve FD`), with the arguments of `buildtrain.executor.worker`.
+--events-fd FD` (or `--serve FD`), with the arguments of `buildtrain.executor.process.worker`.
 
 It is that worker with one addition: a train step whose job has a `watch` table is observed by a
 `Watcher` on rank 0, which compares every update with the recorded trace. Verify plugs into the
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from buildtrain.executor import worker
+from buildtrain.executor.process import worker
 
 if TYPE_CHECKING:
-    from buildtrain.executor.job import Job
+    from buildtrain.executor.process.job import Job
     from buildtrain.verify.watch import Watcher
 
 

@@ -10,7 +10,7 @@ from buildtrain.store.store import Store
 
 
 class BatchCounts(Protocol):
-    """What `bt run` over several plans counts (`executor.batch.BatchSummary`), read here without
+    """What `bt run` over several plans counts (`executor.loop.batch.BatchSummary`), read here without
     importing the executor: `bt plan --sweep` prints its summary from this module too."""
 
     @property

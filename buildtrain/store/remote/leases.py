@@ -37,7 +37,7 @@ from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissin
 
 LEASE_FORMAT = 1
 ATTEMPTS = 8  # rounds of read, write, confirm before `take` reports the step as busy
-# The longest lease a builder may take (buildtrain's own last 60 s, executor/remote.py); it leaves
+# The longest lease a builder may take (buildtrain's own last 60 s, executor/remote/remote.py); it leaves
 # room for clocks that disagree by minutes, and bounds how long any record can block a step.
 MAX_DURATION = 600.0
 _reported: set[tuple[str, int]] = set()  # far-future records already reported by this process
