@@ -255,13 +255,15 @@ def _finish(run: subprocess.Popen[str]) -> str:
     return stderr
 
 
-def _wait_for_a_pushed_checkpoint(remote: Path, pattern: str = "*") -> list[Path]:
-    """The train step's job files on the nodes, once the remote holds one of its checkpoints
-    (one named by `pattern`: `step-000004` is one with updates still to come)."""
+def _wait_for_a_pushed_checkpoint(remote: Path, nodes: Path, pattern: str = "*") -> list[Path]:
+    """The train step's job files on the nodes (their stores are under `nodes`), once the remote
+    holds one of its checkpoints (one named by `pattern`: `step-000004` is one with updates still
+    to come). Only the nodes' jobs: the callers stop and kill these processes and their parents,
+    and another pytest worker's torchrun is a train job's parent too (CI saw one killed)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if any(remote.glob(f"**/work/*/{pattern}.json")):
-            jobs = _train_jobs(lambda job: not job.is_relative_to(remote))
+            jobs = _train_jobs(lambda job: job.is_relative_to(nodes))
             if jobs:
                 return jobs
         time.sleep(0.2)
@@ -279,7 +281,7 @@ def test_a_node_that_dies_mid_step_resumes_from_the_checkpoint_it_pushed(
     ray_cluster.forget_node_stores()  # else the step is found built there by an earlier test
     run = _start_slow_run(tmp_path, plan, on_ray(ray_cluster, remote))
     try:
-        jobs = _wait_for_a_pushed_checkpoint(remote)
+        jobs = _wait_for_a_pushed_checkpoint(remote, ray_cluster.root)
         assert jobs, "no train step was seen running with a checkpoint on the remote"
         processes = [pid for job in jobs for pid in _processes_of(job)]
         for pid in processes:
@@ -311,7 +313,9 @@ def test_ctrl_c_cancels_the_ray_tasks_which_checkpoint_and_the_next_run_resumes(
     # than the main one.
     run = _start_slow_run(tmp_path, plan, env, delay="1.5", blocked=frozenset({signal.SIGINT}))
     try:
-        assert _wait_for_a_pushed_checkpoint(remote, "step-000004"), "no train step was seen training"
+        assert _wait_for_a_pushed_checkpoint(remote, ray_cluster.root, "step-000004"), (
+            "no train step was seen training"
+        )
         masks = _interrupt_through_another_thread(run.pid)
     finally:
         stderr = _finish(run)
