@@ -98,6 +98,17 @@ def load(source: Path, *, threaded: bool = True, shared_symbols: bool = False) -
     return ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL if shared_symbols else ctypes.DEFAULT_MODE)
 
 
+def load_if_possible(source: Path, *, threaded: bool = True) -> ctypes.CDLL | None:
+    """`load(source)`, or None where there is no compiler, the build fails or ctypes cannot load
+    what was built: for kernels with a slower fallback that computes the same bits."""
+    if compiler() is None:
+        return None
+    try:
+        return load(source, threaded=threaded)
+    except (StepFailed, OSError):  # OSError: ctypes could not load what was built
+        return None
+
+
 def _intact(library: Path) -> bool:
     try:
         recorded = library.with_suffix(".blake3").read_text(encoding="ascii").strip()

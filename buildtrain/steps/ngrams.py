@@ -96,11 +96,8 @@ def python_ngrams(text: bytes, state: np.ndarray, n: int) -> list[int]:
 @functools.cache
 def _compiled() -> tuple[Callable[..., int], Callable[..., None]] | None:
     """The C functions, or None where this machine cannot build them (Python then)."""
-    if native.compiler() is None:
-        return None
-    try:
-        library = native.load(SOURCE, threaded=False)
-    except (StepFailed, OSError):  # OSError: ctypes could not load what was built
+    library = native.load_if_possible(SOURCE, threaded=False)
+    if library is None:
         return None
     import ctypes  # only here: `bt plan` imports nothing that needs it
 

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from buildtrain import native
-from buildtrain.errors import StepFailed
 
 SOURCE = Path(__file__).with_suffix(".c")
 BLOCK_BYTES = 64
@@ -121,11 +120,8 @@ def digest_prefixes(messages: np.ndarray) -> np.ndarray:
 def _compiled() -> Callable[..., None] | None:
     """`bt_digest_prefixes` from short_blake3.c, or None where there is no compiler, the build
     fails or the library does not load (numpy then computes the same bits, only slower)."""
-    if native.compiler() is None:
-        return None
-    try:
-        library = native.load(SOURCE)
-    except (StepFailed, OSError):  # OSError: ctypes could not load what was built
+    library = native.load_if_possible(SOURCE)
+    if library is None:
         return None
     import ctypes  # only here: `bt plan` imports this module and needs no ctypes
 

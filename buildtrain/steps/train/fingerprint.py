@@ -34,7 +34,6 @@ import blake3
 import torch
 
 from buildtrain import native
-from buildtrain.errors import StepFailed
 
 SOURCE = Path(__file__).with_suffix(".c")
 NARROW_VIEWS = {1: torch.uint8, 2: torch.int16}  # wider elements are read as 32-bit words
@@ -67,11 +66,8 @@ def lanes(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _compiled() -> Callable[..., None] | None:
     """`bt_fingerprint` from fingerprint.c, or None where there is no compiler or the build fails
     (torch's reductions then compute the same sums, only slower on the CPU)."""
-    if native.compiler() is None:
-        return None
-    try:
-        library = native.load(SOURCE)
-    except (StepFailed, OSError):  # OSError: ctypes could not load what was built
+    library = native.load_if_possible(SOURCE)
+    if library is None:
         return None
     import ctypes  # only here: nothing that plans imports ctypes
 
