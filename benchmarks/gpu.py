@@ -91,7 +91,14 @@ from common import (  # noqa: E402
     updates_per_second,
     workspace,
 )
-from gpu_parts import parts_child, report_parts, report_workspace, workspace_child  # noqa: E402
+from gpu_parts import (  # noqa: E402
+    parts_child,
+    profile_child,
+    report_parts,
+    report_profile,
+    report_workspace,
+    workspace_child,
+)
 from reference_models import nanogpt, previous_layout  # noqa: E402
 
 GOAL_EAGER, GOAL_COMPILED = 0.85, 1.0
@@ -314,6 +321,12 @@ def main() -> int:
         "fresh processes alternated",
     )
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the contenders, torch.profiler's kernel tables of forward+backward: the plain "
+        "loop's, bt's loss with torch's defaults, bt's with the step process's settings",
+    )
+    parser.add_argument(
         "--only-compiled",
         action="store_true",
         help="the torch.compile contenders and the eager reference GPT alone (their goal's yardstick)",
@@ -337,6 +350,8 @@ def main() -> int:
             result: dict[str, float] | None = parts_child(spec, build_model)
         elif spec.get("workspace"):
             result = workspace_child(spec, build_model)
+        elif spec.get("profile"):
+            result = profile_child(spec, build_model)
         else:
             result = child(spec)
         if result is not None:  # rank 0's, under torchrun
@@ -360,6 +375,9 @@ def main() -> int:
         base["vocab"] = VOCAB
         if args.parts:
             report_parts(__file__, space, base, figures.add)
+            return 0
+        if args.profile:
+            report_profile(__file__, space, base, figures.add)
             return 0
         if args.workspace:
             deadline = started + args.budget if args.budget else None

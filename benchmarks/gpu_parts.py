@@ -73,11 +73,15 @@ def parts_child(spec: dict[str, Any], build_model: Callable[[dict[str, Any]], An
     return times
 
 
-def forward_backward_of(model: Any, spec: dict[str, Any], device: Any) -> Callable[[], None]:
-    """One forward and backward of bt's loss on a fixed batch (bf16 autocast on CUDA)."""
+def forward_backward_of(
+    model: Any, spec: dict[str, Any], device: Any, loss: Callable[..., Any] | None = None
+) -> Callable[[], None]:
+    """One forward and backward of bt's loss (or `loss`) on a fixed batch (bf16 autocast on CUDA)."""
     import torch
 
     from buildtrain.steps.train.gradient import token_loss
+
+    loss_of = loss or token_loss
 
     shape, vocab = spec["shape"], spec["vocab"]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -91,7 +95,7 @@ def forward_backward_of(model: Any, spec: dict[str, Any], device: Any) -> Callab
         for parameter in parameters:
             parameter.grad = None
         with autocast:
-            loss = token_loss(model(rows[:, :-1]), rows[:, 1:], None)
+            loss = loss_of(model(rows[:, :-1]), rows[:, 1:], None)
         loss.backward()
 
     return forward_backward
@@ -259,3 +263,99 @@ def report_workspace(
     )
     if base["device"] == "cpu":
         print("on the CPU cuBLAS is not used: this run checks the script, not the setting")
+
+
+def profile_child(spec: dict[str, Any], build_model: Callable[[dict[str, Any]], Any]) -> dict[str, float]:
+    """The kernels of forward+backward in three stages of one process, each profiled (see
+    --profile): the plain loop's (torch's defaults, its own loss), bt's loss with torch's defaults,
+    then bt's after the step process's settings (`numerics.apply_after_import`, deterministic).
+    Prints each stage's top kernels and the kernels whose time per update differs most between
+    the first and the last; returns each stage's median milliseconds."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, spec["src"])
+    from buildtrain.executor.process import numerics
+
+    device = torch.device(spec["device"])
+    model = build_model({**spec, "model": "buildtrain"}).to(device)
+    bt_pass = forward_backward_of(model, spec, device)
+    plain_pass = forward_backward_of(model, spec, device, loss=plain_loss(F))
+    stages = {"plain loop": plain_pass, "bt's loss, torch defaults": bt_pass}
+    found: dict[str, float] = {}
+    kernels: dict[str, dict[str, float]] = {}
+    for name, work in stages.items():
+        found[name], kernels[name] = profiled(name, work, device)
+    settings = numerics.apply_after_import(torch, "native", device.type, 1)
+    print(f"the step process's settings: {settings}", flush=True)
+    found["bt (settings, deterministic)"], kernels["bt"] = profiled("bt", bt_pass, device)
+    print_kernel_differences(kernels["plain loop"], kernels["bt"])
+    return found
+
+
+def plain_loss(F: Any) -> Callable[..., Any]:
+    """The plain loop's loss (benchmarks/gpu.py `timed_updates`)."""
+    return lambda logits, targets, mask: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def profiled(
+    name: str, work: Callable[[], None], device: Any, count: int = 5
+) -> tuple[float, dict[str, float]]:
+    """Median ms of `work` untraced, then its kernels' device ms per call under torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ms = median(samples(work, device, count=10))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as trace:
+        for _ in range(count):
+            work()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    per_call: dict[str, float] = {}
+    for event in trace.key_averages():
+        total = getattr(event, "self_device_time_total", None)
+        if total is None:
+            total = getattr(event, "self_cuda_time_total", 0.0)
+        if device.type == "cpu":
+            total = event.self_cpu_time_total
+        if total:
+            per_call[event.key] = total / 1000 / count
+    top = sorted(per_call.items(), key=lambda item: -item[1])[:12]
+    print(f"-- {name}: {ms:.2f} ms per forward+backward (median of 10); top kernels, ms per call:")
+    for key, value in top:
+        print(f"   {value:8.3f}  {key[:110]}")
+    print(flush=True)
+    return ms, per_call
+
+
+def print_kernel_differences(plain: dict[str, float], bt: dict[str, float]) -> None:
+    """The 15 kernels whose ms per call differ most between the plain loop and bt."""
+    keys = set(plain) | set(bt)
+    rows = sorted(keys, key=lambda key: -abs(bt.get(key, 0.0) - plain.get(key, 0.0)))[:15]
+    print("-- kernels that differ most, ms per call (bt - plain: bt, plain):")
+    for key in rows:
+        a, b = bt.get(key, 0.0), plain.get(key, 0.0)
+        print(f"   {a - b:+8.3f}  ({a:.3f}, {b:.3f})  {key[:100]}")
+    print(flush=True)
+
+
+def report_profile(script: str, space: Workspace, base: dict[str, Any], add: Callable[..., None]) -> None:
+    """--profile: the profile child in bt's step-process environment, its tables printed as they come."""
+    note("profiling forward+backward: the plain loop's, then bt's")
+    space.import_buildtrain()
+    from buildtrain.executor.process import numerics
+
+    environment = numerics.environment("native", base["device"], 1)
+    done = subprocess.run(
+        [sys.executable, script, "--child", json.dumps({**base, "profile": True})],
+        env=space.env(**environment),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), flush=True)
+    if done.returncode != 0 or not lines:
+        raise RuntimeError("the profile child failed (its error is above)")
+    for name, ms in json.loads(lines[-1]).items():
+        add(f"profile: {name}", 1, ms, unit="ms")

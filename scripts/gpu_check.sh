@@ -10,6 +10,8 @@
 #   tests      the CUDA tests: two stores, dropout, compiled, verify with a resume, the fused
 #              AdamW, the fingerprints on the device                 -> OUTDIR/tests.log
 #   parts      benchmarks/gpu.py --parts: bt's update part by part    -> OUTDIR/parts.log
+#   profile    benchmarks/gpu.py --profile: the kernels of the plain loop's forward+backward
+#              against bt's, where the time between them goes         -> OUTDIR/profile.log
 #   eager      bt run and the eager loops, rounds fitted to a budget   -> OUTDIR/eager.log
 #   compiled   the torch.compile contenders and the eager reference    -> OUTDIR/compiled.log
 #   more-tests the longer CUDA tests: compiled through a kill and resume, FSDP2 at world size 1
@@ -49,10 +51,11 @@ part() {  # part NAME SECONDS COMMAND...: run it, print and keep its output, rem
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
 } 2>&1 | tee "$out/machine.txt"
 
-part workspace 60 python benchmarks/gpu.py --workspace --device "$device" --budget 45 --jsonl "$figures"
+part workspace 50 python benchmarks/gpu.py --workspace --device "$device" --budget 40 --jsonl "$figures"
 part tests 90 python -m pytest -q -n 0 -p no:cacheprovider -m "not long_cuda" \
     tests/test_cuda.py tests/test_optimizer.py tests/test_fingerprint.py::test_a_gpu_computes_the_sums_of_the_host
-part parts 60 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
+part parts 55 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
+part profile 45 python benchmarks/gpu.py --profile --device "$device" --jsonl "$figures"
 part eager 100 python benchmarks/gpu.py --device "$device" --budget 85 --jsonl "$figures"
 part compiled 110 python benchmarks/gpu.py --device "$device" --only-compiled --budget 95 --jsonl "$figures"
 part more-tests 60 python -m pytest -q -n 0 -p no:cacheprovider -m long_cuda tests/test_cuda.py
