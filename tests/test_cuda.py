@@ -72,6 +72,7 @@ def test_compiled_training_reproduces_through_a_kill_and_resume_on_cuda(tmp_path
     compiled = ("--set", "numerics.compile=true")
     planned, whole = build(tmp_path, "whole", *compiled)
     store, experiments = tmp_path / "killed" / ".bt", tmp_path / "killed" / "experiments"
+    store.parent.mkdir()  # run_bt runs bt in the store's folder
     assert plan_hash(run_bt("plan", str(MICRO), *ON_CUDA, *compiled, store=store)) == planned
     killed_in_checkpoint(planned, store, experiments, 8, "--target", "train:main")
     assert resume(planned, store, experiments)["train:main"] == whole["train:main"]

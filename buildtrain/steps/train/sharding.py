@@ -146,7 +146,7 @@ class Sharded:
 
             everyone = torch.empty(self.ranks.world, device=loss.device)
             with self.ranks.peers("the loss exchange"):
-                dist.all_gather_single(everyone, loss.reshape(1))
+                dist.all_gather_into_tensor(everyone, loss.reshape(1))
             for value in everyone:
                 self.losses.push(value.reshape(1))
         total = self.losses.total()
@@ -169,9 +169,11 @@ class Sharded:
             width = math.prod(p.shape[1:])
             send[offset : offset + grad.shape[0]] = grad.reshape(grad.shape[0], width).square().sum(1)
             offset += chunk
+        # all_gather_into_tensor, not all_gather_single: the latter is new in torch 2.13 (2.11 on a
+        # GPU machine had none), and pyproject.toml allows torch >= 2.5
         gathered = torch.empty(world * send.numel(), device=send.device)
         with self.ranks.peers("the gradient norm"):
-            dist.all_gather_single(gathered, send)
+            dist.all_gather_into_tensor(gathered, send)
         gathered = gathered.view(world, -1)
         sums, offset = [], 0
         for p, chunk in zip(parameters, chunks, strict=True):
