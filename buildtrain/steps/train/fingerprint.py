@@ -39,8 +39,8 @@ SOURCE = Path(__file__).with_suffix(".c")
 NARROW_VIEWS = {1: torch.uint8, 2: torch.int16}  # wider elements are read as 32-bit words
 ROW = 128  # words per row of a block
 BLOCK = ROW * ROW  # words per block; each tensor is padded with zeros (which add nothing) to blocks
-# Tensors are fingerprinted on a GPU in groups of at most this many words (one int32 copy of
-# 128 MiB at most; a larger tensor is a group of its own): a dozen kernels per group, not per tensor.
+# Tensors are fingerprinted on a GPU in groups of at most this many words (one int64 copy of
+# 256 MiB at most; a larger tensor is a group of its own): a dozen kernels per group, not per tensor.
 GROUP_WORDS = 1 << 25
 HEX_CHARS = 16  # per tensor in the trace
 
@@ -124,9 +124,12 @@ def _group_lanes(views: list[torch.Tensor]) -> torch.Tensor:
     pieces = []  # each tensor, then the zeros that fill its last block
     for view, blocks in zip(views, layout.blocks, strict=True):
         pieces += [view.to(torch.int32), padding[: blocks * BLOCK - view.numel()]]
-    grid = torch.cat(pieces).view(-1, ROW, ROW)  # (blocks, rows, columns)
-    rows = grid.sum(dim=2, dtype=torch.int64)  # (blocks, ROW): R
-    columns = grid.sum(dim=1, dtype=torch.int64)  # (blocks, ROW): C
+    # Widened to int64 once: torch's sum(dtype=int64) of int32 words makes an int64 copy of its
+    # own first, and there are two sums. (One int32 cat, as one batched kernel, then one widening
+    # copy: a cat of int32 pieces straight into int64 takes torch's slow path, a copy per piece.)
+    grid = torch.cat(pieces).to(torch.int64).view(-1, ROW, ROW)  # (blocks, rows, columns)
+    rows = grid.sum(dim=2)  # (blocks, ROW): R
+    columns = grid.sum(dim=1)  # (blocks, ROW): C
     plain = rows.sum(dim=1)
     weighted = (rows * layout.row_weights).sum(dim=1) + (columns * layout.column_weights).sum(dim=1)
     per_block = torch.stack((plain, weighted), dim=1)  # (blocks, 2)
