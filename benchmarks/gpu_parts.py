@@ -266,11 +266,12 @@ def report_workspace(
 
 
 def profile_child(spec: dict[str, Any], build_model: Callable[[dict[str, Any]], Any]) -> dict[str, float]:
-    """The kernels of forward+backward in three stages of one process, each profiled (see
-    --profile): the plain loop's (torch's defaults, its own loss), bt's loss with torch's defaults,
-    then bt's after the step process's settings (`numerics.apply_after_import`, deterministic).
-    Prints each stage's top kernels and the kernels whose time per update differs most between
-    the first and the last; returns each stage's median milliseconds."""
+    """Forward+backward in three stages of one process (see --profile): the plain loop's (torch's
+    defaults, its own loss), bt's loss with torch's defaults, and bt's under the step process's
+    settings (`numerics.apply_after_import`, deterministic). Each is timed before anything is
+    profiled (a profiler, once attached, slows what runs after it), then profiled; prints each
+    stage's top kernels and the kernels whose time differs most between the first and the last,
+    and returns each stage's median milliseconds, untraced."""
     import torch
     import torch.nn.functional as F
 
@@ -280,16 +281,39 @@ def profile_child(spec: dict[str, Any], build_model: Callable[[dict[str, Any]], 
     device = torch.device(spec["device"])
     model = build_model({**spec, "model": "buildtrain"}).to(device)
     bt_pass = forward_backward_of(model, spec, device)
-    plain_pass = forward_backward_of(model, spec, device, loss=plain_loss(F))
-    stages = {"plain loop": plain_pass, "bt's loss, torch defaults": bt_pass}
-    found: dict[str, float] = {}
-    kernels: dict[str, dict[str, float]] = {}
-    for name, work in stages.items():
-        found[name], kernels[name] = profiled(name, work, device)
+    stages = {"plain loop": forward_backward_of(model, spec, device, loss=plain_loss(F))}
+    stages["bt's loss, torch defaults"] = bt_pass
+    ours = "bt (settings, deterministic)"
+    defaults = torch_settings(torch)
+    found = {name: median(samples(work, device, count=10)) for name, work in stages.items()}
     settings = numerics.apply_after_import(torch, "native", device.type, 1)
     print(f"the step process's settings: {settings}", flush=True)
-    found["bt (settings, deterministic)"], kernels["bt"] = profiled("bt", bt_pass, device)
-    print_kernel_differences(kernels["plain loop"], kernels["bt"])
+    found[ours] = median(samples(bt_pass, device, count=10))
+    kernels = {ours: profiled(ours, found[ours], bt_pass, device)}
+    torch_settings(torch, defaults)
+    for name, work in stages.items():
+        kernels[name] = profiled(name, found[name], work, device)
+    print_kernel_differences(kernels["plain loop"], kernels[ours])
+    return found
+
+
+def torch_settings(torch: Any, restore: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The settings `numerics.apply_after_import` changes, as they are; with `restore`, set back."""
+    places = {
+        "cudnn.benchmark": (torch.backends.cudnn, "benchmark"),
+        "cudnn.deterministic": (torch.backends.cudnn, "deterministic"),
+        "cudnn.allow_tf32": (torch.backends.cudnn, "allow_tf32"),
+        "matmul.allow_tf32": (torch.backends.cuda.matmul, "allow_tf32"),
+        "fill_uninitialized_memory": (torch.utils.deterministic, "fill_uninitialized_memory"),
+    }
+    if restore is not None:
+        for name, (owner, attribute) in places.items():
+            setattr(owner, attribute, restore[name])
+        torch.use_deterministic_algorithms(restore["deterministic_algorithms"])
+        torch.set_num_threads(restore["threads"])
+    found = {name: getattr(owner, attribute) for name, (owner, attribute) in places.items()}
+    found["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
+    found["threads"] = torch.get_num_threads()
     return found
 
 
@@ -298,14 +322,12 @@ def plain_loss(F: Any) -> Callable[..., Any]:
     return lambda logits, targets, mask: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def profiled(
-    name: str, work: Callable[[], None], device: Any, count: int = 5
-) -> tuple[float, dict[str, float]]:
-    """Median ms of `work` untraced, then its kernels' device ms per call under torch.profiler."""
+def profiled(name: str, ms: float, work: Callable[[], None], device: Any, count: int = 5) -> dict[str, float]:
+    """The device ms per call of each kernel of `work` under torch.profiler; its top ones are
+    printed beside `ms`, its time untraced."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    ms = median(samples(work, device, count=10))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as trace:
         for _ in range(count):
@@ -322,11 +344,11 @@ def profiled(
         if total:
             per_call[event.key] = total / 1000 / count
     top = sorted(per_call.items(), key=lambda item: -item[1])[:12]
-    print(f"-- {name}: {ms:.2f} ms per forward+backward (median of 10); top kernels, ms per call:")
+    print(f"-- {name}: {ms:.2f} ms per forward+backward (median of 10, untraced); top kernels, ms per call:")
     for key, value in top:
         print(f"   {value:8.3f}  {key[:110]}")
     print(flush=True)
-    return ms, per_call
+    return per_call
 
 
 def print_kernel_differences(plain: dict[str, float], bt: dict[str, float]) -> None:

@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Turn a short GPU lease into figures: one command, about 8 minutes on one H100 or H200.
+# Turn a short GPU lease into figures: one command, about 9.5 minutes on one H100 or H200 (a
+# lease of 15 minutes holds it and the machine's start; run it as one call, timeout 600 s).
 #
 #   scripts/gpu_check.sh OUTDIR [--device cpu]
 #
-# In priority order, each part under its own time limit so that a slow one cannot eat the next:
+# In priority order, each part under its own time limit so that a slow one cannot eat the next
+# (the limits are what an H200 with torch 2.11 took, 2026-11-27, with some room):
 #   machine    the GPU, driver, torch build, CUDA, cuDNN             -> OUTDIR/machine.txt
-#   workspace  forward+backward with and without CUBLAS_WORKSPACE_CONFIG=:4096:8, fresh
-#              processes alternated (gpu.py --workspace)            -> OUTDIR/workspace.log
-#   tests      the CUDA tests: two stores, dropout, compiled, verify with a resume, the fused
-#              AdamW, the fingerprints on the device                 -> OUTDIR/tests.log
+#   tests      every CUDA test, 8 at once on the one GPU (one at a time they took 5 minutes; the
+#              compiled two-stores test alone 146 s): two stores eager, with dropout and
+#              compiled, verify with a resume, compiled through a kill and resume, FSDP2 at
+#              world size 1 against unsharded training, the fused AdamW, the fingerprints on
+#              the device                                             -> OUTDIR/tests.log
 #   parts      benchmarks/gpu.py --parts: bt's update part by part    -> OUTDIR/parts.log
 #   profile    benchmarks/gpu.py --profile: the kernels of the plain loop's forward+backward
 #              against bt's, where the time between them goes         -> OUTDIR/profile.log
 #   eager      bt run and the eager loops, rounds fitted to a budget   -> OUTDIR/eager.log
-#   compiled   the torch.compile contenders and the eager reference    -> OUTDIR/compiled.log
-#   more-tests the longer CUDA tests: compiled through a kill and resume, FSDP2 at world size 1
-#              against unsharded training                            -> OUTDIR/more-tests.log
+#   compiled   `bt run` compiled and the eager reference GPT first (the goal's ratio), then the
+#              compiled loops; one compiled bt run took over 80 s      -> OUTDIR/compiled.log
+#   workspace  forward+backward with and without CUBLAS_WORKSPACE_CONFIG=:4096:8, fresh
+#              processes alternated (gpu.py --workspace; 1.23x slower pinned on an H200)
+#                                                                     -> OUTDIR/workspace.log
 # Every figure is printed as it comes and appended to OUTDIR/figures.jsonl, so whatever the
 # lease cuts short, what was measured before is kept. `--device cpu` runs the same sequence on
 # the CPU at a small shape, to check the script anywhere. The exit status is the first failing
@@ -51,13 +56,12 @@ part() {  # part NAME SECONDS COMMAND...: run it, print and keep its output, rem
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
 } 2>&1 | tee "$out/machine.txt"
 
-part workspace 50 python benchmarks/gpu.py --workspace --device "$device" --budget 40 --jsonl "$figures"
-part tests 90 python -m pytest -q -n 0 -p no:cacheprovider -m "not long_cuda" \
+part tests 180 python -m pytest -q -n 8 --dist load -p no:cacheprovider --durations=8 \
     tests/test_cuda.py tests/test_optimizer.py tests/test_fingerprint.py::test_a_gpu_computes_the_sums_of_the_host
 part parts 55 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
 part profile 45 python benchmarks/gpu.py --profile --device "$device" --jsonl "$figures"
-part eager 100 python benchmarks/gpu.py --device "$device" --budget 85 --jsonl "$figures"
-part compiled 110 python benchmarks/gpu.py --device "$device" --only-compiled --budget 95 --jsonl "$figures"
-part more-tests 60 python -m pytest -q -n 0 -p no:cacheprovider -m long_cuda tests/test_cuda.py
+part eager 90 python benchmarks/gpu.py --device "$device" --budget 75 --jsonl "$figures"
+part compiled 160 python benchmarks/gpu.py --device "$device" --only-compiled --budget 100 --jsonl "$figures"
+part workspace 40 python benchmarks/gpu.py --workspace --device "$device" --budget 30 --jsonl "$figures"
 echo "figures: $figures ($(wc -l < "$figures" 2>/dev/null || echo 0) lines)"
 exit "$status"

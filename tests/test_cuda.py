@@ -2,8 +2,8 @@
 installed torch requires, `numerics.cublas_workspace_required`), dropout drawn on the device,
 compiled training deterministic, also through a kill and resume, and FSDP2 at world size 1 on
 NCCL training to the unsharded bits. Skipped where there is no GPU (this project's CI has none);
-run them on a machine with one: python -m pytest tests/test_cuda.py (scripts/gpu_check.sh runs
-the `long_cuda` ones last)."""
+run them on a machine with one: python -m pytest -n 8 tests/test_cuda.py (the `long_cuda` ones
+take a minute or more each; scripts/gpu_check.sh runs them all at once on the one GPU)."""
 
 from __future__ import annotations
 

@@ -73,7 +73,23 @@ def test_gpu_py_compares_the_cublas_workspace_in_fresh_processes(tmp_path: Path)
     assert "pinned workspace / torch's workspace:" in done.stdout
 
 
-@pytest.mark.parametrize("option", ["--budget", "--jsonl", "--only-compiled", "--workspace"])
+def test_gpu_py_profiles_the_plain_loop_against_bt(tmp_path: Path) -> None:
+    """--profile: three stages' kernel tables, the differences, and each stage's time as a figure."""
+    figures = tmp_path / "figures.jsonl"
+    command = [sys.executable, "benchmarks/gpu.py", "--profile", "--device", "cpu", "--jsonl", str(figures)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "-- kernels that differ most" in done.stdout
+    assert "the step process's settings:" in done.stdout
+    records = [json.loads(line) for line in figures.read_text(encoding="utf-8").splitlines()]
+    assert [record["contender"] for record in records] == [
+        "profile: plain loop",
+        "profile: bt's loss, torch defaults",
+        "profile: bt (settings, deterministic)",
+    ]
+
+
+@pytest.mark.parametrize("option", ["--budget", "--jsonl", "--only-compiled", "--workspace", "--profile"])
 def test_gpu_py_explains_its_lease_options(option: str) -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/gpu.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
