@@ -126,3 +126,29 @@ def test_the_tree_summed_as_leaves_arrive_has_the_bits_of_the_whole_tree(
         assert len(tree.stack) <= count.bit_length() + 1  # one pending sum per level at most
     total = tree.total()
     assert total is not None and torch.equal(total, in_one_process(vectors))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_one_micro_batch_on_one_rank_leaves_the_gradients_the_vector_would(seed: int) -> None:
+    """The shortcut past the vector (one leaf, one rank) leaves the round trip's bits: the same
+    gradients, zeros where backward reached no parameter, and the same loss."""
+    from buildtrain.steps.train.gradient import backward_alone
+
+    generator = torch.Generator().manual_seed(seed)
+    used = torch.nn.Parameter(torch.randn(7, 5, generator=generator))
+    unused = torch.nn.Parameter(torch.randn(3, generator=generator))
+    x = torch.randn(4, 7, generator=generator)
+
+    def backward() -> torch.Tensor:
+        loss = (x @ used).square().mean() / 1
+        loss.backward()
+        return loss.detach()
+
+    loss = backward_alone([used, unused], backward)
+    alone = [used.grad.clone(), unused.grad.clone()]
+    used.grad = unused.grad = None
+    expected_loss = vector_to_gradients(gradients_to_vector([used, unused], backward()), [used, unused])
+    assert torch.equal(loss.reshape(1).view(torch.int32), expected_loss.reshape(1).view(torch.int32))
+    for mine, theirs in zip(alone, [used.grad, unused.grad], strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine.view(torch.int32), theirs.view(torch.int32))

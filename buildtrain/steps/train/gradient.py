@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,5 +92,22 @@ def batch_gradient(
             parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
         return gradients_to_vector(parameters, backward(micro))
 
+    if micro_batches == 1 and ranks.world == 1:
+        # The tree is its one leaf, and the vector a copy out and back (1 ms an update at 85M
+        # parameters on an H200): the gradients stay where backward left them, the same bits.
+        return backward_alone(parameters, lambda: backward(0))
+
     partials = {node: tree_sum(node, leaf) for node in cover((0, micro_batches), first, end)}
     return vector_to_gradients(ranks.finish_tree(partials, micro_batches), parameters)
+
+
+def backward_alone(parameters: list[torch.Tensor], backward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """One micro-batch's gradient left in `.grad`, as the vector round trip would leave it: zeros
+    for a parameter backward did not reach (`gradients_to_vector`)."""
+    for parameter in parameters:
+        parameter.grad = None
+    loss = backward()
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+    return loss
