@@ -24,6 +24,7 @@ from buildtrain.executor.process.outcome import StepResult, raise_for_status
 from buildtrain.executor.process.spawn import spawn
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.sources import durable
 from buildtrain.store import objects
 from buildtrain.store.claims import Cached, Claim, Fresh, LockedBy, Resume
 from buildtrain.store.store import Store
@@ -198,7 +199,9 @@ class Builder:
         held = {}
         for upstream in dict.fromkeys(step.upstream.values()):
             with contextlib.suppress(OSError):  # none here: the node counts signers instead
-                found = objects.manifest_self((self.store.output(upstream) / objects.MANIFEST).read_bytes())
+                found = objects.manifest_self(
+                    (self.store.outputs.path(upstream) / objects.MANIFEST).read_bytes()
+                )
                 if found is not None:
                     held[upstream] = found
         return held
@@ -275,7 +278,7 @@ class Builder:
             )
         raise_for_status(step, outcome, self.plan)
         marker.parent.mkdir(parents=True, exist_ok=True)
-        objects.write_bytes_durably(marker, b"")
+        durable.write_bytes_durably(marker, b"")
         duration = round(time.perf_counter() - started, 3)
         self.reporter.step(step.label, "joined", f"{duration:.1f}s")
         return StepResult(label=step.label, hash=step.hash, action="joined", duration_s=duration)
