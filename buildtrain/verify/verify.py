@@ -22,11 +22,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from buildtrain.errors import UsageError
+from buildtrain.executor.engines.local import run_isolated
 from buildtrain.executor.loop.run import RunOptions, run_plan
 from buildtrain.executor.process.job import JobOptions
 from buildtrain.executor.process.outcome import raise_for_status
 from buildtrain.executor.process.policy import pinned_threads, prepare
-from buildtrain.executor.process.spawn import run_isolated
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import save_plan
