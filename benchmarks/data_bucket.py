@@ -51,7 +51,7 @@ def raw_read(bucket: object, into: Path | None) -> float:
     """The library's streamed read of the object, into a plain file or discarded."""
     import obstore
 
-    from buildtrain.store.remote.backend import CHUNK
+    from buildtrain.sources.s3_settings import CHUNK
 
     start = time.perf_counter()
     pieces = obstore.get(bucket.store, KEY).stream(min_chunk_size=CHUNK)  # type: ignore[attr-defined]

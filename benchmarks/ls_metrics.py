@@ -50,7 +50,7 @@ def fake_summaries(store, plans: list[str]) -> None:
 
     sealed = Store(store)
     for index, plan_hash in enumerate(plans):
-        plan = json.loads(sealed.plan_path(plan_hash).read_bytes())
+        plan = json.loads(sealed.plans.path(plan_hash).read_bytes())
         for step in plan["steps"]:
             if step["kind"] == "train":
                 body = {
@@ -59,7 +59,7 @@ def fake_summaries(store, plans: list[str]) -> None:
                     "wall_s": 10.0 + index % 7,
                     "train": {"final_loss": 2.0 + index / 1000, "final_step": 200, "tokens_per_s": 30000.0},
                 }
-                sealed.save_step_metrics(step["hash"], body)
+                sealed.results.save_step_metrics(step["hash"], body)
 
 
 def main() -> int:

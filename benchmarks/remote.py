@@ -70,7 +70,7 @@ def make_output(store: object, total_mb: int) -> None:
     folder = store.new_temp("bench")  # type: ignore[attr-defined]
     for index in range(total_mb // FILE_MB):
         (folder / f"shard-{index:03d}.bin").write_bytes(os.urandom(FILE_MB << 20))
-    objects.publish(folder, store.output(STEP))  # type: ignore[attr-defined]
+    objects.publish(folder, store.outputs.path(STEP))  # type: ignore[attr-defined]
 
 
 def raw_download(remote: object, blobs: list[str], into: Path) -> float:
@@ -123,7 +123,7 @@ def measure(
 
     note(f"{name}: pushing")
     remote.push_output(source, step)  # type: ignore[attr-defined]
-    blobs = sorted({e["blake3"] for e in objects.read_manifest(source.output(step))["files"].values()})  # type: ignore[attr-defined]
+    blobs = sorted({e["blake3"] for e in objects.read_manifest(source.outputs.path(step))["files"].values()})  # type: ignore[attr-defined]
     serial = iter(range(10**6))
     times = alternate(
         [
@@ -148,7 +148,7 @@ def files_pull(remote: object) -> Callable[[object], object]:
 
     def pull_into(store: object) -> object:
         remote.pull_output(store, STEP)  # type: ignore[attr-defined]
-        return store.check_output(STEP)  # type: ignore[attr-defined]
+        return store.outputs.check(STEP)  # type: ignore[attr-defined]
 
     return pull_into
 
@@ -173,7 +173,7 @@ def checked_pull(url: object, plan: object, step: object) -> Callable[[object], 
     from buildtrain.executor.remote.remote import RemoteCache
 
     def pull_into(store: object) -> object:
-        store.save_plan(plan.hash, plan.canonical())  # type: ignore[attr-defined]
+        store.plans.save(plan.hash, plan.canonical())  # type: ignore[attr-defined]
         if not RemoteCache(url, lambda label, text: note(f"{label}: {text}")).pull(store, step):  # type: ignore[arg-type]
             raise RuntimeError("the checked pull refused the benchmark's own output")
         return None
@@ -287,7 +287,7 @@ def main() -> None:
         )
         print_table(
             "checked pull of a train step's output as bt run pulls it (every digest re-derived), "
-            f"{fmt_bytes(tree_bytes(built.output(step.hash)))}, medians of {count} alternated rounds",  # type: ignore[attr-defined]
+            f"{fmt_bytes(tree_bytes(built.outputs.path(step.hash)))}, medians of {count} alternated rounds",  # type: ignore[attr-defined]
             headers,
             trains,
         )

@@ -48,7 +48,7 @@ def train_digest(
     from buildtrain.store import objects
     from buildtrain.store.store import Store
 
-    output = Store(store).output(load_plan(Store(store), planned).by_label("train:main").hash)
+    output = Store(store).outputs.path(load_plan(Store(store), planned).by_label("train:main").hash)
     return planned, objects.sealed_digests(output)["weights"]
 
 

@@ -143,9 +143,9 @@ def step_digests(store: Path, plan: str) -> dict[str, dict[str, str]]:
 
     loaded = load_plan(Store(store), plan)
     return {
-        step.label: objects.sealed_digests(Store(store).output(step.hash))
+        step.label: objects.sealed_digests(Store(store).outputs.path(step.hash))
         for step in loaded.steps
-        if Store(store).has_output(step.hash)
+        if Store(store).outputs.has(step.hash)
     }
 
 
@@ -186,7 +186,7 @@ def signed_data_and_a_checkpoint(built: Reference, remote: Path, keys: Path) -> 
     remote.mkdir(exist_ok=True)
     assert run_bt("push", plan, "--remote", remote.as_uri(), store=store).returncode == 0
     steps = load_plan(Store(store), plan).steps
-    checkpoint = Store(store).output(steps[1].hash) / "checkpoints" / "step-000008"
+    checkpoint = Store(store).outputs.path(steps[1].hash) / "checkpoints" / "step-000008"
     Remote.open(remote.as_uri()).push_checkpoint(steps[1].hash, checkpoint)
     for later in steps[1:]:
         (remote / "steps" / f"{later.hash}.json").unlink()

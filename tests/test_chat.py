@@ -58,7 +58,7 @@ def chat_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, st
 
 def data_output(store: Path, plan: str) -> Path:
     (data,) = [s for s in load_plan(Store(store), plan).steps if s.label == "data:main"]
-    return Store(store).output(data.hash)
+    return Store(store).outputs.path(data.hash)
 
 
 def test_only_completion_tokens_are_learned(chat_built: tuple[Path, Path, str]) -> None:
@@ -148,7 +148,7 @@ def test_chat_without_a_template_is_refused(tmp_path: Path) -> None:
 def test_heldout_evaluation_scores_completion_tokens_only(chat_built: tuple[Path, Path, str]) -> None:
     _, store, plan = chat_built
     steps = {s.label: s for s in load_plan(Store(store), plan).steps}
-    result = json.loads((Store(store).output(steps["eval"].hash) / "eval.json").read_text())
+    result = json.loads((Store(store).outputs.path(steps["eval"].hash) / "eval.json").read_text())
     folder = data_output(store, plan)
     split = json.loads((folder / "data.json").read_text())["splits"]["heldout"]
     evaluation = steps["eval"].config["eval"]

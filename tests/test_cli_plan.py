@@ -27,7 +27,7 @@ def test_bt_plan_prints_only_the_hash_and_the_summary_on_stderr(bt: BtRunner, st
     assert result.returncode == 0, result.stderr
     assert HASH_LINE.match(result.stdout), repr(result.stdout)
     planned = result.stdout.strip()
-    assert Store(store).plan_hashes() == [planned]
+    assert Store(store).plans.hashes() == [planned]
     summary = result.stderr.splitlines()
     assert summary[0] == f"plan {planned[:12]} 'micro': 4 steps, 0 cached, 4 to run"
     assert [line.split()[0] for line in summary[1:]] == ["data:main", "train:main", "eval", "export"]

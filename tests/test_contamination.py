@@ -139,7 +139,7 @@ def test_a_suite_sets_its_n_and_the_data_steps_record_a_filter_for_it(bt, tmp_pa
     plan = load_plan(Store(store), row["hash"])
     (data,) = [s for s in plan.steps if s.kind == "data"]
     assert data.config["ngrams"] == [8]
-    output = Store(store).output(data.hash)
+    output = Store(store).outputs.path(data.hash)
     assert (output / "ngrams.bloom").is_file() and ngrams.read_filter(output, 8).n == 8
     assert bt("fsck").returncode == 0  # the second filter's declared digest re-derives
 

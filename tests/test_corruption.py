@@ -33,7 +33,8 @@ from buildtrain.plan.stored import load_plan
 from buildtrain.steps.eval.cache import cache_key, lookup
 from buildtrain.store import objects
 from buildtrain.store.checkpoints import checkpoint_problems
-from buildtrain.store.store import STAMP_FORMAT, Store
+from buildtrain.store.outputs import STAMP_FORMAT
+from buildtrain.store.store import Store
 from buildtrain.verify.fsck import scan
 
 MODES = ("flip", "truncate", "delete", "directory", "swap", "symlink", "file")

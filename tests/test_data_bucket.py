@@ -202,8 +202,8 @@ def test_a_file_in_a_bucket_plans_and_builds_as_the_same_file_on_disk(
         done = bt(server, "run", planned, "--target", "data:main", "--progress", "off", store=store)
         assert done.returncode == 0, done.stderr
     step = data_step(b, planned)
-    assert objects.sealed_digests(Store(a).output(step.hash)) == objects.sealed_digests(
-        Store(b).output(step.hash)
+    assert objects.sealed_digests(Store(a).outputs.path(step.hash)) == objects.sealed_digests(
+        Store(b).outputs.path(step.hash)
     )
     fetched = Store(b).source_cache / step.inputs["sources"][0]["blake3"]
     assert fetched.read_bytes() == raw
@@ -228,7 +228,7 @@ def test_a_glob_lists_the_prefix_and_mixes_with_local_files(
 
     wanted = sorted(blake3.blake3(jsonl(p)).hexdigest() for p in parts)
     assert sorted(s["blake3"] for s in data_step(store, planned).inputs["sources"]) == wanted
-    hints = Store(store).plan_meta(planned)["sources"]
+    hints = Store(store).plans.meta(planned)["sources"]
     assert sorted(u for urls in hints.values() for u in urls if u.startswith("s3://")) == [
         server.url(f"{prefix}/train/p1.jsonl"),
         server.url(f"{prefix}/train/p2.jsonl"),
@@ -253,7 +253,7 @@ def test_an_object_changed_after_planning_is_refused_and_nothing_is_published(
     assert server.url(key) in line and "re-plan" in line
     assert "Traceback" not in done.stderr
     s = Store(store)
-    assert not s.has_output(data_step(store, planned).hash)
+    assert not s.outputs.has(data_step(store, planned).hash)
     assert list(s.source_cache.iterdir()) == [] and list(s.tmp.iterdir()) == []
 
 

@@ -86,7 +86,7 @@ def test_a_run_killed_at_one_world_size_resumes_at_another(
     kill_the_last_rank(store, planned, killed_at)
     assert "train:main" not in step_digests(store, planned)  # nothing partial was published
     saved = sorted(
-        p.name for p in (Store(store).work_dir(train_hash(store, planned)) / "checkpoints").iterdir()
+        p.name for p in (Store(store).outputs.work_dir(train_hash(store, planned)) / "checkpoints").iterdir()
     )
     assert saved == ["step-000004"]
 

@@ -49,7 +49,7 @@ def curves(store: Path, plan: str) -> dict[str, list[int]]:
     from buildtrain.store.store import Store
 
     (step,) = [s for s in load_plan(Store(store), plan).steps if s.kind == "eval"]
-    body = json.loads((Store(store).output(step.hash) / "eval.json").read_bytes())
+    body = json.loads((Store(store).outputs.path(step.hash) / "eval.json").read_bytes())
     return {name: [point["update"] for point in points] for name, points in body["curves"].items()}
 
 

@@ -47,7 +47,7 @@ def test_an_imported_checkpoint_is_scored_on_a_suite_without_any_update(tmp_path
     (row,) = json.loads(listed.stdout)
     assert row["suites"]["arith"]["questions"] == 24 and 0.0 <= row["suites"]["arith"]["accuracy"] <= 1.0
     exported = transformers.AutoModelForCausalLM.from_pretrained(
-        Store(store).output(steps["export"].hash) / "hf"
+        Store(store).outputs.path(steps["export"].hash) / "hf"
     )
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

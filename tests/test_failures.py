@@ -165,7 +165,7 @@ def test_a_full_disk_fails_the_step_in_one_line_and_leaves_the_store_intact(micr
     assert ("checkpoint" in message) == (where == "checkpoint"), message  # only a train step has them
     assert "Traceback" not in failed.stderr
     assert run_bt("fsck", store=store).returncode == ExitCode.OK  # nothing damaged was left behind
-    assert not Store(store).has_output(plan.by_label(label).hash)
+    assert not Store(store).outputs.has(plan.by_label(label).hash)
 
 
 def test_a_full_disk_in_the_export_step_names_the_output_being_written(micro_built, tmp_path):
@@ -180,7 +180,7 @@ def test_a_full_disk_in_the_export_step_names_the_output_being_written(micro_bui
     assert message.startswith(f"bt run: export failed: cannot write {store / 'tmp'}"), message
     assert "model.safetensors: File too large; nothing partial was published" in message
     assert "steps" not in message and "checkpoints" not in message
-    assert not Store(store).has_output(export)
+    assert not Store(store).outputs.has(export)
 
 
 def test_a_record_line_that_does_not_fit_names_its_file():

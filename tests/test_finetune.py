@@ -28,7 +28,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 def built_export(store: Path, plan: str) -> tuple[Path, ModelConfig]:
     loaded = load_plan(Store(store), plan)
     (export,) = [s for s in loaded.steps if s.label == "export"]
-    return Store(store).output(export.hash), converter.structure(loaded.config["model"], ModelConfig)
+    return Store(store).outputs.path(export.hash), converter.structure(loaded.config["model"], ModelConfig)
 
 
 @pytest.mark.parametrize(("architecture", "tie"), [("qwen2", False), ("mistral", True)])

@@ -19,6 +19,7 @@ from conftest import MICRO, Reference, plan_hash, run_bt, step_digests
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.plan.stored import load_plan
+from buildtrain.sources import durable
 from buildtrain.store import evals, objects
 from buildtrain.store.remote import keyring, keys, signing
 from buildtrain.store.remote.attest import Attestation, attest, attestations
@@ -120,7 +121,7 @@ def test_forged_export_weights_are_refused_at_pull(tmp_path: Path, url: str, mic
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
     assert "export" in pull.stderr and "model.safetensors: gives weights" in pull.stderr, pull.stderr
-    assert not Store(b).has_output(export)  # never counted, never exported
+    assert not Store(b).outputs.has(export)  # never counted, never exported
     assert bt_at(b, "export", plan, str(tmp_path / "shipped")).returncode != 0
     assert not (tmp_path / "shipped" / "model.safetensors").exists()
     assert bt_at(b, "fsck").returncode == 0  # what was kept is intact; the forgery is in quarantine/
@@ -152,7 +153,7 @@ def test_forged_train_checkpoints_are_refused_at_pull(
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
     assert f"train:main: remote {url}: step {train[:12]} refused: checkpoints/{checkpoint}" in pull.stderr
-    assert not Store(b).has_output(train)
+    assert not Store(b).outputs.has(train)
 
 
 def test_forged_tokens_are_refused_at_pull(tmp_path: Path, url: str, micro_built: Reference) -> None:
@@ -165,7 +166,7 @@ def test_forged_tokens_are_refused_at_pull(tmp_path: Path, url: str, micro_built
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
     assert "data:main" in pull.stderr and "train-00000.bin: gives train-00000.bin" in pull.stderr
-    assert not Store(b).has_output(data)
+    assert not Store(b).outputs.has(data)
 
 
 def test_a_forged_ngram_filter_is_refused_at_pull(tmp_path: Path, url: str, micro_built: Reference) -> None:
@@ -180,14 +181,14 @@ def test_a_forged_ngram_filter_is_refused_at_pull(tmp_path: Path, url: str, micr
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
     assert "data:main" in pull.stderr and "ngrams.bloom: gives ngrams.bloom" in pull.stderr, pull.stderr
-    assert not Store(b).has_output(data)
+    assert not Store(b).outputs.has(data)
 
 
 def plant_entry(url: str, forged: dict) -> str:
     """A sealed evaluation cache entry holding the forged result, put on the remote; its key."""
     key = evals.key_of(forged["identity"])
     entry = {"identity": forged["identity"], "result": forged["result"]}
-    Remote.open(url).backend.put(keys.evaluation(key), objects.framed(evals.seal_entry(key, entry)))
+    Remote.open(url).backend.put(keys.evaluation(key), durable.framed(evals.seal_entry(key, entry)))
     return key
 
 
@@ -212,7 +213,7 @@ def test_a_forged_evaluation_is_refused_and_never_reused(
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
     assert "eval.json: gives eval" in pull.stderr, pull.stderr
-    assert not Store(b).has_output(hashes["eval"]) and not Store(b).eval_path(key).exists()
+    assert not Store(b).outputs.has(hashes["eval"]) and not Store(b).results.eval_path(key).exists()
 
 
 def test_a_forged_evaluation_entry_beside_an_honest_output_is_not_pulled(
@@ -228,7 +229,7 @@ def test_a_forged_evaluation_entry_beside_an_honest_output_is_not_pulled(
     b = tmp_path / "b" / ".bt"
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert "forged" in pull.stderr, pull.stderr
-    assert Store(b).has_output(hashes["eval"]) and not Store(b).eval_path(key).exists()
+    assert Store(b).outputs.has(hashes["eval"]) and not Store(b).results.eval_path(key).exists()
 
 
 def test_fsck_re_derives_declared_digests(tmp_path: Path, micro_built: Reference) -> None:
@@ -237,7 +238,7 @@ def test_fsck_re_derives_declared_digests(tmp_path: Path, micro_built: Reference
     source, _, _ = micro_built
     store = tmp_path / ".bt"
     shutil.copytree(source, store, symlinks=True)
-    export = Store(store).output(steps_of(micro_built)["export"])
+    export = Store(store).outputs.path(steps_of(micro_built)["export"])
     declared = objects.sealed_digests(export)
     for name in ("model.safetensors", "hf/model.safetensors"):
         path = export / name
@@ -260,7 +261,7 @@ def push_first_checkpoint(micro_built: Reference, url: str) -> tuple[str, str]:
     for the train step, as a builder's run pushes it; (train step hash, checkpoint name)."""
     store, _, _ = micro_built
     train = steps_of(micro_built)["train:main"]
-    folder = Store(store).output(train) / "checkpoints" / "step-000004"
+    folder = Store(store).outputs.path(train) / "checkpoints" / "step-000004"
     Remote.open(url).push_checkpoint(train, folder)
     return train, folder.name
 
@@ -304,12 +305,12 @@ def test_a_forged_checkpoint_in_the_work_folder_is_skipped_at_resume(
     train = steps_of(micro_built)["train:main"]
     b = tmp_path / "b" / ".bt"
     shutil.copytree(source, b, symlinks=True)
-    shutil.rmtree(Store(b).output(train).parent / train)
+    shutil.rmtree(Store(b).outputs.path(train).parent / train)
     for later in ("train:main", "eval", "export"):
-        shutil.rmtree(Store(b).output(steps_of(micro_built)[later]), ignore_errors=True)
-    folder = Store(b).checkpoints_dir(train) / "step-000004"
+        shutil.rmtree(Store(b).outputs.path(steps_of(micro_built)[later]), ignore_errors=True)
+    folder = Store(b).outputs.checkpoints_dir(train) / "step-000004"
     folder.parent.mkdir(parents=True)
-    shutil.copytree(Store(source).output(train) / "checkpoints" / "step-000004", folder)
+    shutil.copytree(Store(source).outputs.path(train) / "checkpoints" / "step-000004", folder)
     weights = folder / "model.safetensors"
     raw = flip(weights.read_bytes())
     weights.chmod(0o644)
@@ -358,7 +359,7 @@ def test_every_kind_derives_what_it_declared_for_a_bpe_plan(tmp_path: Path) -> N
     assert "tokenizer" in {step.kind for step in steps}
     for step in steps:
         kind = kind_of(step.kind)
-        output = Store(store).output(step.hash)
+        output = Store(store).outputs.path(step.hash)
         assert kind.derive_digests(output), step.label  # every kind here derives something
         assert stored_problems(kind, step.hash, output, step.config) == [], step.label
     assert bt_at(store, "fsck").returncode == 0

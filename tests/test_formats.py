@@ -22,8 +22,8 @@ from buildtrain.config.schema import DataConfig, TokenizerConfig
 from buildtrain.config.steps import BYTES
 from buildtrain.errors import StepFailed
 from buildtrain.kinds.data import data_view
+from buildtrain.sources.durable import write_bytes_durably
 from buildtrain.steps import data, tokenizer
-from buildtrain.store.objects import write_bytes_durably
 
 DOCUMENTS = st.lists(
     st.text(st.characters(exclude_categories=("Cs",)), max_size=300), min_size=1, max_size=12

@@ -104,7 +104,7 @@ def test_fsck_repair_quarantines_every_damaged_object_and_run_makes_the_store_wh
     (store / "evals" / f"{'a' * 64}.json").mkdir()
     (store / "plans" / f"{micro_built[1]}.meta.json").write_text("[]")
     for folder in (
-        Store(store).stamp_path(train),
+        Store(store).outputs.stamp_path(train),
         store / "locks" / f"{train}.lock",
         store / "cache" / "files.json",
     ):
@@ -149,8 +149,7 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
 
     from buildtrain.executor.loop.run import RunOptions, run_plan
     from buildtrain.plan.planner import plan_preset
-    from buildtrain.sources import stat_cache
-    from buildtrain.store import objects
+    from buildtrain.sources import durable, stat_cache
 
     root = tmp_path / ".bt"
     shutil.copytree(micro_built[0], root)
@@ -159,7 +158,7 @@ def test_a_read_only_store_still_plans_a_stored_plan_and_null_builds(micro_built
     def refuse(path: Path, data: bytes, **_: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(objects, "write_bytes_durably", refuse)
+    monkeypatch.setattr(durable, "write_bytes_durably", refuse)
     monkeypatch.setattr(stat_cache, "write_bytes_durably", refuse)
     assert plan_preset(MICRO, [], store).plan.hash == micro_built[1]
     code = run_plan(
@@ -177,7 +176,7 @@ def test_an_edited_metrics_summary_is_reported_and_never_shown(micro_built, tmp_
     store = tmp_path / ".bt"
     shutil.copytree(micro_built[0], store)
     train = load_plan(Store(store), micro_built[1]).by_label("train:main").hash
-    path = Path(Store(store).step_metrics_path(train))
+    path = Path(Store(store).results.step_metrics_path(train))
     shown = json.loads(run_bt("ls", "--metrics", "--json", store=store).stdout)
     assert isinstance(shown[0]["train_loss"], float)
     body = path.read_bytes()
@@ -250,8 +249,8 @@ def test_a_file_in_place_of_a_step_s_checkpoints_is_reported_and_named_by_run(mi
     shutil.copytree(micro_built[0], store)
     train = load_plan(Store(store), micro_built[1]).by_label("train:main").hash
     shutil.rmtree(store / "steps" / train)  # so that bt run trains it again
-    shutil.rmtree(Store(store).work_dir(train), ignore_errors=True)
-    misplaced = Store(store).work_dir(train) / folder
+    shutil.rmtree(Store(store).outputs.work_dir(train), ignore_errors=True)
+    misplaced = Store(store).outputs.work_dir(train) / folder
     misplaced.parent.mkdir(parents=True, exist_ok=True)
     misplaced.write_text("not a folder")
     found = run_bt("fsck", store=store)

@@ -18,16 +18,22 @@ def litter(store: Store, completed_step: str) -> list[Path]:
     orphan = store.new_temp("orphan")
     (orphan / "weights.bin").write_bytes(b"\0" * 64)
     objects.seal(orphan)
-    objects.commit(orphan, store.output("f" * 64))  # an output no plan references
+    objects.commit(orphan, store.outputs.path("f" * 64))  # an output no plan references
     leftover = store.new_temp("train-main")  # a temporary output of a killed step
     (leftover / "half.bin").write_bytes(b"x")
-    work = store.work_dir(completed_step) / "checkpoints" / "step-000004"  # work of a finished step
+    work = store.outputs.work_dir(completed_step) / "checkpoints" / "step-000004"  # work of a finished step
     work.mkdir(parents=True)
     quarantined = store.quarantined / "deadbeef.1"
     quarantined.mkdir(parents=True)
     stray_eval = store.evals / f"{'e' * 64}.json"
     stray_eval.write_text("{}")
-    return [store.output("f" * 64), leftover, store.work_dir(completed_step), quarantined, stray_eval]
+    return [
+        store.outputs.path("f" * 64),
+        leftover,
+        store.outputs.work_dir(completed_step),
+        quarantined,
+        stray_eval,
+    ]
 
 
 def test_gc_removes_only_unreferenced_and_leftover_data(micro_built, tmp_path):
@@ -56,7 +62,7 @@ def test_dropping_a_plan_frees_its_outputs(micro_built, tmp_path):
     shutil.copytree(micro_built[0], root)
     result = run_bt("gc", "--drop", micro_built[1][:8], store=root)
     assert result.returncode == 0, result.stderr
-    assert Store(root).plan_hashes() == []
+    assert Store(root).plans.hashes() == []
     assert list((root / "steps").iterdir()) == []
     assert list((root / "evals").iterdir()) == []
     # The plan's card and its steps' metrics summaries (what bt ls --metrics reads) go with them.
@@ -170,7 +176,7 @@ def test_dropping_a_plan_drops_the_sweeps_that_name_it(micro_built, tmp_path):
     result = run_bt("gc", "--drop", first, store=root)
     assert result.returncode == 0, result.stderr
     assert f"removed sweeps/{sweep.name}" in result.stderr and not sweep.exists()
-    assert Store(root).plan_hashes() == sorted([micro_built[1], second])
+    assert Store(root).plans.hashes() == sorted([micro_built[1], second])
     assert json.loads(run_bt("fsck", "--json", store=root).stdout)["damaged"] == []
 
 
@@ -178,11 +184,11 @@ def test_a_plan_being_run_is_not_dropped(micro_built, tmp_path):
     root = tmp_path / ".bt"
     shutil.copytree(micro_built[0], root)
     store = Store(root)
-    with store.running(micro_built[1]):  # what bt run holds while it builds the plan's steps
+    with store.locks.running(micro_built[1]):  # what bt run holds while it builds the plan's steps
         refused = run_bt("gc", "--drop", micro_built[1][:8], store=root)
     assert refused.returncode == 7, refused.stderr
     assert "is being built by a bt run" in refused.stderr
-    assert store.plan_hashes() == [micro_built[1]]
+    assert store.plans.hashes() == [micro_built[1]]
     assert step_digests(root, micro_built[1]) == micro_built[2]
 
 
@@ -198,7 +204,7 @@ def test_gc_drop_during_a_bt_run_of_the_plan_is_refused_and_the_run_succeeds(mic
     store = Store(root)
     plan = load_plan(store, micro_built[1])
     for label in ("train:main", "eval", "export"):  # so that the run trains for a while
-        shutil.rmtree(store.output(plan.by_label(label).hash))
+        shutil.rmtree(store.outputs.path(plan.by_label(label).hash))
     env = {**os.environ, "BT_STORE": str(root), "BT_EXPERIMENTS": str(tmp_path / "experiments")}
     run = subprocess.Popen(
         [sys.executable, "-m", "buildtrain", "run", micro_built[1], "--progress", "off"],
@@ -208,7 +214,7 @@ def test_gc_drop_during_a_bt_run_of_the_plan_is_refused_and_the_run_succeeds(mic
         text=True,
     )
     try:
-        lock, deadline = store.plan_lock(micro_built[1]), time.monotonic() + 60
+        lock, deadline = store.locks.plan_lock(micro_built[1]), time.monotonic() + 60
         while True:  # until the run holds its plan lock (shared): an exclusive try fails
             assert run.poll() is None and time.monotonic() < deadline, "the run ended before it was seen"
             if lock.exists():

@@ -93,7 +93,7 @@ def imported(store: Path, plan: str) -> tuple[Transformer, dict]:
     (step,) = [s for s in loaded.steps if s.label == "import_hf"]
     settings = converter.structure(loaded.config["model"], ModelConfig)
     model = Transformer.build(settings, settings.vocab_size, torch.Generator())
-    load_model(model, Store(store).output(step.hash) / "model.safetensors")
+    load_model(model, Store(store).outputs.path(step.hash) / "model.safetensors")
     return model.eval(), loaded.config["model"]
 
 
@@ -128,7 +128,7 @@ def test_bf16_checkpoints_are_widened_exactly(tmp_path: Path) -> None:
     assert torch.equal(model.embedding.weight, given["model.embed_tokens.weight"].float())
     # the digest the step recorded (from its arrays) is the digest of the file it wrote
     (step,) = [s for s in load_plan(Store(store), plan).steps if s.label == "import_hf"]
-    output = Store(store).output(step.hash)
+    output = Store(store).outputs.path(step.hash)
     recorded = json.loads((output / "result.json").read_text())["digests"]["weights"]
     assert recorded == combine(safetensors_digests(output / "model.safetensors"))
 

@@ -474,3 +474,52 @@ def test_ray_and_submitit_are_imported_only_inside_their_engines() -> None:
                 if client in CLUSTER_CLIENTS and module not in CLUSTER_CLIENTS[client]:
                     wrong.append(f"{module}:{node.lineno} imports {name}")
     assert not wrong, "cluster clients imported outside their engines:\n" + "\n".join(wrong)
+
+
+# -- the executor's rooms --------------------------------------------------------------------------
+
+# The executor's rooms, lowest first: a room imports only from its own and the rooms below it
+# (every import counted). The process model starts and follows a step's process and never reads a
+# submission; the team cache's client stands on it; the engines (the seam, local, Ray, Slurm) place
+# processes and may pull through the remote; the build loop hands every engine a submission; the
+# commands on a built plan (adhoc) stand on the process model alone.
+EXECUTOR_ROOMS = ("process", "remote", "engines", "loop", "adhoc")
+
+
+def room_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["buildtrain", "executor"] or len(parts) < 4:
+        return None  # outside the executor, or its package marker
+    if parts[2] not in EXECUTOR_ROOMS:
+        raise AssertionError(f"{module} belongs to no room of the executor: add it to EXECUTOR_ROOMS")
+    return EXECUTOR_ROOMS.index(parts[2])
+
+
+def arrows_up_between_rooms(known: dict[str, Path]) -> list[str]:
+    wrong = []
+    for module, path in known.items():
+        own = room_of(module)
+        if own is None:
+            continue
+        for target in sorted(arrows(path, known)):
+            room = room_of(target)
+            if room is not None and room > own:
+                wrong.append(f"{module} ({EXECUTOR_ROOMS[own]}/) imports {target} ({EXECUTOR_ROOMS[room]}/)")
+    return wrong
+
+
+def test_the_executors_rooms_point_only_down() -> None:
+    """Nothing in process/ imports engines/ (only the local engine spawns, from a submission), and
+    no room imports one above it."""
+    wrong = arrows_up_between_rooms(modules())
+    assert not wrong, "arrows up between the executor's rooms:\n" + "\n".join(wrong)
+
+
+def test_the_room_rule_catches_spawn_reading_a_submission(tmp_path: Path) -> None:
+    """A process module that imports the engine seam inside a function, as spawn once did."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from buildtrain.executor.engines.engine import Submission\n")
+    known = {**modules(), "buildtrain.executor.process.probe": probe}
+    assert [line for line in arrows_up_between_rooms(known) if "probe" in line] == [
+        "buildtrain.executor.process.probe (process/) imports buildtrain.executor.engines.engine (engines/)"
+    ]

@@ -47,7 +47,7 @@ def buildtrain_scores(store: Path, plan: str, package: Path, suite: Path) -> lis
 
     loaded = load_plan(Store(store), plan)
     tokenizers = [s for s in loaded.steps if s.kind == "tokenizer"]
-    codec = text_codec(Store(store).output(tokenizers[0].hash) if tokenizers else None)
+    codec = text_codec(Store(store).outputs.path(tokenizers[0].hash) if tokenizers else None)
     hf_config = json.loads((package / "hf" / "config.json").read_bytes())
     model = package_model(package, hf_config["vocab_size"])
     questions = read_multiple_choice(suite.read_bytes(), suite)

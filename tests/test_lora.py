@@ -58,7 +58,7 @@ def lora_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, st
 
 
 def outputs(store: Path, plan: str) -> dict[str, Path]:
-    return {s.label: Store(store).output(s.hash) for s in load_plan(Store(store), plan).steps}
+    return {s.label: Store(store).outputs.path(s.hash) for s in load_plan(Store(store), plan).steps}
 
 
 def test_only_the_adapters_train_and_hold_optimizer_state(lora_built: tuple[Path, Path, str]) -> None:

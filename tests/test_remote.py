@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.errors import CorruptObject, RemoteDamaged, UsageError
+from buildtrain.errors import CorruptObject, RemoteDamaged, RemoteUnavailable, UsageError
 from buildtrain.plan.stored import load_plan
 from buildtrain.store import checkpoints, layout, objects, tensors, trace
 from buildtrain.store.remote import keyring, keys, leases, signing
@@ -40,7 +40,7 @@ from buildtrain.store.remote.attest import (
     statement,
     tally,
 )
-from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing, RemoteUnavailable
+from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing
 from buildtrain.store.remote.keyring import Keyring
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl, parse_url
@@ -92,7 +92,7 @@ def first_blob(remote: Remote, built: tuple[Store, list[str]]) -> tuple[str, str
     """(step hash, file name, blob key) of the largest file of the train step's output."""
     store, steps = built
     step = steps[1]
-    files = objects.read_manifest(store.output(step))["files"]
+    files = objects.read_manifest(store.outputs.path(step))["files"]
     name = max(files, key=lambda n: files[n]["size"])
     return step, name, keys.blob(files[name]["blake3"])
 
@@ -111,9 +111,9 @@ def test_push_then_pull_gives_identical_outputs(
     other = fresh_store(tmp_path)
     for step in steps:
         assert remote.has_output(step)
-        assert remote.pull_output(other, step) == other.output(step)
-        assert objects.verify(other.output(step)) == []
-        assert tree(other.output(step)) == tree(store.output(step))
+        assert remote.pull_output(other, step) == other.outputs.path(step)
+        assert objects.verify(other.outputs.path(step)) == []
+        assert tree(other.outputs.path(step)) == tree(store.outputs.path(step))
     assert not any(other.tmp.iterdir())
 
 
@@ -125,7 +125,8 @@ def test_a_reader_racing_a_push_never_sees_half_a_step(
     are not all there."""
     store, steps = built
     sizes = {
-        h: sum(e["size"] for e in objects.read_manifest(store.output(h))["files"].values()) for h in steps
+        h: sum(e["size"] for e in objects.read_manifest(store.outputs.path(h))["files"].values())
+        for h in steps
     }
     step = max(steps, key=sizes.__getitem__)
     pusher = threading.Thread(target=remote.push_output, args=(store, step))
@@ -134,7 +135,7 @@ def test_a_reader_racing_a_push_never_sees_half_a_step(
     for attempt in range(10_000):
         other = fresh_store(tmp_path, f"r{attempt}")
         if remote.pull_output(other, step) is not None:
-            assert tree(other.output(step)) == tree(store.output(step))
+            assert tree(other.outputs.path(step)) == tree(store.outputs.path(step))
             break
         misses += 1
     pusher.join()
@@ -194,7 +195,7 @@ def test_a_pin_takes_only_that_build_and_a_refusal_leaves_nothing(
     refusal leaves nothing behind, and an accepted pull is stamped (no second read before use)."""
     store, steps = built
     remote.push_output(store, steps[0])
-    held = objects.manifest_self((store.output(steps[0]) / objects.MANIFEST).read_bytes())
+    held = objects.manifest_self((store.outputs.path(steps[0]) / objects.MANIFEST).read_bytes())
     other = fresh_store(tmp_path)
     with pytest.raises(RemoteDamaged, match=rf"{keys.step(steps[0])}.*not the build this run holds"):
         remote.pull_output(other, steps[0], pinned="0" * 64)
@@ -207,10 +208,10 @@ def test_a_pin_takes_only_that_build_and_a_refusal_leaves_nothing(
 
     with pytest.raises(RemoteDamaged, match=rf"step {steps[0][:12]} refused: weights.safetensors gives"):
         remote.pull_output(other, steps[0], pinned=held, accept=refuse)
-    assert seen == [tree(store.output(steps[0]))]
+    assert seen == [tree(store.outputs.path(steps[0]))]
     assert_nothing_left(other)
     assert remote.pull_output(other, steps[0], pinned=held, accept=lambda folder: None) is not None
-    assert other.read_stamp(steps[0]) is not None and other.check_output(steps[0]) == []
+    assert other.outputs.read_stamp(steps[0]) is not None and other.outputs.check(steps[0]) == []
 
 
 def test_a_damaged_manifest_is_named(remote: Remote, built: tuple[Store, list[str]], tmp_path: Path) -> None:
@@ -311,7 +312,7 @@ def test_two_builds_that_disagree_never_overwrite(
     other = fresh_store(tmp_path)
     folder = other.new_temp("forged")
     (folder / "tokens.bin").write_bytes(b"another build")
-    objects.publish(folder, other.output(steps[0]), {"data": "ff" * 32})
+    objects.publish(folder, other.outputs.path(steps[0]), {"data": "ff" * 32})
     pushed = remote.push_output(other, steps[0])
     assert pushed.manifest == "conflict" and "another build" in (pushed.conflict or "")
     assert remote.backend.get(keys.step(steps[0])) == before
@@ -322,9 +323,9 @@ def test_a_damaged_local_output_is_never_pushed(
 ) -> None:
     other = fresh_store(tmp_path)
     step = built[1][0]
-    objects.link_tree(built[0].output(step), other.output(step))
+    objects.link_tree(built[0].outputs.path(step), other.outputs.path(step))
     victim = next(
-        p for p in sorted(other.output(step).rglob("*")) if p.is_file() and p.name != objects.MANIFEST
+        p for p in sorted(other.outputs.path(step).rglob("*")) if p.is_file() and p.name != objects.MANIFEST
     )
     victim.unlink()
     victim.write_bytes(b"x")
@@ -341,7 +342,7 @@ def make_checkpoint(
 ) -> Path:
     """A sealed checkpoint of update `number` whose trace segment follows the one that ends at
     `previous` (its last update, its blake3), kept in the pool as a train step keeps it."""
-    parent = store.work_dir(step) / "checkpoints"
+    parent = store.outputs.work_dir(step) / "checkpoints"
     folder = store.new_temp("ckpt")
     (folder / "state.json").write_bytes(payload)
     data = payload * 1000 + b"\0" * (-len(payload) * 1000 % 4)
@@ -373,16 +374,16 @@ def test_the_newest_checkpoint_that_verifies_is_pulled(remote: Remote, tmp_path:
     previous: tuple[int, str | None] = (0, None)
     for number in (4, 8, 12):
         previous = segment_of(make_checkpoint(local, step, number, f"update {number}".encode(), previous))
-        pushed = remote.push_newest_checkpoint(step, local.work_dir(step) / "checkpoints")
+        pushed = remote.push_newest_checkpoint(step, local.outputs.work_dir(step) / "checkpoints")
         assert pushed is not None and pushed.manifest == "written"
     assert remote.checkpoints(step) == ["step-000012", "step-000008", "step-000004"]
-    newest = objects.read_manifest(local.work_dir(step) / "checkpoints" / "step-000012")["files"]
+    newest = objects.read_manifest(local.outputs.work_dir(step) / "checkpoints" / "step-000012")["files"]
     remote.backend.delete(keys.blob(newest["model.safetensors"]["blake3"]))
     other = fresh_store(tmp_path)
-    into = other.work_dir(step) / "checkpoints"
+    into = other.outputs.work_dir(step) / "checkpoints"
     pulled, problems = remote.pull_newest_checkpoint(other, step, into)
     assert pulled == into / "step-000008" and objects.verify(pulled) == []
-    assert tree(pulled) == tree(local.work_dir(step) / "checkpoints" / "step-000008")
+    assert tree(pulled) == tree(local.outputs.work_dir(step) / "checkpoints" / "step-000008")
     assert len(problems) == 1 and "step-000012" in problems[0] and "missing" in problems[0]
     assert sorted(p.name for p in into.iterdir()) == ["step-000008"]
     assert not any(other.tmp.iterdir())
@@ -402,7 +403,7 @@ def test_a_checkpoint_whose_trace_the_remote_lacks_is_never_resumed(remote: Remo
     assert remote.backend.exists(keys.blob(segment_of(second)[1])) is not None  # pushed with 12
     remote.backend.delete(keys.blob(segment_of(first)[1]))
     other = fresh_store(tmp_path)
-    into = other.work_dir(step) / "checkpoints"
+    into = other.outputs.work_dir(step) / "checkpoints"
     pulled, problems = remote.pull_newest_checkpoint(other, step, into)
     assert pulled is None and len(problems) == 2
     assert all("trace segment" in problem or "missing" in problem for problem in problems), problems
@@ -416,9 +417,11 @@ def test_another_steps_checkpoint_is_foreign(remote: Remote, tmp_path: Path) -> 
         keys.checkpoint(mine, "step-000004"), remote.backend.get(keys.checkpoint(theirs, "step-000004"))
     )
     other = fresh_store(tmp_path)
-    pulled, problems = remote.pull_newest_checkpoint(other, mine, other.work_dir(mine) / "checkpoints")
+    pulled, problems = remote.pull_newest_checkpoint(
+        other, mine, other.outputs.work_dir(mine) / "checkpoints"
+    )
     assert pulled is None and "foreign" in problems[0] and "step-000004" in problems[0]
-    assert not (other.work_dir(mine) / "checkpoints").exists()
+    assert not (other.outputs.work_dir(mine) / "checkpoints").exists()
 
 
 # -- plans and evaluation entries -----------------------------------------------------------------

@@ -83,7 +83,7 @@ def _damage(url: str, plan_hash_: str, store: Path, how: str) -> str:
     """Damage the remote copy of the train step; returns what the error must name."""
     steps = [step.hash for step in load_plan(Store(store), plan_hash_).steps]
     backend = Remote.open(url).backend
-    files = objects.read_manifest(Store(store).output(steps[1]))["files"]
+    files = objects.read_manifest(Store(store).outputs.path(steps[1]))["files"]
     name, entry = max(files.items(), key=lambda item: item[1]["size"])
     blob = keys.blob(entry["blake3"])
     if how == "flipped":
@@ -110,8 +110,8 @@ def test_damage_on_the_remote_is_named_and_never_served(
     assert pull.returncode == 5, pull.stderr
     assert named in pull.stderr and "train:main" in pull.stderr
     train = load_plan(Store(b), plan).steps[1].hash
-    assert not Store(b).has_output(train)  # nothing of it was kept
-    assert Store(b).has_output(load_plan(Store(b), plan).steps[0].hash)  # the intact data step was
+    assert not Store(b).outputs.has(train)  # nothing of it was kept
+    assert Store(b).outputs.has(load_plan(Store(b), plan).steps[0].hash)  # the intact data step was
 
 
 def test_a_run_builds_a_step_whose_remote_copy_is_damaged(tmp_path: Path, micro_built: Reference) -> None:
@@ -363,8 +363,8 @@ def test_a_train_step_killed_on_one_machine_resumes_on_another(
     assert "resuming from step-" in run.stderr and "pulled from" in run.stderr
     assert step_digests(b, plan) == micro_built[2]
     # ...and the same files: the kept checkpoints from before the resume came from the remote too
-    honest = Store(micro_built[0]).output(train)
-    assert objects.sealed_files(Store(b).output(train)) == objects.sealed_files(honest)
+    honest = Store(micro_built[0]).outputs.path(train)
+    assert objects.sealed_files(Store(b).outputs.path(train)) == objects.sealed_files(honest)
     # A store that asks for signed results does not start from a checkpoint: no one signs one.
     c = tmp_path / "c" / ".bt"
     strict = bt_at(c, "run", plan, "--remote", f"file://{tmp_path / 'snapshot'}", "--min-attestations", "1")
@@ -440,7 +440,7 @@ def test_no_wait_refuses_a_step_leased_on_the_remote(tmp_path: Path) -> None:
     run = bt_at(a, "run", plan, "--remote", url, "--no-wait")
     assert run.returncode == 7, run.stderr
     assert "elsewhere:1:abc is building this step (remote lease" in run.stderr
-    assert not Store(a).has_output(data)
+    assert not Store(a).outputs.has(data)
 
 
 def test_a_sweep_split_between_two_stores_is_then_built_on_both(tmp_path: Path) -> None:
@@ -482,9 +482,11 @@ def test_checkpoints_that_began_on_the_remote_are_not_resumed_under_a_requiremen
     store = tmp_path / "a" / ".bt"
     assert bt_at(store, "plan", str(MICRO)).returncode == 0
     train = load_plan(Store(built), plan).steps[1].hash
-    work = Store(store).work_dir(train)
+    work = Store(store).outputs.work_dir(train)
     (work / "checkpoints").mkdir(parents=True)
-    shutil.copytree(Store(built).output(train) / "checkpoints", work / "checkpoints", dirs_exist_ok=True)
+    shutil.copytree(
+        Store(built).outputs.path(train) / "checkpoints", work / "checkpoints", dirs_exist_ok=True
+    )
     (work / "pulled-checkpoint.json").write_text('{"checkpoint": "step-000008", "remote": "elsewhere"}')
     run = bt_at(store, "run", plan, "--remote", url, "--min-attestations", "1")
     assert run.returncode == 0, run.stderr

@@ -127,7 +127,7 @@ def test_sigkill_at_a_random_point_resumes_identically(micro_built, tmp_path):
     os.killpg(process.pid, signal.SIGKILL)  # the executor and its step process, without warning
     process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL
-    assert not Store(store).has_output(train_hash(store, planned))
+    assert not Store(store).outputs.has(train_hash(store, planned))
     assert resume(planned, store, experiments)["train:main"] == reference["train:main"]
 
 
@@ -136,7 +136,7 @@ def test_sigkill_while_writing_a_checkpoint_resumes_identically(micro_built, tmp
     store, experiments = tmp_path / ".bt", tmp_path / "experiments"
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
     killed_in_checkpoint(planned, store, experiments, 8, "--target", "train:main")
-    checkpoints = Store(store).work_dir(train_hash(store, planned)) / "checkpoints"
+    checkpoints = Store(store).outputs.work_dir(train_hash(store, planned)) / "checkpoints"
     assert (checkpoints / ".step-000008.tmp").is_dir()  # the half-written checkpoint is on disk
     assert not (checkpoints / "step-000008").exists()
 
@@ -150,7 +150,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(micro_built, t
     assert plan_hash(run_bt("plan", str(MICRO), store=store)) == planned
     killed_in_checkpoint(planned, store, experiments, 12, "--target", "train:main")
     newest = (
-        Store(store).work_dir(train_hash(store, planned))
+        Store(store).outputs.work_dir(train_hash(store, planned))
         / "checkpoints"
         / "step-000008"
         / "model.safetensors"
@@ -172,7 +172,7 @@ def test_multi_stage_plan_killed_during_finetune_resumes_identically(stages_buil
     # finetune checkpoints every 3 updates: killed while writing the one at update 6
     stderr = killed_in_checkpoint(planned, store, experiments, 6)
     assert "train:finetune" in stderr
-    assert Store(store).has_output(train_hash(store, planned, "train:pretrain"))
+    assert Store(store).outputs.has(train_hash(store, planned, "train:pretrain"))
 
     result = run_bt("run", planned, store=store, env={"BT_EXPERIMENTS": str(experiments)})
     assert result.returncode == 0, result.stderr

@@ -187,7 +187,7 @@ def test_two_concurrent_runs_build_once(tmp_path):
     train = [actions(s)["train:main"] for s in summaries(experiments)]
     assert sorted(train) == ["cached", "executed"]
     assert any("waiting: pid" in e for e in errors), errors
-    assert Store(store).verify_output(load_plan(Store(store), planned).by_label("train:main").hash) == []
+    assert Store(store).outputs.verify(load_plan(Store(store), planned).by_label("train:main").hash) == []
 
 
 def test_no_wait_exits_with_the_locked_code(tmp_path):
@@ -237,12 +237,12 @@ def test_non_finite_loss_fails_cleanly_naming_the_step(tmp_path):
     assert "Traceback" not in result.stderr
     assert "at step" in result.stderr and "loss is" in result.stderr
     # no output was published, and every checkpoint that exists is intact
-    plan = load_plan(Store(store), Store(store).plan_hashes()[0])
+    plan = load_plan(Store(store), Store(store).plans.hashes()[0])
     train = plan.by_label("train:main")
-    assert not Store(store).has_output(train.hash)
+    assert not Store(store).outputs.has(train.hash)
     from buildtrain.store import objects
 
-    for folder in (Store(store).work_dir(train.hash) / "checkpoints").glob("step-*"):
+    for folder in (Store(store).outputs.work_dir(train.hash) / "checkpoints").glob("step-*"):
         assert objects.verify(folder) == []
 
 
@@ -334,7 +334,7 @@ def test_data_files_are_found_by_content_after_a_move(tmp_path):
     assert result.returncode == 0, result.stderr
 
     (moved / "renamed.txt").unlink()
-    Store(store).quarantine(load_plan(Store(store), planned).by_label("data:main").hash)
+    Store(store).outputs.quarantine(load_plan(Store(store), planned).by_label("data:main").hash)
     result = run_bt("run", planned, "--target", "data:main", store=store)
     assert result.returncode == ExitCode.FAILED
     assert "is gone" in result.stderr and "plan again" in result.stderr
@@ -448,7 +448,7 @@ def test_out_of_memory_fails_cleanly_naming_the_step(tmp_path):
     assert "Traceback" not in limited.stderr
     assert "lower train.micro_batch_size" in limited.stderr
     train = load_plan(Store(store), planned).by_label("train:main")
-    assert not Store(store).has_output(train.hash)
+    assert not Store(store).outputs.has(train.hash)
     result = run_bt("run", planned, "--target", "train:main", store=store)
     assert result.returncode == 0, result.stderr
 

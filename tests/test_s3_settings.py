@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import run_bt
 
+from buildtrain.errors import RemoteUnavailable
 from buildtrain.sources.s3_settings import INSTANCE_CREDENTIALS, redact
-from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 
 CREDENTIALS = (

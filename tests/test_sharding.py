@@ -61,7 +61,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
     planned = plan(store, *FSDP, *EVALUATED)
     digests = build(store, planned, "--nproc", "1")
     assert world_sizes(store) == {1}
-    output = Store(store).output(train_hash(store, planned))
+    output = Store(store).outputs.path(train_hash(store, planned))
     trace = (output / "trace.jsonl").read_text()
     assert trace.count('"eval":') == 3  # after updates 4, 8 and 12, recorded in the trace
     return planned, digests, published(output)
@@ -80,7 +80,7 @@ def test_sharded_training_publishes_the_same_bytes_at_any_world_size(
     assert plan(store, *FSDP, *EVALUATED, "--nproc", str(nproc)) == planned
     assert build(store, planned, "--nproc", str(nproc)) == reference  # weights, state and trace bits
     assert world_sizes(store) == {nproc}
-    output = Store(store).output(train_hash(store, planned))
+    output = Store(store).outputs.path(train_hash(store, planned))
     assert published(output) == files  # every file, the manifests and result.json too, byte for byte
     final = output / "checkpoints" / "step-000012"
     assert sorted(p.name for p in final.iterdir()) == [
@@ -106,7 +106,9 @@ def test_a_sharded_run_killed_at_one_world_size_resumes_at_another(
     plan(store, *FSDP, *EVALUATED)
     kill_the_last_rank(store, planned, killed_at)
     assert "train:main" not in step_digests(store, planned)
-    saved = Store(store).work_dir(train_hash(store, planned)) / "checkpoints" / "step-000004" / "shards"
+    saved = (
+        Store(store).outputs.work_dir(train_hash(store, planned)) / "checkpoints" / "step-000004" / "shards"
+    )
     assert len(list(saved.iterdir())) == killed_at
 
     assert build(store, planned, "--nproc", str(resumed_at)) == reference
@@ -126,7 +128,7 @@ def test_without_clipping_sharded_and_unsharded_training_give_the_same_weights(t
         store.parent.mkdir()
         planned = plan(store, *args)
         digests[store] = build(store, planned, "--nproc", "2")
-        final = Store(store).output(train_hash(store, planned)) / "checkpoints" / "step-000012"
+        final = Store(store).outputs.path(train_hash(store, planned)) / "checkpoints" / "step-000012"
         kept[store] = [(final / name).read_bytes() for name in ("model.safetensors", "optimizer.safetensors")]
     assert digests[sharded]["weights"] == digests[unsharded]["weights"]
     assert digests[sharded]["trace"] != digests[unsharded]["trace"]

@@ -346,7 +346,7 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
 ) -> None:
     import json
 
-    from buildtrain.store.objects import framed
+    from buildtrain.sources.durable import framed
 
     cold = cold_digests(package)
     digests(package)

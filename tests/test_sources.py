@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain.sources import stat_cache as sources
+from buildtrain.sources.durable import MMAP_THRESHOLD
 from buildtrain.sources.stat_cache import (
     RACY_SECONDS,
     NotRegularFile,
@@ -26,7 +27,6 @@ from buildtrain.sources.stat_cache import (
     open_regular,
     whereabouts,
 )
-from buildtrain.store.objects import MMAP_THRESHOLD
 
 OLD = time.time() - 3600  # an mtime well outside the racy window
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from buildtrain.errors import CorruptObject, Locked, UsageError
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan, save_plan
+from buildtrain.sources import durable
 from buildtrain.store import objects
 from buildtrain.store.store import Store
 
@@ -146,13 +147,13 @@ def test_commit_renames_into_place_creating_parents(tmp_path: Path) -> None:
 
 def test_write_bytes_durably_leaves_no_temporary_file(tmp_path: Path) -> None:
     target = tmp_path / "plan.json"
-    objects.write_bytes_durably(target, b"first")
-    objects.write_bytes_durably(target, b"second")  # replaces an existing file
+    durable.write_bytes_durably(target, b"first")
+    durable.write_bytes_durably(target, b"second")  # replaces an existing file
     assert target.read_bytes() == b"second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
-@pytest.mark.parametrize("size", [0, 1, (1 << 20) + 7, objects.MMAP_THRESHOLD + 3])
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) + 7, durable.MMAP_THRESHOLD + 3])
 def test_hash_file_matches_blake3_of_the_bytes_on_both_paths(tmp_path: Path, size: int) -> None:
     data = (bytes(range(251)) * (size // 251 + 1))[:size]
     path = tmp_path / "f"

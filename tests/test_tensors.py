@@ -14,13 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from buildtrain.sources.safetensors_header import MAX_HEADER, read_safetensors_header
 from buildtrain.steps.train.state import digest_tensor, digests
 from buildtrain.store.tensors import (
     DTYPE_CODES,
-    MAX_HEADER,
     SHARDING_INFO,
     combine,
-    read_safetensors_header,
     safetensors_digests,
     settle_header,
     sharded_digests,

@@ -39,7 +39,7 @@ def published_files(store: Path, plan: str) -> dict[str, dict[str, bytes]]:
     """Every file of every built step's output, by step label and path: the bytes compared."""
     outputs = {}
     for step in load_plan(Store(store), plan).steps:
-        folder = Store(store).output(step.hash)
+        folder = Store(store).outputs.path(step.hash)
         files = sorted(path for path in folder.rglob("*") if path.is_file())
         outputs[step.label] = {str(path.relative_to(folder)): path.read_bytes() for path in files}
     return outputs

@@ -128,7 +128,7 @@ def named(rows: list[dict[str, Any]], pattern: str | None) -> list[dict[str, Any
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from buildtrain.store.objects import write_bytes_durably
+    from buildtrain.sources.durable import write_bytes_durably
     from buildtrain.views.html import build_report
 
     store = store_of(args)

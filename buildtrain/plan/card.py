@@ -23,7 +23,7 @@ from buildtrain.kinds import KINDS
 from buildtrain.plan.diff import flatten
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.stored import load_plan
-from buildtrain.store.objects import framed, unframed, write_bytes_durably
+from buildtrain.sources.durable import framed, unframed, write_bytes_durably
 from buildtrain.store.store import Store
 
 CARD_FORMAT = 1

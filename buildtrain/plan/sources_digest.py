@@ -34,7 +34,7 @@ import attrs
 import blake3
 
 from buildtrain.plan.normal_form import PYTHON, c_form, python_form
-from buildtrain.store.objects import framed, unframed, write_bytes_durably
+from buildtrain.sources.durable import framed, unframed, write_bytes_durably
 
 PACKAGE = "buildtrain"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent

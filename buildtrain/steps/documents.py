@@ -25,8 +25,8 @@ import blake3
 import numpy as np
 
 from buildtrain.canonical import digest
+from buildtrain.sources.durable import write_bytes_durably
 from buildtrain.store.layout import DEFAULT_NGRAM, DOCUMENTS, ngram_file
-from buildtrain.store.objects import write_bytes_durably
 
 # A question is never this long: a longer document is not digested (it cannot equal one), which
 # bounds the cost of a corpus of huge documents. 80 MB of plain text as one document took the byte

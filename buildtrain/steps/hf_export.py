@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from buildtrain.canonical import canonical_bytes
-from buildtrain.store.objects import write_bytes_durably
-from buildtrain.store.tensors import encode_header, read_safetensors_header
+from buildtrain.sources.durable import write_bytes_durably
+from buildtrain.sources.safetensors_header import read_safetensors_header
+from buildtrain.store.tensors import encode_header
 
 HF_FOLDER = "hf"
 # (norm, mlp) -> (model_type, architecture class, MLP names: buildtrain -> transformers)

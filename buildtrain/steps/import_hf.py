@@ -34,18 +34,11 @@ import attrs
 from buildtrain.canonical import canonical_bytes
 from buildtrain.config.pretrained import CONFIG, CheckpointProblem, model_settings
 from buildtrain.errors import StepFailed
+from buildtrain.sources.durable import DurableWriter, durable_file, write_bytes_durably
+from buildtrain.sources.safetensors_header import decode_header, header_size, read_safetensors_header
 from buildtrain.steps.sources import SourceReader, read_source
 from buildtrain.store.layout import IMPORT_BASE, RESULT
-from buildtrain.store.objects import DurableWriter, durable_file, write_bytes_durably
-from buildtrain.store.tensors import (
-    combine,
-    decode_header,
-    encode_header,
-    header_size,
-    read_safetensors_header,
-    tensor_digest,
-    tensor_entries,
-)
+from buildtrain.store.tensors import combine, encode_header, tensor_digest, tensor_entries
 
 if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext

@@ -33,9 +33,9 @@ import numpy as np
 
 from buildtrain import native
 from buildtrain.errors import StepFailed
+from buildtrain.sources.durable import write_bytes_durably
 from buildtrain.store.layout import DEFAULT_NGRAM, NGRAMS, ngram_file
 from buildtrain.store.ngram_file import FORMAT, filter_digest, read_header
-from buildtrain.store.objects import write_bytes_durably
 
 SOURCE = Path(__file__).with_suffix(".c")
 NGRAM = DEFAULT_NGRAM  # words per n-gram unless a suite asks for another (GPT-3's and lm-eval's)

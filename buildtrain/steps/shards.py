@@ -13,9 +13,9 @@ import numpy as np
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
+from buildtrain.sources.durable import write_bytes_durably
 from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
 from buildtrain.steps.documents import Recorder
-from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
 WIDTHS = {1: ("<u1", "u8"), 2: ("<u2", "u16"), 4: ("<u4", "u32")}  # bytes -> numpy dtype, digest code

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerStep
 from buildtrain.errors import StepFailed
+from buildtrain.sources.durable import write_bytes_durably
 from buildtrain.steps.corpus import corpus
 from buildtrain.steps.pieces import pieces
 from buildtrain.steps.sources import Source, read_source
 from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
-from buildtrain.store.objects import hash_file, write_bytes_durably
+from buildtrain.store.objects import hash_file
 
 if TYPE_CHECKING:
     from buildtrain.steps.context import StepContext

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from buildtrain.canonical import canonical_bytes
 from buildtrain.errors import CorruptObject, UsageError
+from buildtrain.sources import durable as durable_files
 from buildtrain.sources.stat_cache import StatCache
 from buildtrain.store import layout, objects
 
@@ -66,7 +67,7 @@ class Folders:
         self.folder(path.parent)
         if path.is_symlink() or path.is_dir():
             self.set_aside(path)
-        objects.write_bytes_durably(path, data, durable=durable)
+        durable_files.write_bytes_durably(path, data, durable=durable)
 
     def new_temp(self, label: str) -> Path:
         self.folder(self.tmp)
@@ -151,7 +152,7 @@ class Folders:
     def mark(self) -> None:
         """Write the marker that makes this folder a store (creating the folder)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        objects.write_bytes_durably(self.marker, canonical_bytes(MARKER_BODY))
+        durable_files.write_bytes_durably(self.marker, canonical_bytes(MARKER_BODY))
 
     def not_a_store(self) -> UsageError:
         return UsageError(
@@ -181,7 +182,7 @@ def not_a_folder(path: Path) -> str | None:
 
 
 def _marker_in_writing(name: str) -> bool:
-    """The temporary name `objects.write_bytes_durably` writes the marker under."""
+    """The temporary name `durable.write_bytes_durably` writes the marker under."""
     return name.startswith(f".{layout.MARKER}.") and name.endswith(".tmp")
 
 

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from buildtrain.store.objects import framed, unframed
+from buildtrain.sources.durable import framed, unframed
 
 METRICS_FORMAT = 2  # 2: framed by the blake3 of its body (format 1 was unsealed)
 

@@ -20,18 +20,7 @@ from typing import IO, Any
 import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
-
-# Files are written whole, and cache files framed, in the sources room below the store (the stat
-# cache and the config write through them too); the store's callers keep finding them here.
-from buildtrain.sources.durable import (  # noqa: F401
-    MMAP_THRESHOLD,
-    DurableWriter,
-    durable_file,
-    framed,
-    fsync_dir,
-    unframed,
-    write_bytes_durably,
-)
+from buildtrain.sources.durable import MMAP_THRESHOLD, fsync_dir
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 2  # 2: the manifest records the name it is sealed for

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from buildtrain.canonical import canonical_bytes
+from buildtrain.sources import durable
 from buildtrain.store import objects
 from buildtrain.store.layout import HASH_NAME
 
@@ -62,7 +63,7 @@ class PlanIndex:
         being saved right now adds its own entry before and after its file is written."""
         for plan_hash in plan_hashes:
             self.add(plan_hash)
-        objects.write_bytes_durably(self.ready_path, canonical_bytes(READY_BODY), durable=False)
+        durable.write_bytes_durably(self.ready_path, canonical_bytes(READY_BODY), durable=False)
 
     def prune(self, stored: set[str]) -> list[str]:
         """Remove the entries of plans that are not `stored` (anything else in the buckets too);

@@ -15,7 +15,8 @@ from typing import Any
 
 from buildtrain import clock
 from buildtrain.errors import CorruptObject, UsageError
-from buildtrain.store import layout, objects, plan_index
+from buildtrain.sources import durable
+from buildtrain.store import layout, plan_index
 from buildtrain.store.folders import Folders, not_a_folder
 from buildtrain.store.meta import read_meta, seal_meta
 
@@ -44,7 +45,7 @@ class Plans:
             self.add_to_index(plan_hash)  # before the file: a plan of this bt is never unindexed
             if os.path.lexists(path):
                 self._folders.set_aside(path)
-            objects.write_bytes_durably(path, raw)
+            durable.write_bytes_durably(path, raw)
         self.add_to_index(plan_hash)  # and after: `bt fsck --repair` may have dropped it meanwhile
         previous = self.meta(plan_hash)
         now = clock.iso_seconds()

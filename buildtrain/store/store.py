@@ -16,58 +16,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from buildtrain.store.folders import Folders
 from buildtrain.store.locks import Locks
-from buildtrain.store.outputs import STAMP_FORMAT, Outputs
-from buildtrain.store.plans import HEX, META_SUFFIX, Plans
+from buildtrain.store.outputs import Outputs
+from buildtrain.store.plans import Plans
 from buildtrain.store.results import Results
 
 DEFAULT_STORE = ".bt"
-# Constants that moved into the parts, still importable from here (verify/fsck.py, the tests).
-__all__ = ["DEFAULT_STORE", "HEX", "META_SUFFIX", "MOVED", "STAMP_FORMAT", "Store"]
-
-# The names `Store` had before it was in parts, and where each went: kept for the modules being
-# edited on other branches (executor/remote/remote.py, store/remote/, steps/eval_cache.py, verify/) and
-# for the tests, so this split merges without touching them. New code asks the part.
-# Remove an entry once nothing calls it (`grep -rn '\.has_output(' buildtrain tests`).
-MOVED = {
-    "save_plan": ("plans", "save"),
-    "plan_hashes": ("plans", "hashes"),
-    "resolve": ("plans", "resolve"),
-    "index_plan": ("plans", "add_to_index"),
-    "rebuild_plan_index": ("plans", "rebuild_index"),
-    "plan_index_problems": ("plans", "index_problems"),
-    "repair_plan_index": ("plans", "repair_index"),
-    "plan_bytes": ("plans", "read"),
-    "plan_meta": ("plans", "meta"),
-    "plan_path": ("plans", "path"),
-    "plan_meta_path": ("plans", "meta_path"),
-    "sweep_path": ("plans", "sweep_path"),
-    "plan_index": ("plans", "index"),
-    "output": ("outputs", "path"),
-    "has_output": ("outputs", "has"),
-    "verify_output": ("outputs", "verify"),
-    "check_output": ("outputs", "check"),
-    "stamp_hashed": ("outputs", "stamp_hashed"),
-    "stamp_path": ("outputs", "stamp_path"),
-    "read_stamp": ("outputs", "read_stamp"),
-    "stamp_problem": ("outputs", "stamp_problem"),
-    "drop_stamp": ("outputs", "drop_stamp"),
-    "quarantine": ("outputs", "quarantine"),
-    "work_dir": ("outputs", "work_dir"),
-    "checkpoints_dir": ("outputs", "checkpoints_dir"),
-    "eval_path": ("results", "eval_path"),
-    "card_path": ("results", "card_path"),
-    "step_metrics_path": ("results", "step_metrics_path"),
-    "read_step_metrics": ("results", "read_step_metrics"),
-    "save_step_metrics": ("results", "save_step_metrics"),
-    "lock": ("locks", "hold"),
-    "plan_lock": ("locks", "plan_lock"),
-    "running": ("locks", "running"),
-    "dropping": ("locks", "dropping"),
-}
 
 
 class Store(Folders):
@@ -82,10 +38,3 @@ class Store(Folders):
     def at(cls, option: str | None) -> Store:
         """The store named by `--store`, else `BT_STORE`, else `./.bt`."""
         return cls(Path(option or os.environ.get("BT_STORE") or DEFAULT_STORE).absolute())
-
-    def __getattr__(self, name: str) -> Any:
-        """An old name (`MOVED`), answered by the part it moved to."""
-        if name not in MOVED:
-            raise AttributeError(f"'Store' object has no attribute '{name}'")
-        part, attribute = MOVED[name]
-        return getattr(getattr(self, part), attribute)

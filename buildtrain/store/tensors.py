@@ -17,15 +17,7 @@ from typing import Any
 import blake3
 
 from buildtrain.canonical import canonical_bytes, digest
-
-# The header reader sits in the sources room below the store (the config reads a pretrained
-# model's header through it); the store's callers keep finding it here.
-from buildtrain.sources.safetensors_header import (  # noqa: F401
-    MAX_HEADER,
-    decode_header,
-    header_size,
-    read_safetensors_header,
-)
+from buildtrain.sources.safetensors_header import read_safetensors_header
 
 # Canonical dtype names are safetensors' codes in lower case; torch names map onto them.
 DTYPE_CODES = {

@@ -27,6 +27,7 @@ import attrs
 import blake3
 
 from buildtrain.canonical import canonical_bytes
+from buildtrain.sources import durable
 from buildtrain.store import objects
 from buildtrain.store.layout import HASH_NAME, SEGMENT_SUFFIX
 
@@ -122,13 +123,13 @@ def keep(pool: Path, digest: str, source: Path | None = None, raw: bytes | None 
         try:
             os.link(source, temporary)
             os.replace(temporary, path)
-            objects.fsync_dir(pool)
+            durable.fsync_dir(pool)
             return path
         except OSError:
             temporary.unlink(missing_ok=True)
             raw = source.read_bytes()
     assert raw is not None
-    objects.write_bytes_durably(path, raw)
+    durable.write_bytes_durably(path, raw)
     return path
 
 

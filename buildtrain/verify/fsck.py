@@ -51,7 +51,7 @@ class FsckResult:
 def _known(store: Store) -> Known:
     labels: dict[str, list[str]] = {}
     steps: dict[str, Step] = {}
-    for plan_hash in store.plan_hashes():
+    for plan_hash in store.plans.hashes():
         try:
             plan = load_plan(store, plan_hash)
         except BuildtrainError:  # reported as a damaged plan
@@ -109,9 +109,9 @@ def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: l
     try:
         with contextlib.ExitStack() as stack:
             if item.step is not None and layout.HASH_NAME.match(item.step):
-                stack.enter_context(store.lock(item.step, wait=False))
+                stack.enter_context(store.locks.hold(item.step, wait=False))
             if item.kind == "plan index":
-                store.repair_plan_index()
+                store.plans.repair_index()
                 repaired.append(f"{item.object}: rebuilt from plans/")
                 return
             if item.kind in CACHES:
@@ -119,7 +119,7 @@ def _repair_one(store: Store, item: Damage, repaired: list[str], not_repaired: l
                 repaired.append(f"{item.object}: removed")
                 return
             if item.kind == "step output":
-                store.drop_stamp(item.step or "")
+                store.outputs.drop_stamp(item.step or "")
             moved = store.set_aside(path)
             if moved is not None:
                 repaired.append(f"{item.object}: moved to {relative(store, moved)}")

@@ -27,7 +27,8 @@ from buildtrain.store.checkpoints import checkpoint_problems, state_problem
 from buildtrain.store.evals import entry_problem
 from buildtrain.store.meta import read_meta
 from buildtrain.store.metrics import step_metrics_problem
-from buildtrain.store.store import META_SUFFIX, Store
+from buildtrain.store.plans import META_SUFFIX
+from buildtrain.store.store import Store
 
 
 @attrs.frozen(kw_only=True)
@@ -109,7 +110,7 @@ def _plans(store: Store, _: Known) -> Found:
 
 def _sweeps(store: Store, _: Known) -> Found:
     """A sweep must hash to its name and name only stored plans (`bt run SWEEP` runs them all)."""
-    stored = set(store.plan_hashes())
+    stored = set(store.plans.hashes())
     found, entries = [], _listing(store.sweeps)
     for path in entries:
         plans, problem = sweep_problem(path) if layout.hash_of(path.name) else ([], "not a stored sweep")
@@ -126,15 +127,15 @@ def output_damage(store: Store, step_hash: str, known: Known) -> Damage | None:
     against its digest and its folder name, then what its kind checks (its declared digests
     computed again from its files: a resealed forgery passes every blake3; a train output's
     checkpoints carry its step's hash). Drops the output's stamp when it is damaged."""
-    problems = store.verify_output(step_hash)
+    problems = store.outputs.verify(step_hash)
     step = known.steps.get(step_hash)
     if not problems and step is not None:
-        problems = stored_problems(kind_of(step.kind), step_hash, store.output(step_hash), step.config)
+        problems = stored_problems(kind_of(step.kind), step_hash, store.outputs.path(step_hash), step.config)
     if not problems:
         return None
-    store.drop_stamp(step_hash)
+    store.outputs.drop_stamp(step_hash)
     return Damage(
-        object=relative(store, store.output(step_hash)),
+        object=relative(store, store.outputs.path(step_hash)),
         kind="step output",
         problems=problems,
         referenced_by=known.labels.get(step_hash, ["no stored plan"]),
@@ -152,7 +153,7 @@ def _work(store: Store, known: Known) -> Found:
     checked, found = 0, []
     for work in _listing(store.work):
         guard = work.name if layout.HASH_NAME.match(work.name) else None
-        folder = store.checkpoints_dir(work.name)
+        folder = store.outputs.checkpoints_dir(work.name)
         # A file or link in place of the work folder, its checkpoints or their trace segments:
         # resume could not write there.
         places = (work, folder, layout.trace_segments(folder))
@@ -253,7 +254,7 @@ def _caches(store: Store, _: Known) -> Found:
     found, entries = [], _listing(store.stamps)
     for path in entries:
         step_hash = layout.hash_of(path.name)
-        problem = store.stamp_problem(step_hash) if step_hash else "not a stamp"
+        problem = store.outputs.stamp_problem(step_hash) if step_hash else "not a stamp"
         if problem is not None:
             note = "a stamp only saves a re-hash; a damaged one is ignored"
             found.append(Damage(object=relative(store, path), kind="stamp", problems=[problem], note=note))
@@ -294,9 +295,9 @@ def _fetched_sources(store: Store, _: Known) -> Found:
 
 def _plan_index(store: Store, _: Known) -> Found:
     """The plan index must list exactly the stored plans (it is rebuilt, never trusted alone)."""
-    problems = store.plan_index_problems()
+    problems = store.plans.index_problems()
     if not problems:
-        return int(store.plan_index.is_ready()), []
+        return int(store.plans.index.is_ready()), []
     note = "an optimisation only: every plan is found through plans/; it is rebuilt from there"
     return 1, [Damage(object=layout.PLAN_INDEX, kind="plan index", problems=problems, note=note)]
 

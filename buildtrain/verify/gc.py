@@ -99,13 +99,13 @@ def collect(store: Store, drop: list[str], dry_run: bool = False) -> Collected:
         f"{name} is {problem}; run bt fsck --repair" for name, problem in store.folder_problems()
     ]
     for ref in drop:
-        plan_hash = store.resolve(ref)
+        plan_hash = store.plans.resolve(ref)
         collected.dropped.append(plan_hash)
         if not dry_run:
-            with store.dropping(plan_hash):
-                for path in (store.plan_path(plan_hash), store.plan_meta_path(plan_hash)):
+            with store.locks.dropping(plan_hash):
+                for path in (store.plans.path(plan_hash), store.plans.meta_path(plan_hash)):
                     objects.remove_tree(path)
-                store.plan_index.remove(plan_hash)
+                store.plans.index.remove(plan_hash)
     referenced, damaged_plans = _referenced(store, collected, dry_run)
     doomed = _doomed(store, collected, referenced, damaged_plans)
     for path in doomed:
@@ -130,7 +130,7 @@ def _referenced(store: Store, collected: Collected, dry_run: bool) -> tuple[dict
     data files their steps read are kept in `collected.sources`."""
     referenced: dict[str, str] = {}  # step hash -> its kind
     damaged_plans: list[str] = []
-    for plan_hash in store.plan_hashes():
+    for plan_hash in store.plans.hashes():
         if dry_run and plan_hash in collected.dropped:
             continue
         try:
@@ -161,7 +161,7 @@ def _doomed(
         doomed += [p for p in outputs if p.name not in referenced]
         if not collected.busy:
             doomed += [
-                p for p in _listing(store.work) if p.name not in referenced or store.has_output(p.name)
+                p for p in _listing(store.work) if p.name not in referenced or store.outputs.has(p.name)
             ]
     if not collected.busy:
         doomed += _listing(store.tmp)
@@ -171,7 +171,7 @@ def _doomed(
     kept_outputs = {p.name for p in outputs if p not in doomed}
     doomed += [p for p in _listing(store.stamps, "*.json") if p.stem not in kept_outputs]
     # What bt ls --metrics reads: a plan's card and a step's metrics summary go with their object.
-    kept_plans = set(store.plan_hashes()) - set(collected.dropped)
+    kept_plans = set(store.plans.hashes()) - set(collected.dropped)
     doomed += [p for p in _listing(store.cards, "*.json") if p.stem not in kept_plans]
     doomed += [p for p in _listing(store.sweeps, "*.json") if _names_a_gone_plan(p, kept_plans)]
     if not damaged_plans:

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from buildtrain.executor.engines.local import run_isolated
 from buildtrain.executor.process.job import JobOptions
 from buildtrain.executor.process.outcome import raise_for_status
-from buildtrain.executor.process.spawn import run_isolated
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store.store import Store
 from buildtrain.verify.verdicts import VerifyOptions

@@ -22,11 +22,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from buildtrain.errors import UsageError
+from buildtrain.executor.engines.local import run_isolated
 from buildtrain.executor.loop.run import RunOptions, run_plan
 from buildtrain.executor.process.job import JobOptions
 from buildtrain.executor.process.outcome import raise_for_status
 from buildtrain.executor.process.policy import pinned_threads, prepare
-from buildtrain.executor.process.spawn import run_isolated
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import save_plan
@@ -66,7 +66,7 @@ def verify_plan(
         raise UsageError(unreachable)
     launch = options.launch
     threads = prepare(plan, options.threads, launch, list(plan.steps))
-    if not all(store.has_output(step.hash) for step in plan.steps):
+    if not all(store.outputs.has(step.hash) for step in plan.steps):
         notify(
             f"bt verify: plan {plan.hash[:12]} is not built; building it once, then checking it against a second execution"
         )
@@ -78,7 +78,7 @@ def verify_plan(
 
     scratch_root = Path(tempfile.mkdtemp(prefix="bt-verify-"))
     scratch = Store(scratch_root / "store")
-    save_plan(scratch, plan, **store.plan_meta(plan.hash))
+    save_plan(scratch, plan, **store.plans.meta(plan.hash))
     notify(
         f"bt verify {plan.hash[:12]} '{plan.name}': re-executing {len(plan.steps)} steps in isolation "
         f"({'; '.join(_mode(plan, threads, options))})"
@@ -130,7 +130,7 @@ def _verify_step(
     failed: set[str],
 ) -> StepVerdict:
     kind = kind_of(step.kind)
-    recorded_output = store.output(step.hash)
+    recorded_output = store.outputs.path(step.hash)
     problems = objects.verify(recorded_output) or kind.output_problems(
         step.hash, recorded_output, step.config
     )
@@ -148,8 +148,8 @@ def _verify_step(
                 step.label, step.kind, "skipped", recorded, detail="spot check (--steps) covers training only"
             )
         for upstream in step.upstream.values():  # spot checks start from the recorded inputs
-            if not scratch.has_output(upstream):
-                objects.link_tree(store.output(upstream), scratch.output(upstream))
+            if not scratch.outputs.has(upstream):
+                objects.link_tree(store.outputs.path(upstream), scratch.outputs.path(upstream))
     extra = ""
     if kind.verify_by_updates:
         verdict, extra = _watched(scratch, plan, step, threads, recorded_output, recorded, options)
@@ -157,7 +157,7 @@ def _verify_step(
             return verdict
     else:
         raise_for_status(step, run_isolated(scratch, plan, step, threads, JobOptions()), plan)
-    return _compare_outputs(step, recorded_output, scratch.output(step.hash), extra)
+    return _compare_outputs(step, recorded_output, scratch.outputs.path(step.hash), extra)
 
 
 def _watched(

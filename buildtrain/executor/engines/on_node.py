@@ -182,7 +182,7 @@ def _push_built(
     """Push the step's output from the node's store (where it was just built, or had been)."""
     report = cache.push(store, plan, step, built_here=built_here)
     status = int(ExitCode.OK)
-    manifest = objects.manifest_self((store.output(step.hash) / objects.MANIFEST).read_bytes())
+    manifest = objects.manifest_self((store.outputs.path(step.hash) / objects.MANIFEST).read_bytes())
     events.append({"event": NODE_PUSHED, "level": "info", "hash": step.hash, "manifest": manifest})
     if report.failed:
         message = f"node {node}: push to {cache.url}: {report.failed}"

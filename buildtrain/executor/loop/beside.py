@@ -4,10 +4,10 @@ is scored as soon as its train step seals it, in a process of its own, while tra
 A thread of `bt run` looks into the train step's checkpoint folder (as the remote's pusher does,
 `remote/remote.py`): a checkpoint folder exists under its `step-NNNNNN` name only once its manifest is
 written and it is renamed into place, so what the thread sees is sealed. Each wanted checkpoint
-becomes one job (one work unit): locally, sent to one evaluation worker (`process/worker.py --serve`,
-started under the plan's numerics on one thread: the second core), which runs its jobs one after
-another; on a cluster engine, a task of its own (a Ray task, a Slurm job) on one core. Each
-result is recorded in the evaluation cache as it is computed, under its own key (checkpoint
+becomes one job (one work unit): locally, sent to one evaluation worker (`process/worker.py
+--serve`, started under the plan's numerics on one thread, the second core, by
+`engines/local_beside.py`), which runs its jobs one after another; on a cluster engine, a task of
+its own (a Ray task, a Slurm job) on one core. Each result is recorded in the evaluation cache as it is computed, under its own key (checkpoint
 digest, suite, version, subset, ...; `steps/eval/cache.py`): a worker killed midway loses at most
 the result it was computing, and whatever is missing is scored by the eval step (or by the next
 `bt run`). The train step never waits for evaluation and never reads what it writes, so its bits
@@ -20,21 +20,16 @@ remote on a cluster) is evaluated by its eval step, after training.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from buildtrain.errors import BuildtrainError, ExitCode
-from buildtrain.executor.engines.engine import Engine, Handle, Submission, job_of
-from buildtrain.executor.process import numerics
+from buildtrain.errors import BuildtrainError
+from buildtrain.executor.engines.engine import Engine, Handle, OnEvent, Submission
+from buildtrain.executor.engines.local_beside import LocalWorker, ended
 from buildtrain.executor.process.job import JobOptions
-from buildtrain.executor.process.launch import PARENT_PID
-from buildtrain.executor.process.processes import JOB_EXIT, Worker, start
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import layout
@@ -45,7 +40,6 @@ POLL_S = 0.5
 # Test only: the evaluation worker SIGKILLs itself once it has recorded this many results.
 KILL_EVAL_AFTER = "BT_TEST_KILL_EVAL_AFTER"
 
-OnEvent = Callable[[dict[str, Any]], None]
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
 
 
@@ -131,75 +125,6 @@ class Beside:
                 self.runner.send(submission, self.on_event)
 
 
-class LocalWorker:
-    """The jobs of a local run: one evaluation worker (`worker.py --serve`) on one thread, which
-    runs them one after another; one that died is not replaced (the eval step scores the rest)."""
-
-    def __init__(self, store: Store, plan: Plan, failed: Callable[[str], None]) -> None:
-        self.store, self.plan, self.failed = store, plan, failed
-        self._jobs: list[Path] = []
-        self._worker: Worker | None = None
-        self._reader: threading.Thread | None = None
-        self._stopped = False
-
-    def start(self, on_event: OnEvent) -> None:
-        settings = self.plan.numerics
-        env = {**os.environ, **numerics.environment(settings.profile, settings.device, 1)}
-        env[PARENT_PID] = str(os.getpid())  # it dies with this run
-        self.store.tmp.mkdir(parents=True, exist_ok=True)
-        self._worker = start(env)
-        self._reader = threading.Thread(
-            target=self._read, args=(self._worker, on_event), name="bt-beside-events", daemon=True
-        )
-        self._reader.start()
-        on_event({"event": "eval_beside_started", "pid": self._worker.process.pid})
-
-    def send(self, submission: Submission, on_event: OnEvent) -> None:
-        worker = self._worker
-        if worker is None or worker.process.poll() is not None:
-            return
-        job = job_of(submission, on_event)
-        name = Path(job.options.checkpoint or "").name
-        path = self.store.tmp / f"job-beside-{submission.step.hash[:16]}-{name}-{os.getpid()}.json"
-        job.write(path)
-        self._jobs.append(path)
-        with contextlib.suppress(OSError):  # it died meanwhile: its reader says so
-            socket.send_fds(worker.control, [os.fsencode(path)], [])
-
-    def close(self, *, now: bool) -> None:
-        worker = self._worker
-        if worker is not None:
-            with contextlib.suppress(OSError):
-                worker.control.shutdown(socket.SHUT_WR)  # no more jobs: it ends after the last
-            if now and worker.process.poll() is None:
-                self._stopped = True  # by this run: not a failure to report
-                worker.process.terminate()
-            worker.process.wait()
-            assert self._reader is not None
-            self._reader.join()
-            worker.control.close()
-        for job in self._jobs:
-            job.unlink(missing_ok=True)
-
-    def _read(self, worker: Worker, on_event: OnEvent) -> None:
-        """Forward the worker's events to the run record until it ends; say how it ended when
-        not by finishing its jobs."""
-        failed = None
-        for raw in worker.events:
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                continue
-            if line.get("event") == JOB_EXIT:
-                failed = failed or _ended(int(line.get("status", 1)))
-            on_event(line)
-        worker.events.close()
-        status = worker.process.wait()
-        failed = failed or _ended(status)
-        if failed is not None and not self._stopped:
-            self.failed(failed)
-
-
 class EngineTasks:
     """The jobs of a run on a cluster engine: each a task of its own (a Ray task, a Slurm job),
     placed wherever the engine has a free core; one that fails is said once."""
@@ -236,17 +161,9 @@ class EngineTasks:
         except Exception as exc:  # a task lost with its node: the eval step scores it
             self.failed(f"{type(exc).__name__}: {exc}")
             return
-        failed = _ended(outcome.status)
+        failed = ended(outcome.status)
         if failed is not None:
             self.failed(failed)
-
-
-def _ended(status: int) -> str | None:
-    """How a job (or the worker) ended, when that was a failure; an interruption (Ctrl-C) is the
-    run's own, which the run reports."""
-    if status in (0, ExitCode.INTERRUPTED):
-        return None
-    return f"killed by signal {-status}" if status < 0 else f"exit {status}"
 
 
 def _test_hooks() -> dict[str, Any]:

@@ -21,9 +21,9 @@ from buildtrain.executor.loop.record import RunRecord
 from buildtrain.executor.loop.schedule import LiveSteps
 from buildtrain.executor.process.launch import Launch
 from buildtrain.executor.process.outcome import StepResult, raise_for_status
-from buildtrain.executor.process.spawn import spawn
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
+from buildtrain.sources import durable
 from buildtrain.store import objects
 from buildtrain.store.claims import Cached, Claim, Fresh, LockedBy, Resume
 from buildtrain.store.store import Store
@@ -198,7 +198,9 @@ class Builder:
         held = {}
         for upstream in dict.fromkeys(step.upstream.values()):
             with contextlib.suppress(OSError):  # none here: the node counts signers instead
-                found = objects.manifest_self((self.store.output(upstream) / objects.MANIFEST).read_bytes())
+                found = objects.manifest_self(
+                    (self.store.outputs.path(upstream) / objects.MANIFEST).read_bytes()
+                )
                 if found is not None:
                     held[upstream] = found
         return held
@@ -264,18 +266,19 @@ class Builder:
         started = time.perf_counter()
         self.reporter.step(step.label, f"joining node 0 as node {self.launch.node_rank}")
         with self.store.locks.hold(step.hash) as lock_fd:
-            outcome = spawn(
-                self.store,
-                self.plan,
-                step,
-                self.threads,
-                lock_fd,
-                self.record.forward,
+            submission = Submission(
+                store=self.store,
+                plan=self.plan,
+                step=step,
+                threads=self.threads,
+                lock_fd=lock_fd,
                 launch=self.launch,
             )
+            # Ranks on this machine that meet node 0's: the local engine's, whatever node 0 runs.
+            outcome = LocalEngine(processes=None).start(submission, self.record.forward).wait()
         raise_for_status(step, outcome, self.plan)
         marker.parent.mkdir(parents=True, exist_ok=True)
-        objects.write_bytes_durably(marker, b"")
+        durable.write_bytes_durably(marker, b"")
         duration = round(time.perf_counter() - started, 3)
         self.reporter.step(step.label, "joined", f"{duration:.1f}s")
         return StepResult(label=step.label, hash=step.hash, action="joined", duration_s=duration)

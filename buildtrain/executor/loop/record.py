@@ -29,7 +29,8 @@ from buildtrain.executor.loop.metrics import MetricsCollector
 from buildtrain.executor.process import logs
 from buildtrain.executor.process.outcome import StepResult
 from buildtrain.plan.plan import Plan
-from buildtrain.store.objects import append_flushed, write_bytes_durably
+from buildtrain.sources.durable import write_bytes_durably
+from buildtrain.store.objects import append_flushed
 
 METRIC_EVENTS = ("train_step", "eval", "eval_suite")
 

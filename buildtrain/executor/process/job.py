@@ -1,7 +1,8 @@
 """The job file: what the executor asks one step process (or the ranks of one step) to do.
 
-`spawn` writes it into the store's tmp/ and the worker reads it back; JSON on disk, typed values on
-both sides (structured with the strict converter, so an unknown key is an error, not a default).
+An engine makes it from a submission (`engines/engine.py`, `job_of`); `spawn` (or a cluster
+engine) writes it where the worker reads it back; JSON on disk, typed values on both sides
+(structured with the strict converter, so an unknown key is an error, not a default).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Starting a step's process: one worker, a shared worker (see `processes.py`), or torchrun and its
-ranks; forwarding their JSON events and the run's signals; collecting how they ended."""
+ranks; forwarding their JSON events and the run's signals; collecting how they ended.
+
+Only the local engine calls `spawn` (`executor/engines/local.py`), with a `StepStart` it works out
+from the run's submission: this room never reads a submission, so the arrows between the rooms
+run one way, from the engines down to the process model."""
 
 from __future__ import annotations
 
@@ -8,15 +12,14 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
 
 from buildtrain.errors import ExitCode
-from buildtrain.executor.process import numerics
-from buildtrain.executor.process.job import PLAIN_RUN, JobOptions
+from buildtrain.executor.process.job import Job
 from buildtrain.executor.process.launch import (
     PARENT_PID,
     SINGLE_PROCESS,
@@ -27,40 +30,42 @@ from buildtrain.executor.process.launch import (
     root_cause,
 )
 from buildtrain.executor.process.outcome import Outcome
-from buildtrain.executor.process.policy import step_launch
 from buildtrain.executor.process.processes import JOB_EXIT, StepProcesses, Worker
-from buildtrain.kinds import kind_of
-from buildtrain.plan.plan import Plan, Step
-from buildtrain.store.store import Store
 
 # Lines of torchrun's own log kept in the run record when a distributed step fails.
 LAUNCHER_LOG_LINES = 40
 
 
+@attrs.frozen(kw_only=True)
+class StepStart:
+    """What starting one step's process takes, each part worked out by the engine from the run's
+    submission (`engines/local.py`, `start_of`)."""
+
+    job: Job  # what the worker is asked (`engines/engine.py`, `job_of`)
+    job_dir: Path  # where the job file is written for the worker to read (the store's tmp/)
+    environment: Mapping[str, str]  # the numerics environment, set before torch loads
+    lock_fd: int  # the run's lock on the step: the process (or torchrun) inherits it
+    launch: Launch = SINGLE_PROCESS  # more than one process: torchrun starts the step's ranks
+
+    @property
+    def distributed(self) -> bool:
+        return self.launch.world_size > 1
+
+
 def spawn(
-    store: Store,
-    plan: Plan,
-    step: Step,
-    threads: int,
-    lock_fd: int,
-    on_event: Callable[[dict[str, Any]], None],
-    options: JobOptions = PLAIN_RUN,
-    launch: Launch = SINGLE_PROCESS,
-    processes: StepProcesses | None = None,
+    start: StepStart, on_event: Callable[[dict[str, Any]], None], processes: StepProcesses | None = None
 ) -> Outcome:
     """Run one step in a worker process (one of `processes`, shared with other steps, when given),
-    or a step that runs on ranks on `launch.world_size` of them."""
-    settings = plan.numerics
-    launch = step_launch(settings, step, threads, launch)
-    distributed = kind_of(step.kind).ranks and launch.world_size > 1
-    job_path = _write_job(store, plan, step, threads, options, on_event)
+    or a step that runs on ranks on `start.launch.world_size` of them."""
+    launch, lock_fd, distributed = start.launch, start.lock_fd, start.distributed
+    job_path = _write_job(start.job, start.job_dir)
     launcher_log = job_path.with_name(f"torchrun-{job_path.stem}.log")
-    env = {**os.environ, **numerics.environment(settings.profile, settings.device, threads)}
+    env = {**os.environ, **start.environment}
     if not distributed:  # a worker started by this process (torchrun's ranks have torchrun above)
         env[PARENT_PID] = str(os.getpid())
     # A watched job (bt verify) runs in verify's entry point, which hands this worker its watcher:
     # the executor never imports verification.
-    module = "buildtrain.verify.worker" if options.watch else "buildtrain.executor.process.worker"
+    module = "buildtrain.verify.worker" if start.job.options.watch else "buildtrain.executor.process.worker"
     arguments = ["-m", module, "--job", str(job_path)]
     failure = None
     try:
@@ -92,21 +97,9 @@ class Running:
     shared: Worker | None = None  # a shared worker, which stays alive after the step
 
 
-def _write_job(
-    store: Store,
-    plan: Plan,
-    step: Step,
-    threads: int,
-    options: JobOptions,
-    on_event: Callable[[dict[str, Any]], None],
-) -> Path:
-    from buildtrain.executor.engines.engine import Submission, job_of
-
-    job = job_of(
-        Submission(store=store, plan=plan, step=step, threads=threads, lock_fd=-1, options=options), on_event
-    )
-    store.tmp.mkdir(parents=True, exist_ok=True)
-    path = store.tmp / f"job-{step.hash[:16]}-{os.getpid()}.json"
+def _write_job(job: Job, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"job-{job.step[:16]}-{os.getpid()}.json"
     job.write(path)
     return path
 
@@ -202,12 +195,3 @@ def _torchrun_failure(
         last = tail[-1] if tail else "no output"
         errors.append({"message": f"torchrun failed (exit {status}): {last}{hint}"})
     return failure
-
-
-def run_isolated(
-    store: Store, plan: Plan, step: Step, threads: int, options: JobOptions, launch: Launch = SINGLE_PROCESS
-) -> Outcome:
-    """One step in a fresh process (or a train step's ranks), holding its lock in `store`, its
-    events discarded: how `bt verify` re-executes a step in its scratch store."""
-    with store.locks.hold(step.hash) as lock_fd:
-        return spawn(store, plan, step, threads, lock_fd, lambda _: None, options, launch)

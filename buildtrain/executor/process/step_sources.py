@@ -1,6 +1,6 @@
 """Where a data step's source files are now: found by content on this machine, or fetched from
 the bucket the plan saw them in. Read when a step's job is written (`engine.job_of`) and by `bt
-eval`; it starts no process (`spawn.py` does, and writes its job through the engine)."""
+eval`; it starts no process (the local engine hands `spawn.py` the job `job_of` wrote)."""
 
 from __future__ import annotations
 

@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from buildtrain.canonical import digest
-from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged
+from buildtrain.errors import BuildtrainError, Locked, RemoteDamaged, RemoteUnavailable
 from buildtrain.executor.remote.remote_checkpoints import SharedCheckpoints
 from buildtrain.kinds import kind_of
 from buildtrain.kinds.kind import stored_problems
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import evals, layout, objects
 from buildtrain.store.remote import leases
-from buildtrain.store.remote.backend import RemoteUnavailable
 from buildtrain.store.remote.remote import Remote
 from buildtrain.store.remote.url import RemoteUrl
 from buildtrain.store.store import Store
@@ -109,9 +108,9 @@ class RemoteCache(SharedCheckpoints):
             return False
         if found is None:
             return False
-        problems = store.check_output(step.hash)  # hashed as it came in: stamped by the pull
+        problems = store.outputs.check(step.hash)  # hashed as it came in: stamped by the pull
         if problems:
-            store.quarantine(step.hash)
+            store.outputs.quarantine(step.hash)
             self.say(step.label, f"pulled output does not verify ({problems[0]}); building it")
             return False
         self._pull_entry(store, step)
@@ -127,23 +126,23 @@ class RemoteCache(SharedCheckpoints):
     def _pull_entry(self, store: Store, step: Step) -> None:
         """An evaluation's cache entry comes with its step (other plans here then reuse it); a
         damaged or foreign one is named and left out (the step's own output is what counts)."""
-        for key in evals.keys_of_output(store.output(step.hash)):
-            if evals.entry_problem(store.eval_path(key), key)[0] is None:
+        for key in evals.keys_of_output(store.outputs.path(step.hash)):
+            if evals.entry_problem(store.results.eval_path(key), key)[0] is None:
                 self._pull_key(store, step, key)
 
     def _pull_key(self, store: Store, step: Step, key: str) -> None:
         # An entry is reused by other plans: it must hold what the step's own result (its
         # digest re-derived) holds under that key, not merely be sealed.
-        recorded = evals.output_entries(store.output(step.hash)).get(key)
+        recorded = evals.output_entries(store.outputs.path(step.hash)).get(key)
         try:
             raw = self.remote.pull_eval(key, lambda raw: _entry_check(key, raw, recorded))
         except RemoteDamaged as exc:
             self.say(step.label, str(exc))
             return
         if raw is not None:
-            if os.path.lexists(store.eval_path(key)):
-                store.set_aside(store.eval_path(key))
-            store.replace_file(store.eval_path(key), raw)
+            if os.path.lexists(store.results.eval_path(key)):
+                store.set_aside(store.results.eval_path(key))
+            store.replace_file(store.results.eval_path(key), raw)
 
     # -- pushing ----------------------------------------------------------------------------------
 
@@ -156,9 +155,9 @@ class RemoteCache(SharedCheckpoints):
         try:
             self._push_plan(plan)
             pushed = self.remote.push_output(store, step.hash)
-            for key in evals.keys_of_output(store.output(step.hash)):  # an evaluation's cache entries
-                if evals.entry_problem(store.eval_path(key), key)[0] is not None:
-                    self.remote.push_eval(key, store.eval_path(key).read_bytes())
+            for key in evals.keys_of_output(store.outputs.path(step.hash)):  # an evaluation's cache entries
+                if evals.entry_problem(store.results.eval_path(key), key)[0] is not None:
+                    self.remote.push_eval(key, store.results.eval_path(key).read_bytes())
             fresh = built_here or pushed.manifest != "present"
             if fresh and self.independent(store, step):
                 self.attest(store, plan, step)
@@ -191,7 +190,7 @@ class RemoteCache(SharedCheckpoints):
         checkpoint pulled from a remote (this run's, or an earlier interrupted run's, whose work
         folder still holds the mark). Such a build counts as nobody's attestation: its bits are
         only as good as the machine that wrote the checkpoint."""
-        marked = (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file()
+        marked = (store.outputs.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file()
         return step.hash not in self.resumed and not marked
 
     def attest(self, store: Store, plan: Plan, step: Step) -> None:
@@ -200,7 +199,7 @@ class RemoteCache(SharedCheckpoints):
         from buildtrain.store.remote import attest, keyring, signing
 
         key = keyring.builder_key(create=True)
-        output = store.output(step.hash)
+        output = store.outputs.path(step.hash)
         record = attest.Attestation(
             step=step.hash,
             plan=plan.hash,

@@ -47,14 +47,14 @@ class SharedCheckpoints:
         """Around a resumable step's build: with no local checkpoint, start from the newest one on
         the remote that verifies; while it runs, push each new checkpoint it keeps (from a thread
         of this process: the step process never waits for the network)."""
-        folder = store.checkpoints_dir(step.hash)
-        if (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
+        folder = store.outputs.checkpoints_dir(step.hash)
+        if (store.outputs.work_dir(step.hash) / layout.PULLED_CHECKPOINT).is_file():
             if self.min_attestations > 0:  # a pulled checkpoint, and all after it: unsigned
                 self.say_once(
                     step, "not resuming from checkpoints that began on the remote (no one signs one)"
                 )
                 store.set_aside(folder, keep=False)
-                (store.work_dir(step.hash) / layout.PULLED_CHECKPOINT).unlink()
+                (store.outputs.work_dir(step.hash) / layout.PULLED_CHECKPOINT).unlink()
             else:
                 self.resumed.add(step.hash)  # an earlier run resumed from a pulled one: still not ours
         if _newest(folder) is None:
@@ -87,7 +87,9 @@ class SharedCheckpoints:
         self._pull_kept(store, step, pulled, folder)
         self.resumed.add(step.hash)
         mark = {"checkpoint": pulled.name, "remote": str(self.url)}
-        store.replace_file(store.work_dir(step.hash) / layout.PULLED_CHECKPOINT, canonical_bytes(mark))
+        store.replace_file(
+            store.outputs.work_dir(step.hash) / layout.PULLED_CHECKPOINT, canonical_bytes(mark)
+        )
         self.say(step.label, f"resuming from {pulled.name} pulled from {self.url}")
 
     def _pull_kept(self, store: Store, step: Step, newest: Path, folder: Path) -> None:
@@ -112,7 +114,9 @@ class SharedCheckpoints:
     def push_newest_checkpoint(self, store: Store, step: Step) -> None:
         """Push what the pusher has not, after the step process ended (the checkpoint a stop
         wrote may be newer than the pusher's last look); a failure is left to the next run."""
-        self._push_new(store.checkpoints_dir(step.hash), step, self._pushed.setdefault(step.hash, set()))
+        self._push_new(
+            store.outputs.checkpoints_dir(step.hash), step, self._pushed.setdefault(step.hash, set())
+        )
 
     def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
         pushed = self._pushed.setdefault(step.hash, set())

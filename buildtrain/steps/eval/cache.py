@@ -174,7 +174,7 @@ def assemble(
 
 def lookup(store: Store, key: str) -> dict[str, Any] | None:
     """The cached result of `key`, only if its entry verifies (a damaged one is never used)."""
-    body, _ = entry_problem(store.eval_path(key), key)
+    body, _ = entry_problem(store.results.eval_path(key), key)
     return body
 
 
@@ -186,7 +186,7 @@ def write_result(body: dict[str, Any], out: Path) -> dict[str, str]:
 
 def record_entry(store: Store, key: str, body: dict[str, Any]) -> None:
     """Seal `body` into the cache under `key`, unless a verifying entry is there already."""
-    path = store.eval_path(key)
+    path = store.results.eval_path(key)
     if lookup(store, key) is None:
         if os.path.lexists(path):
             store.set_aside(path)
@@ -210,7 +210,7 @@ def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
     """An evaluation of the same weights, data and suites may already be in the store: no process
     needed when every result is. Called holding the step's lock; a damaged or foreign cache entry
     is set aside, never used."""
-    inputs = {name: store.output(upstream) for name, upstream in step.upstream.items()}
+    inputs = {name: store.outputs.path(upstream) for name, upstream in step.upstream.items()}
     try:
         key, _ = cache_key(step, inputs["weights"], inputs["data"])
         keys = [key, *(k for k, _ in suite_keys(step, inputs))]
@@ -219,9 +219,9 @@ def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
         return None  # an input's manifest does not verify: the step process says which
     found = []
     for each in [*keys, *(k for _, _, k, _ in points)]:
-        cached, problem = entry_problem(store.eval_path(each), each)
+        cached, problem = entry_problem(store.results.eval_path(each), each)
         if problem is not None:
-            store.set_aside(store.eval_path(each))
+            store.set_aside(store.results.eval_path(each))
         if cached is None:
             return None
         found.append(cached)
@@ -232,7 +232,7 @@ def complete_from_cache(store: Store, step: Step) -> dict[str, str] | None:
         digests = write_result(body, out)
         for each, cached in zip([*keys, *(k for _, _, k, _ in points)], found, strict=True):
             record_entry(store, each, cached)
-        objects.publish(out, store.output(step.hash), digests)
+        objects.publish(out, store.outputs.path(step.hash), digests)
     finally:
         objects.remove_tree(out)
     return digests

@@ -12,10 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-# What a back end raises and the size of the pieces it streams in are shared with the S3 client of
-# bucket data sources, below the store; the back ends keep finding them here.
-from buildtrain.errors import RemoteUnavailable  # noqa: F401
-from buildtrain.sources.s3_settings import CHUNK  # noqa: F401
 from buildtrain.store.remote.url import RemoteUrl
 
 

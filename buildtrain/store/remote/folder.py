@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from buildtrain.store.objects import fsync_dir
-from buildtrain.store.remote.backend import CHUNK, AlreadyExists, ObjectMissing, RemoteUnavailable
+from buildtrain.errors import RemoteUnavailable
+from buildtrain.sources.durable import fsync_dir
+from buildtrain.sources.s3_settings import CHUNK
+from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing
 from buildtrain.store.remote.url import RemoteUrl
 
 HIDDEN = "."  # temporary files start with it; keys never do (see keys.py), listings skip them

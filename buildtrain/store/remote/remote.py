@@ -29,6 +29,7 @@ import attrs
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
+from buildtrain.sources import durable
 from buildtrain.store import checkpoints, layout, objects
 from buildtrain.store.remote import blobs, keys, manifests, traces
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing
@@ -105,13 +106,13 @@ class Remote:
 
     def push_output(self, store: Store, step_hash: str) -> Pushed:
         """Upload a sealed output of the local store (checked first: damage is never pushed)."""
-        problems = store.check_output(step_hash)
+        problems = store.outputs.check(step_hash)
         if problems:
             raise CorruptObject(
                 f"step {step_hash[:12]} in {store.root} does not verify ({problems[0]}); "
                 "it was not pushed: run bt fsck"
             )
-        return self._push_sealed(store.output(step_hash), keys.step(step_hash), step_hash)
+        return self._push_sealed(store.outputs.path(step_hash), keys.step(step_hash), step_hash)
 
     def pull_output(
         self, store: Store, step_hash: str, *, pinned: str | None = None, accept: Accept | None = None
@@ -127,8 +128,8 @@ class Remote:
             raw = self.backend.get(key)
         except ObjectMissing:
             return None
-        destination = store.output(step_hash)
-        if store.has_output(step_hash):
+        destination = store.outputs.path(step_hash)
+        if store.outputs.has(step_hash):
             return destination
         if pinned is not None and objects.manifest_self(raw) != pinned:
             raise self.damaged(
@@ -136,7 +137,7 @@ class Remote:
             )
         what = f"step {step_hash[:12]}"
         self._assemble(store, raw, step_hash, destination, what=what, key=key, accept=accept)
-        store.stamp_hashed(step_hash)  # hashed on the way in: the store need not read it again
+        store.outputs.stamp_hashed(step_hash)  # hashed on the way in: the store need not read it again
         return destination
 
     # -- checkpoints of a step in progress --------------------------------------------------------
@@ -248,7 +249,7 @@ class Remote:
 
     def _push_opaque(self, key: str, raw: bytes) -> None:
         # Framed by their blake3, so the remote itself tells damaged bytes from foreign ones.
-        framed = objects.framed(raw)
+        framed = durable.framed(raw)
         if self.backend.exists(key) != len(framed):
             self.backend.put(key, framed)
 
@@ -257,7 +258,7 @@ class Remote:
             framed = self.backend.get(key)
         except ObjectMissing:
             return None
-        raw = objects.unframed(framed)
+        raw = durable.unframed(framed)
         if raw is None:
             raise self.damaged(what, key, "does not match its blake3")
         problem = check(raw)
@@ -348,7 +349,7 @@ class Remote:
                     "in the local store): build it locally, and push it again to repair the remote"
                 )
             for parent in {path.parent for path in folder.rglob("*")} | {folder}:
-                objects.fsync_dir(parent)
+                durable.fsync_dir(parent)
             objects.commit(folder, destination)
         finally:
             objects.remove_tree(temporary)

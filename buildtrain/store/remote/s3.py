@@ -19,13 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from buildtrain.errors import RemoteUnavailable
 from buildtrain.sources.s3_settings import (
+    CHUNK,
     credentials_problem,
     redact,
     shown_endpoint,
     store_options,
 )
-from buildtrain.store.remote.backend import CHUNK, AlreadyExists, ObjectMissing, RemoteUnavailable
+from buildtrain.store.remote.backend import AlreadyExists, ObjectMissing
 from buildtrain.store.remote.url import RemoteUrl
 
 try:
