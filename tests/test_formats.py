@@ -22,7 +22,8 @@ from buildtrain.config.schema import DataConfig, TokenizerConfig
 from buildtrain.config.steps import BYTES
 from buildtrain.errors import StepFailed
 from buildtrain.kinds.data import data_view
-from buildtrain.steps import data, tokenizer
+from buildtrain.steps.data import step as data
+from buildtrain.steps.tokenizer import step as tokenizer
 from buildtrain.store.objects import write_bytes_durably
 
 DOCUMENTS = st.lists(

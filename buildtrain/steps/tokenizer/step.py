@@ -20,9 +20,9 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerStep
 from buildtrain.errors import StepFailed
 from buildtrain.steps.corpus import corpus
-from buildtrain.steps.pieces import pieces
 from buildtrain.steps.sources import Source, read_source
-from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
+from buildtrain.steps.tokenizer.files import DESCRIPTION, TOKENIZER
+from buildtrain.steps.tokenizer.pieces import pieces
 from buildtrain.store.objects import hash_file, write_bytes_durably
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import numpy as np
 
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
-from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
-from buildtrain.steps.documents import Recorder
+from buildtrain.steps.data.documents import Recorder
+from buildtrain.steps.data.index import DATA_FORMAT, DATA_INDEX
 from buildtrain.store.objects import write_bytes_durably
 from buildtrain.store.tensors import tensor_digest
 
