@@ -8,7 +8,7 @@ side by side and each in a fresh process:
   writing), encoded with `Tokenizer.encode_batch_fast` in batches of 4 MB of text (as the data step
   batches) and then in one call over the whole list; the ratio is taken against the faster of the
   two;
-- data step: `buildtrain.steps.data.build` with that tokenizer: read the JSONL line by line, cut
+- data step: `buildtrain.steps.data.step.build` with that tokenizer: read the JSONL line by line, cut
   and split the text, encode in batches, write uint16 shards and the index;
 - data step, no n-grams: the same without the contamination check's n-gram filter
   (`steps/ngrams.py`; issue 46's goal: the data step at most 1.15x this).
@@ -168,7 +168,7 @@ print(json.dumps({"batched": middle - start, "seconds": time.perf_counter() - mi
 DATA_STEP = """
 import json, sys, time
 from pathlib import Path
-from buildtrain.steps import data
+from buildtrain.steps.data import step as data
 class Log:
     def info(self, *a, **k): pass
 config = {"source": "files", "format": "jsonl", "text_field": "text", "split_block": 1024,
@@ -183,7 +183,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
 # The same step without the n-gram filter (`build_tokenized(..., ngrams=False)`), for its cost.
 NO_NGRAMS = DATA_STEP.replace(
     'data.build_from_plan({"data": config}, [Path(sys.argv[2])], Path(sys.argv[3]), Log(), Path(sys.argv[1]))',
-    "from buildtrain.config.steps import DataStep\nfrom buildtrain.steps.tokenized import build_tokenized\n"
+    "from buildtrain.config.steps import DataStep\nfrom buildtrain.steps.data.tokenized import build_tokenized\n"
     's = DataStep.from_config({"data": config}).data\n'
     "build_tokenized(s.text, s.shard_tokens, [Path(sys.argv[2])], Path(sys.argv[1]), Path(sys.argv[3]), Log(), ngrams=False)",
 )
@@ -210,8 +210,8 @@ def train_tokenizer(corpus: Path, folder: Path) -> None:
     from tokenizers import pre_tokenizers, trainers
 
     from buildtrain.canonical import canonical_bytes
-    from buildtrain.steps.tokenizer import describe, new_bpe
-    from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
+    from buildtrain.steps.tokenizer.files import DESCRIPTION, TOKENIZER
+    from buildtrain.steps.tokenizer.step import describe, new_bpe
 
     texts, size = [], 0
     with open(corpus, encoding="utf-8") as handle:

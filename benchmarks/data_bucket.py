@@ -54,7 +54,7 @@ def raw_read(bucket: object, into: Path | None) -> float:
     from buildtrain.sources.s3_settings import CHUNK
 
     start = time.perf_counter()
-    pieces = obstore.get(bucket.store, KEY).stream(min_chunk_size=CHUNK)  # type: ignore[attr-defined]
+    pieces = obstore.get(bucket.client.store, KEY).stream(min_chunk_size=CHUNK)  # type: ignore[attr-defined]
     if into is None:
         for _ in pieces:
             pass
@@ -81,7 +81,7 @@ def measure(space: object, size_mb: int, count: int) -> None:
     import obstore
 
     note(f"putting {size_mb} MB")
-    obstore.put(bucket.store, KEY, os.urandom(size_mb << 20))
+    obstore.put(bucket.client.store, KEY, os.urandom(size_mb << 20))
     version = bucket.version(KEY)
     serial = iter(range(10**6))
     source = bucket_sources.digest(StatCache(space.path("warm.json")), version)  # type: ignore[attr-defined]

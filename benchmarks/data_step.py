@@ -9,7 +9,7 @@ in this process and on a warm page cache:
 - floor: that, and the bytes widened to uint16 tokens in shards of 1M tokens, each shard written
   to a file and hashed: the least work of a step that also trusts nothing it writes, whatever
   its split and bookkeeping (it writes and hashes twice the bytes it reads);
-- data step: `buildtrain.steps.data.build` with the file as a checked `Source` (read, hashed and
+- data step: `buildtrain.steps.data.step.build` with the file as a checked `Source` (read, hashed and
   refused if it changed), 1,024-token split blocks, 5% held out, shards of 1M tokens: widen to
   uint16 tokens, split, write and hash the shards, write the index;
 - data step, no n-grams: the same without the n-gram filter of the contamination check
@@ -110,7 +110,7 @@ def write_shard(out: Path, number: int, tokens: Any) -> int:
 
 def data_step(space: common.Workspace, source: Any, out: Path, ngrams: bool = True) -> float:
     from buildtrain.config.steps import DataStep
-    from buildtrain.steps import data
+    from buildtrain.steps.data import step as data
 
     config = {
         "source": "files",

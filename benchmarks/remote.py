@@ -84,7 +84,7 @@ def raw_download(remote: object, blobs: list[str], into: Path) -> float:
         import obstore
 
         def one(blob: str) -> None:
-            (into / blob).write_bytes(obstore.get(backend.store, keys.blob(blob)).bytes())
+            (into / blob).write_bytes(obstore.get(backend.client.store, keys.blob(blob)).bytes())
     else:
 
         def one(blob: str) -> None:

@@ -18,7 +18,7 @@ when torch loads:
   buildtrain     buildtrain's real training code path: buildtrain.steps.train.trainer.train() with
                  the TrainSetup that buildtrain.steps.train.step.make_setup builds for the train step of
                  a stored plan, reading the token shards of a real data step output (built once with
-                 buildtrain.steps.data.build), after numerics.import_torch exactly as the step worker
+                 buildtrain.steps.data.step.build), after numerics.import_torch exactly as the step worker
                  does, logging through the worker's
                  structlog JSON configuration into an in-memory sink that timestamps each train_step
                  event. train.checkpoint_every = train.steps, so no checkpoint falls inside the
@@ -357,7 +357,7 @@ class NullLog:
 def build_data(space: Workspace, plan_hash: str) -> Path:
     """The data step's output of the plan, built with buildtrain's data step (no torch needed)."""
     from buildtrain.plan.stored import load_plan
-    from buildtrain.steps import data
+    from buildtrain.steps.data import step as data
     from buildtrain.store.store import Store
 
     plan = load_plan(Store(space.store), plan_hash)

@@ -18,7 +18,7 @@ same bits on one thread.
 
 Whether a machine has a compiler is a toolchain fact (`plan/toolchain.py`): a plan records
 whether its steps compute with these kernels or with torch's eager operations, so one hash never
-stands for two results. The data split's digests (`steps/short_blake3.c`) are the exception that
+stands for two results. The data split's digests (`steps/data/short_blake3.c`) are the exception that
 needs no record: integer arithmetic, the same bits as their numpy fallback on any machine.
 """
 

@@ -240,7 +240,7 @@ def test_a_hostile_chat_template_fails_in_one_line(template: str, monkeypatch: p
 
     from buildtrain.config import templates
     from buildtrain.errors import StepFailed
-    from buildtrain.steps.chat import Renderer
+    from buildtrain.steps.data.chat import Renderer
 
     monkeypatch.setattr(templates, "RENDER_SECONDS", 1.0)
     started = time.monotonic()
@@ -259,7 +259,7 @@ def test_a_hostile_chat_template_fails_in_one_line(template: str, monkeypatch: p
 )
 def test_an_attribute_walk_the_sandbox_answers_with_nothing(template: str) -> None:
     """Unsafe attributes reached through the attr filter or a format field render as undefined."""
-    from buildtrain.steps.chat import Renderer
+    from buildtrain.steps.data.chat import Renderer
 
     assert Renderer(template, "<|endoftext|>").render([{"role": "user", "content": "hi"}], False) == ""
 
@@ -274,7 +274,7 @@ def test_an_attribute_walk_the_sandbox_answers_with_nothing(template: str) -> No
 )
 def test_a_hostile_chat_record_fails_in_one_line(tmp_path: Path, line: str, fragment: str) -> None:
     from buildtrain.errors import StepFailed
-    from buildtrain.steps.chat import records
+    from buildtrain.steps.data.chat import records
 
     (tmp_path / "chat.jsonl").write_text(line + "\n")
     with pytest.raises(StepFailed) as raised:
@@ -287,7 +287,7 @@ def test_special_token_text_in_content_is_plain_text(chat_built: tuple[Path, Pat
     record keeps exactly the template's control tokens; an honest record encodes as before."""
     from checkpoints import CHAT_TEMPLATE
 
-    from buildtrain.steps.chat import Renderer, encoded, special_texts, with_special_text
+    from buildtrain.steps.data.chat import Renderer, encoded, special_texts, with_special_text
 
     root, _, _ = chat_built
     tokenizer = Tokenizer.from_file(str(root / "checkpoint" / "tokenizer.json"))

@@ -19,10 +19,12 @@ from buildtrain.config.schema import END_OF_DOCUMENT, DataConfig, SyntheticConfi
 from buildtrain.config.steps import BYTES, DataStep
 from buildtrain.errors import StepFailed
 from buildtrain.kinds.data import data_view
-from buildtrain.steps import data, data_index, formats
-from buildtrain.steps import split as split_module
+from buildtrain.steps import formats
+from buildtrain.steps.data import index as data_index
+from buildtrain.steps.data import split as split_module
+from buildtrain.steps.data import step as data
+from buildtrain.steps.data.shards import ShardWriter
 from buildtrain.steps.seeds import derive_unit
-from buildtrain.steps.shards import ShardWriter
 from buildtrain.steps.text import arithmetic_document
 from buildtrain.store.objects import hash_file
 from buildtrain.store.tensors import tensor_digest

@@ -23,7 +23,8 @@ from buildtrain.config.steps import BYTES
 from buildtrain.errors import StepFailed
 from buildtrain.kinds.data import data_view
 from buildtrain.sources.durable import write_bytes_durably
-from buildtrain.steps import data, tokenizer
+from buildtrain.steps.data import step as data
+from buildtrain.steps.tokenizer import step as tokenizer
 
 DOCUMENTS = st.lists(
     st.text(st.characters(exclude_categories=("Cs",)), max_size=300), min_size=1, max_size=12

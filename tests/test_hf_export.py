@@ -14,8 +14,8 @@ import transformers
 from conftest import Reference, run_bt
 
 from buildtrain.config.schema import ModelConfig
-from buildtrain.steps.hf_export import ARCHITECTURES, read_tensors, write_hf
-from buildtrain.steps.tokenizer_files import byte_level_json
+from buildtrain.steps.export.hf import ARCHITECTURES, read_tensors, write_hf
+from buildtrain.steps.tokenizer.files import byte_level_json
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.state import model_tensors, save_tensors
 from buildtrain.store.objects import hash_file

@@ -26,8 +26,8 @@ from buildtrain.config.convert import converter
 from buildtrain.config.schema import ModelConfig
 from buildtrain.errors import StepFailed
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.hf_export import ARCHITECTURES, hf_name, split_qkv, write_tensors
-from buildtrain.steps.import_hf import (
+from buildtrain.steps.export.hf import ARCHITECTURES, hf_name, split_qkv, write_tensors
+from buildtrain.steps.import_hf.step import (
     STREAM_CHUNK,
     buildtrain_layout,
     copy_weights,

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from buildtrain.config.schema import BYTE_VOCAB_SIZE, EvalConfig, ModelConfig
 from buildtrain.config.shape import parameter_count
 from buildtrain.errors import StepFailed
-from buildtrain.steps.heldout import evaluate
 from buildtrain.steps.train.batches import TokenStream
+from buildtrain.steps.train.heldout import evaluate
 from buildtrain.steps.train.model import RMSNormFunction, RotaryQKV, Transformer, dropout, rope_tables
 
 

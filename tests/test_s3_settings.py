@@ -130,6 +130,7 @@ def test_a_server_that_never_answers_fails_within_seconds_naming_the_endpoint(tm
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"http://***@{address}" in done.stderr and "hunter2" not in done.stderr, done.stderr
+    assert "did not answer in time" in done.stderr, done.stderr  # sorted as a timeout (s3_client.py)
 
 
 def test_credentials_in_a_url_are_left_out() -> None:

@@ -71,7 +71,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     import numpy as np
     import safetensors.numpy
 
-    from buildtrain.steps.tokenizer_files import byte_level_json
+    from buildtrain.steps.tokenizer.files import byte_level_json
 
     folder = tmp_path_factory.mktemp("checkpoint")
     config = {
@@ -193,12 +193,12 @@ NOT_COMPUTING = {
     "buildtrain.executor.process.inputs",
 }
 DATA_READING = {
-    "buildtrain.steps.data",
-    "buildtrain.steps.tokenized",
+    "buildtrain.steps.data.step",
+    "buildtrain.steps.data.tokenized",
     "buildtrain.steps.corpus",
     "buildtrain.steps.formats",
     "buildtrain.steps.sources",
-    "buildtrain.steps.tokenizer",
+    "buildtrain.steps.tokenizer.step",
 }
 
 
@@ -227,7 +227,7 @@ def test_each_kind_computes_without_the_store_and_the_other_kinds_readers(packag
         # The eval step reads its suites' files (sources by content) through the checked reader.
         reads = {"buildtrain.steps.sources"} if kind == "eval" else set()
         assert closures[kind].isdisjoint(DATA_READING - reads), kind
-    assert "buildtrain.steps.tokenizer" not in closures["data"]  # it reads a tokenizer, never trains one
+    assert "buildtrain.steps.tokenizer.step" not in closures["data"]  # it reads a tokenizer, never trains one
     assert "buildtrain.steps.eval.cache" not in closures["train"]
 
 
@@ -372,12 +372,12 @@ def test_a_damaged_or_foreign_cache_changes_no_digest(
 
 @pytest.mark.parametrize(
     ("c_source", "kinds"),
-    [("steps/train/kernels.c", ("train", "eval")), ("steps/short_blake3.c", ("data",))],
+    [("steps/train/kernels.c", ("train", "eval")), ("steps/data/short_blake3.c", ("data",))],
 )
 def test_an_edit_to_a_modules_c_source_changes_the_steps_that_build_it(
     package: Path, tmp_path: Path, c_source: str, kinds: tuple[str, ...]
 ) -> None:
-    """`steps/train/kernels.c` is compiled and called by `kernels.py`, `steps/short_blake3.c` by
+    """`steps/train/kernels.c` is compiled and called by `kernels.py`, `steps/data/short_blake3.c` by
     `short_blake3.py` (the data split): each is part of its module's code."""
     store = Store(tmp_path / "store")
     plan = compiled(package, store)

@@ -1,4 +1,4 @@
-"""The train/held-out split decided many blocks at once (steps/split.py) is the per-block rule
+"""The train/held-out split decided many blocks at once (steps/data/split.py) is the per-block rule
 (`derive_unit(seed, "heldout", i) < fraction`), and the blake3 under it, in C and in numpy, is
 blake3."""
 
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buildtrain import native
-from buildtrain.steps import short_blake3, split
+from buildtrain.steps.data import short_blake3, split
+from buildtrain.steps.data.short_blake3 import digest_prefixes
+from buildtrain.steps.data.split import held_out
 from buildtrain.steps.seeds import MASK_63, derive_unit
-from buildtrain.steps.short_blake3 import digest_prefixes
-from buildtrain.steps.split import held_out
 
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler to build short_blake3.c")
 

@@ -346,7 +346,7 @@ def test_a_question_planted_in_the_training_data_is_reported_as_overlap(bt, tmp_
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=60), st.lists(st.integers(0, 200), max_size=6))
 def test_a_document_digest_does_not_depend_on_where_its_chunks_are_cut(text, cuts):
-    from buildtrain.steps.documents import DocumentDigest, digest_text
+    from buildtrain.steps.data.documents import DocumentDigest, digest_text
 
     raw = text.encode("utf-8")
     document, at = DocumentDigest(), 0
@@ -360,7 +360,7 @@ def test_a_document_digest_does_not_depend_on_where_its_chunks_are_cut(text, cut
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet=st.sampled_from("aB1+= \t\n"), max_size=40))
 def test_a_document_digest_ignores_ascii_case_and_spacing(text):
-    from buildtrain.steps.documents import digest_text
+    from buildtrain.steps.data.documents import digest_text
 
     assert digest_text(text) == digest_text(" ".join(text.lower().split()))
     assert digest_text(text) == digest_text("  " + text.upper() + "\n")
@@ -413,14 +413,14 @@ def test_a_document_digest_is_the_blake3_of_its_lowercased_words_joined_by_space
     """The normalisation, stated once as bytes methods say it: ASCII case and whitespace."""
     import blake3
 
-    from buildtrain.steps.documents import digest_text
+    from buildtrain.steps.data.documents import digest_text
 
     words = b" ".join(text.encode("utf-8").lower().split())
     assert digest_text(text) == int.from_bytes(blake3.blake3(words).digest(8), "little")
 
 
 def test_a_document_longer_than_any_question_is_not_digested():
-    from buildtrain.steps.documents import MAX_DOCUMENT, Recorder
+    from buildtrain.steps.data.documents import MAX_DOCUMENT, Recorder
 
     recorder = Recorder()
     stream = [("short", [b"95+25=120"]), ("long", [b"x" * MAX_DOCUMENT, b"y"])]

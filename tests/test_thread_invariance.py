@@ -33,7 +33,7 @@ from buildtrain.executor.process.launch import SINGLE_PROCESS
 from buildtrain.executor.process.policy import step_launch
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.plan.stored import load_plan
-from buildtrain.steps.heldout import evaluate
+from buildtrain.steps.train.heldout import evaluate
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.reduce import gradients_to_vector, tree_sum

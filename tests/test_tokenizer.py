@@ -19,9 +19,9 @@ from buildtrain.config.steps import TextSettings, TokenizerSettings
 from buildtrain.errors import StepFailed
 from buildtrain.plan.plan import Plan
 from buildtrain.plan.planner import plan_preset
-from buildtrain.steps import tokenizer as tokenizer_step
 from buildtrain.steps.corpus import corpus
-from buildtrain.steps.pieces import pieces
+from buildtrain.steps.tokenizer import step as tokenizer_step
+from buildtrain.steps.tokenizer.pieces import pieces
 from buildtrain.store.store import Store
 
 MICRO_BPE = REPO / "tests" / "presets" / "micro_bpe.toml"
@@ -190,8 +190,8 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
 
     from buildtrain.canonical import canonical_bytes
     from buildtrain.config.steps import DataSettings
-    from buildtrain.steps.data_index import DATA_INDEX
-    from buildtrain.steps.tokenized import build_tokenized
+    from buildtrain.steps.data.index import DATA_INDEX
+    from buildtrain.steps.data.tokenized import build_tokenized
     from buildtrain.steps.train.batches import TokenStream
 
     wide = tokenizer_step.new_bpe()  # no merges: unknown words fall back to their bytes
@@ -225,8 +225,8 @@ def test_ids_past_65535_go_into_uint32_shards_that_training_reads(tmp_path: Path
 
 
 def test_the_fast_held_out_unit_is_derive_unit() -> None:
-    from buildtrain.steps.pieces import HeldOutUnit
     from buildtrain.steps.seeds import derive_unit
+    from buildtrain.steps.tokenizer.pieces import HeldOutUnit
 
     for seed in (0, 7, 2**40):
         unit = HeldOutUnit(seed)
@@ -242,7 +242,7 @@ def test_the_fast_held_out_unit_is_derive_unit() -> None:
 def test_pieces_rebuild_the_text_fit_the_limit_and_ignore_read_chunks(
     text: str, limit: int, chunk: int
 ) -> None:
-    from buildtrain.steps.pieces import cut
+    from buildtrain.steps.tokenizer.pieces import cut
 
     raw = text.encode("utf-8")
     whole = list(cut([raw], limit))

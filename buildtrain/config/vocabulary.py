@@ -19,7 +19,7 @@ import attrs
 from buildtrain.sources.regular import open_regular
 from buildtrain.sources.stat_cache import StatCache
 
-# Token shards hold uint32 ids (steps/tokenized.py), so no larger vocabulary can be trained on.
+# Token shards hold uint32 ids (steps/data/tokenized.py), so no larger vocabulary can be trained on.
 MAX_VOCAB_SIZE = 1 << 32
 # The largest tokenizer.json in common use (a 256k vocabulary) is about 35 MB; a file past this
 # is not a tokenizer, and parsing it at every `bt plan` would cost seconds and gigabytes.

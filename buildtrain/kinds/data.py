@@ -22,7 +22,7 @@ from buildtrain.store.ngram_file import filter_digest
 from buildtrain.store.tensors import tensor_digest
 
 # Bytes per token id and the digest's dtype code, by a split's "dtype" (none: uint16), as
-# steps/shards.py writes them; loss masks are one byte per token.
+# steps/data/shards.py writes them; loss masks are one byte per token.
 SHARD_CODES = {None: (2, "u16"), "u32": (4, "u32")}
 MASK_CODE = (1, "u8")
 
@@ -44,7 +44,7 @@ def suite_ngrams(config: Config, stage: Stage) -> tuple[int, ...]:
 
 class DataKind(StepKind):
     name = "data"
-    computes = "buildtrain.steps.data"
+    computes = "buildtrain.steps.data.step"
     headline = "data"
     per_stage = True
     reads_sources = True

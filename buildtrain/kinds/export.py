@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 class ExportKind(StepKind):
     name = "export"
-    computes = "buildtrain.steps.export"
+    computes = "buildtrain.steps.export.step"
     headline = "weights"
     package = True
     spot_checked = False  # a spot check (--steps) covers training only

@@ -27,7 +27,7 @@ IMPORT_FORMAT = 1
 
 class ImportKind(StepKind):
     name = "import_hf"
-    computes = "buildtrain.steps.import_hf"
+    computes = "buildtrain.steps.import_hf.step"
     headline = "weights"
     per_stage = True  # planned with the first stage that needs it; every such stage shares it
     reads_sources = True

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 class TokenizerKind(StepKind):
     name = "tokenizer"
-    computes = "buildtrain.steps.tokenizer"
+    computes = "buildtrain.steps.tokenizer.step"
     headline = "tokenizer"
     per_stage = True
     reads_sources = True

@@ -8,9 +8,9 @@ planning again reads nothing while the object is unchanged: the ETag only ever s
 it never stands in for the content.
 
 At run time the store fetches the object into its source cache (`store/source_cache.py`) through
-the same client (`bucket_client`). The S3 client (`bucket.py`) is imported inside these functions,
-only for a preset that names one; the config's preflight and the planner call them, so they live
-here below both, outside the team cache (`store/remote/`).
+the same client (`bucket_client`). The S3 client (`bucket.py` over `s3_client.py`) is imported
+inside these functions, only for a preset that names one; the config's preflight and the planner
+call them, so they live here below both, outside the team cache (`store/remote/`).
 """
 
 from __future__ import annotations

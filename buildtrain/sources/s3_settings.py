@@ -1,7 +1,7 @@
-"""How every S3 client buildtrain builds is configured (the team cache in `store/remote/s3.py`,
-bucket data sources in `bucket.py` beside this file): where it may send requests, which
-credentials it may look for, how long it waits, and the size of the pieces it streams. Imports
-no obstore, so these rules are tested without a server.
+"""How the one S3 client (`s3_client.py`, serving the team cache in `store/remote/s3.py` and bucket
+data sources in `bucket.py`) is configured: where it may send requests, which credentials it may
+look for, how long it waits, and the size of the pieces it streams. Imports no obstore, so these
+rules are tested without a server, and messages name the endpoint without loading the client.
 
 Two rules, both failing closed:
 - Traffic goes to the configured endpoint only. With no credentials in the environment, the S3

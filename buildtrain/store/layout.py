@@ -99,12 +99,12 @@ SEGMENT_SUFFIX = ".jsonl"
 RESULT = "result.json"
 # An eval step's output, and the copy an export package carries.
 EVAL_RESULT = "eval.json"
-# In a data step's output: the digest of every document it read (steps/documents.py); its digest
+# In a data step's output: the digest of every document it read (steps/data/documents.py); its digest
 # in the output's manifest is named after the file, as a shard's is.
 DOCUMENTS = "documents.u64"
-TOKENIZER_FILE = "tokenizer.json"  # a tokenizer step output's tokenizer (steps/tokenizer_files.py)
+TOKENIZER_FILE = "tokenizer.json"  # a tokenizer step output's tokenizer (steps/tokenizer/files.py)
 TOKENIZER_DESCRIPTION = "description.json"  # and what its tokens are
-DATA_INDEX = "data.json"  # a data step output's index: its splits and their shards (steps/data_index.py)
+DATA_INDEX = "data.json"  # a data step output's index: its splits and their shards (steps/data/index.py)
 # In a data step's output: the Bloom filter of its n-grams of words (steps/ngrams.py), named in the
 # manifest as DOCUMENTS is.
 NGRAMS = "ngrams.bloom"

@@ -1,5 +1,5 @@
 """What every suite kind's result says beside its score: how many of its questions the weights
-were trained on (`overlap_of`, by n-gram and by whole document, `ngrams.py`, `documents.py`),
+were trained on (`overlap_of`, by n-gram and by whole document, `ngrams.py`, `steps/data/documents.py`),
 and the score withheld where that passes the suite's `max_overlap` (`withheld`). The scoring of
 each kind is in its own module (`config/suites/` names it); this is what they share.
 """
@@ -25,11 +25,11 @@ def withheld(suite: SuiteStep, result: dict[str, Any], overlap: dict[str, Any]) 
 
 def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path], n: int) -> dict[str, Any]:
     """The overlap of `texts` with the training data: `count` (and `fraction`, `examples` from
-    `shown`) by `n`-grams, `documents` by whole document (`documents.py`), and the filters' `n` and
+    `shown`) by `n`-grams, `documents` by whole document (`steps/data/documents.py`), and the filters' `n` and
     estimated false-positive rate per n-gram. Data outputs from before n-grams: documents only."""
     import numpy as np
 
-    from buildtrain.steps.documents import overlap, read_documents
+    from buildtrain.steps.data.documents import overlap, read_documents
     from buildtrain.steps.ngrams import read_filter, shared
 
     trained_on = [path for name, path in sorted(inputs.items()) if name.startswith("documents:")]

@@ -151,14 +151,14 @@ def _evaluate(
 ) -> list[dict[str, Any]]:
     """Each result of `wanted` (held-out first, then the suites): cached ones as they are, the
     rest computed with the weights loaded once."""
-    from buildtrain.steps.heldout import evaluate
     from buildtrain.steps.train.batches import TokenStream
+    from buildtrain.steps.train.heldout import evaluate
 
     config = EvalStep.from_config(ctx.step.config)
     loaded = load(config, ctx.inputs["data"], final_weights(ctx.inputs["weights"]), ctx.numerics)
     results = list(cached)
     if results[0] is None:
-        from buildtrain.steps.data_index import records_end
+        from buildtrain.steps.data.index import records_end
 
         split = loaded.index["splits"]["heldout"]
         heldout = TokenStream(ctx.inputs["data"], split)
@@ -196,7 +196,7 @@ def load(config: EvalStep, data: Path, weights: Path, numerics: NumericsConfig) 
     checkpoint's folder), on the device."""
     import torch
 
-    from buildtrain.steps.data_index import DATA_INDEX, embedding_rows
+    from buildtrain.steps.data.index import DATA_INDEX, embedding_rows
     from buildtrain.steps.train.model import Transformer
     from buildtrain.steps.train.state import checkpoint_weights, load_model, load_weights
 

@@ -65,7 +65,7 @@ def text_codec(tokenizer: Path | None) -> Codec:
             decode=lambda ids: bytes(i for i in ids if i < END_OF_DOCUMENT).decode("utf-8", "replace"),
             end=END_OF_DOCUMENT,
         )
-    from buildtrain.steps.tokenizer_files import load
+    from buildtrain.steps.tokenizer.files import load
 
     loaded, description = load(tokenizer)
     return Codec(

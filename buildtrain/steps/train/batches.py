@@ -36,7 +36,7 @@ class TokenStream:
                 # A private copy-on-write map: pages load lazily, and torch gets a writable buffer.
                 mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
             self.maps.append(mapped)
-            # uint32 when the vocabulary passes 65,536 ids (see steps/data_index.py)
+            # uint32 when the vocabulary passes 65,536 ids (see steps/data/index.py)
             wide = split.get("dtype") == "u32"
             dtype = torch.uint8 if key == "masks" else torch.uint32 if wide else torch.uint16
             self.shards.append(torch.frombuffer(mapped, dtype=dtype))

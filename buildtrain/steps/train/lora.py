@@ -22,7 +22,7 @@ from torch import nn
 from buildtrain.config.schema import LoraConfig, ModelConfig
 from buildtrain.config.shape import head_dim
 
-# target -> the projection it adapts, under a block (peft's names for them: `hf_export.py`)
+# target -> the projection it adapts, under a block (peft's names for them: `steps/export/hf.py`)
 TARGETS = {
     "q": "attention.wqkv",
     "k": "attention.wqkv",

@@ -19,7 +19,7 @@ from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.config.steps import TrainStep
 from buildtrain.errors import StepFailed
 from buildtrain.steps.context import RESULT, StepContext, final_weights, read_json
-from buildtrain.steps.data_index import DATA_INDEX, records_end
+from buildtrain.steps.data.index import DATA_INDEX, records_end
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.schedule import checkpoint_due

@@ -17,13 +17,13 @@ import attrs
 import torch
 
 from buildtrain.errors import Interrupted, StepFailed
-from buildtrain.steps.data_index import embedding_rows
-from buildtrain.steps.heldout import evaluate
+from buildtrain.steps.data.index import embedding_rows
 from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train import checkpoint
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.gradient import batch_gradient, seeded
+from buildtrain.steps.train.heldout import evaluate
 from buildtrain.steps.train.lora import add_adapters
 from buildtrain.steps.train.memory import held_bytes, max_rss_mb, newest, out_of_memory_fails
 from buildtrain.steps.train.model import Transformer

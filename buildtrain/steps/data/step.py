@@ -17,10 +17,10 @@ import numpy as np
 from buildtrain.config.convert import converter
 from buildtrain.config.schema import END_OF_DOCUMENT
 from buildtrain.config.steps import DataStep
-from buildtrain.steps import split
 from buildtrain.steps.corpus import corpus
-from buildtrain.steps.documents import Recorder
-from buildtrain.steps.shards import ShardWriter, finish
+from buildtrain.steps.data import split
+from buildtrain.steps.data.documents import Recorder
+from buildtrain.steps.data.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source
 
 if TYPE_CHECKING:
@@ -95,12 +95,12 @@ def build_from_plan(
     or a given tokenizer.json, the tokenizer step's output. `sources` are checked against the
     plan as they are read when they are `Source`s (what the executor hands a step)."""
     if tokenizer is not None:
-        from buildtrain.steps.tokenized import build_tokenized  # numpy and tokenizers
+        from buildtrain.steps.data.tokenized import build_tokenized  # numpy and tokenizers
 
         step = DataStep.from_config(config)
         settings = step.data
         if settings.format == "chat":
-            from buildtrain.steps.chat import build_chat  # jinja2
+            from buildtrain.steps.data.chat import build_chat  # jinja2
 
             return build_chat(settings.text, settings.shard_tokens, sources, tokenizer, out, log, step.ngrams)
         return build_tokenized(

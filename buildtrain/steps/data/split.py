@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from buildtrain.canonical import canonical_bytes
+from buildtrain.steps.data.short_blake3 import BLOCK_BYTES, digest_prefixes
 from buildtrain.steps.seeds import MASK_63, derive_unit
-from buildtrain.steps.short_blake3 import BLOCK_BYTES, digest_prefixes
 
 PURPOSE = "heldout"
 # Blocks per numpy pass: with every operation in place (`short_blake3.InPlace`), 32,768 blocks

@@ -19,12 +19,12 @@ import numpy as np
 
 from buildtrain.config.steps import TextSettings
 from buildtrain.steps.corpus import corpus
-from buildtrain.steps.data_index import token_width
-from buildtrain.steps.documents import Recorder
-from buildtrain.steps.pieces import Piece, pieces
-from buildtrain.steps.shards import ShardWriter, finish
+from buildtrain.steps.data.documents import Recorder
+from buildtrain.steps.data.index import token_width
+from buildtrain.steps.data.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source
-from buildtrain.steps.tokenizer_files import load
+from buildtrain.steps.tokenizer.files import load
+from buildtrain.steps.tokenizer.pieces import Piece, pieces
 
 ENCODE_BATCH_BYTES = 4 << 20  # text per batch encode call: large enough to keep every core busy
 

@@ -4,7 +4,7 @@
     config.json         model, training, data and numerics settings of the final stage
     tokenizer.json      how text becomes tokens
     eval.json           the held-out evaluation of these weights
-    hf/                 the same weights and tokenizer for Hugging Face transformers (steps/hf_export.py)
+    hf/                 the same weights and tokenizer for Hugging Face transformers (steps/export/hf.py)
     peft/               a LoRA stage's adapters, for peft on the base checkpoint
     BLAKE3SUMS          `<blake3>  <file>` per file (hf/ included), checkable with b3sum -c
 
@@ -27,8 +27,8 @@ WEIGHTS = EXPORT_WEIGHTS
 
 
 def execute(ctx: StepContext, out: Path) -> dict[str, str]:
-    from buildtrain.steps.hf_export import HF_FOLDER, PEFT_FOLDER, write_hf, write_peft
-    from buildtrain.steps.tokenizer_files import export_files
+    from buildtrain.steps.export.hf import HF_FOLDER, PEFT_FOLDER, write_hf, write_peft
+    from buildtrain.steps.tokenizer.files import export_files
 
     config = ExportStep.from_config(ctx.step.config)
     source = final_weights(ctx.inputs["weights"])

@@ -14,7 +14,7 @@ reused buffer, hashed, and each tensor's bytes are written straight to their pla
 output. Tensors keep their dtype (F32, BF16 or F16; training widens them to float32 exactly as
 it loads them): no torch, no pickle, no code from the checkpoint, half the bytes of float32 for
 a bf16 checkpoint, and the disk writes while the shards are read. The renaming is the inverse of
-`hf_export.py`: q, k and v projections stacked by rows into `wqkv` (nh query heads, then nkv key
+`steps/export/hf.py`: q, k and v projections stacked by rows into `wqkv` (nh query heads, then nkv key
 heads, then nkv value heads), gate/up/down into w1/w3/w2.
 """
 

@@ -28,12 +28,12 @@ import numpy as np
 from buildtrain.config.steps import TextSettings
 from buildtrain.config.templates import TemplateRefused, compile_template, one_line, render
 from buildtrain.errors import StepFailed
-from buildtrain.steps import split
-from buildtrain.steps.data_index import token_width
-from buildtrain.steps.documents import Recorder
-from buildtrain.steps.shards import ShardWriter, finish
+from buildtrain.steps.data import split
+from buildtrain.steps.data.documents import Recorder
+from buildtrain.steps.data.index import token_width
+from buildtrain.steps.data.shards import ShardWriter, finish
 from buildtrain.steps.sources import Source, open_source
-from buildtrain.steps.tokenizer_files import load
+from buildtrain.steps.tokenizer.files import load
 
 Message = dict[str, str]
 ASSISTANT = "assistant"

@@ -14,8 +14,8 @@ import numpy as np
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import StepFailed
 from buildtrain.sources.durable import write_bytes_durably
-from buildtrain.steps.data_index import DATA_FORMAT, DATA_INDEX
-from buildtrain.steps.documents import Recorder
+from buildtrain.steps.data.documents import Recorder
+from buildtrain.steps.data.index import DATA_FORMAT, DATA_INDEX
 from buildtrain.store.tensors import tensor_digest
 
 WIDTHS = {1: ("<u1", "u8"), 2: ("<u2", "u16"), 4: ("<u4", "u32")}  # bytes -> numpy dtype, digest code

@@ -21,9 +21,9 @@ from buildtrain.config.steps import TextSettings, TokenizerSettings, TokenizerSt
 from buildtrain.errors import StepFailed
 from buildtrain.sources.durable import write_bytes_durably
 from buildtrain.steps.corpus import corpus
-from buildtrain.steps.pieces import pieces
 from buildtrain.steps.sources import Source, read_source
-from buildtrain.steps.tokenizer_files import DESCRIPTION, TOKENIZER
+from buildtrain.steps.tokenizer.files import DESCRIPTION, TOKENIZER
+from buildtrain.steps.tokenizer.pieces import pieces
 from buildtrain.store.objects import hash_file
 
 if TYPE_CHECKING:
