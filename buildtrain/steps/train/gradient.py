@@ -78,8 +78,8 @@ def batch_gradient(
         assert loss is not None
         return loss
 
-    first, end = ranks.share(micro_batches)
     if cfg.reduction == "allreduce":
+        first, end = ranks.share(micro_batches)
         loss_sum = torch.zeros((), device=device)
         for micro in range(first, end):
             loss_sum += backward(micro)  # autograd adds each micro-batch into .grad, in order
@@ -87,16 +87,25 @@ def batch_gradient(
             return loss_sum
         return vector_to_gradients(ranks.sum(gradients_to_vector(parameters, loss_sum)), parameters)
 
-    def leaf(micro: int) -> torch.Tensor:
-        for parameter in parameters:
-            parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
-        return gradients_to_vector(parameters, backward(micro))
+    return tree_gradient(parameters, backward, micro_batches, ranks)
 
+
+def tree_gradient(
+    parameters: list[torch.Tensor], backward: Callable[[int], torch.Tensor], micro_batches: int, ranks: Ranks
+) -> torch.Tensor:
+    """The invariant reduction: this rank's micro-batch gradients summed in the canonical tree,
+    the tree finished across ranks; returns the batch loss."""
     if micro_batches == 1 and ranks.world == 1:
         # The tree is its one leaf, and the vector a copy out and back (1 ms an update at 85M
         # parameters on an H200): the gradients stay where backward left them, the same bits.
         return backward_alone(parameters, lambda: backward(0))
 
+    def leaf(micro: int) -> torch.Tensor:
+        for parameter in parameters:
+            parameter.grad = None  # each micro-batch's gradient on its own, for the tree to sum
+        return gradients_to_vector(parameters, backward(micro))
+
+    first, end = ranks.share(micro_batches)
     partials = {node: tree_sum(node, leaf) for node in cover((0, micro_batches), first, end)}
     return vector_to_gradients(ranks.finish_tree(partials, micro_batches), parameters)
 
