@@ -16,6 +16,13 @@ are the same with or without it.
 Only where the train step's process writes into this run's store (the local engine, or a cluster
 sharing its folder, without a remote); a step built in a node's store of its own (a run with a
 remote on a cluster) is evaluated by its eval step, after training.
+
+The local worker also builds, before any checkpoint's job, the steps that the local engine would
+build after training but that need neither it nor torch (`beside_training` kinds: the ngrams
+steps, which evaluation reads): each under its own lock, taken here and handed to the worker
+with the job (the worker holds it while the step runs, as a step process does), so when the run
+reaches it in plan order it is a cache hit, and one another run is building is left alone.
+A concurrent engine needs none of this: it already runs steps that do not wait on each other at once.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from buildtrain.executor.process.processes import JOB_EXIT, Worker, start
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import layout
+from buildtrain.store.claims import Fresh
 from buildtrain.store.store import Store
 
 # How often the train step's checkpoint folder is looked at for a newly sealed checkpoint.
@@ -47,6 +55,19 @@ KILL_EVAL_AFTER = "BT_TEST_KILL_EVAL_AFTER"
 
 OnEvent = Callable[[dict[str, Any]], None]
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
+
+
+def built_beside(store: Store, plan: Plan, train: Step) -> list[Step]:
+    """The steps after `train` in plan order that the local engine builds beside it: of a
+    `beside_training` kind, not built, with every input built (never `train` itself)."""
+    after = plan.steps[plan.steps.index(train) + 1 :]
+    return [
+        step
+        for step in after
+        if kind_of(step.kind).beside_training
+        and not store.outputs.has(step.hash)
+        and all(store.outputs.has(upstream) for upstream in step.upstream.values())
+    ]
 
 
 def planned(plan: Plan, train: Step) -> list[tuple[Step, list[int]]]:
@@ -70,6 +91,7 @@ class Beside:
     ) -> None:
         self.store, self.plan, self.train = store, plan, train
         self.wanted = planned(plan, train)
+        self.steps = [] if engine.concurrent else built_beside(store, plan, train)
         self.on_event = lambda line: on_event({**line, "beside": True})
         self._sent: set[tuple[str, int]] = set()  # (evaluating step, update): one job each
         self._stop = threading.Event()
@@ -90,19 +112,35 @@ class Beside:
     def start(self) -> Beside:
         """Start the runner now (a local worker's `import torch` then overlaps the train
         step's), and the watcher."""
-        if self.wanted:
+        if self.wanted or self.steps:
             self.runner.start(self.on_event)
+        for step in self.steps:
+            self._build(step)
+        if self.wanted:
             self._watcher.start()
         return self
+
+    def _build(self, step: Step) -> None:
+        """Send `step` to the worker holding its lock, unless it is built or being built."""
+        with self.store.outputs.claim(step.hash, wait=False) as claim:
+            if not isinstance(claim, Fresh):
+                return  # cached meanwhile, or another run holds it: the run's own turn sees to it
+            options = JobOptions()
+            submission = Submission(
+                store=self.store, plan=self.plan, step=step, threads=1, lock_fd=claim.lock_fd, options=options
+            )
+            # The descriptor travels with the job, so the lock outlives this block (see the docstring).
+            self.runner.send(submission, self.on_event)
 
     def finish(self, *, trained: bool) -> None:
         """Training ended: `trained`, hand over the checkpoints sealed since the last look (the
         output holds them once it is published) and let the jobs finish; else (a failure,
         Ctrl-C) stop them now: what they did not record, a later run scores."""
-        if not self.wanted:
+        if not self.wanted and not self.steps:
             return
         self._stop.set()
-        self._watcher.join()
+        if self.wanted:
+            self._watcher.join()
         if trained:
             self._dispatch(self.store.outputs.checkpoints_dir(self.train.hash))
             self._dispatch(self.store.outputs.path(self.train.hash) / layout.CHECKPOINTS)
@@ -163,8 +201,9 @@ class LocalWorker:
         path = self.store.tmp / f"job-beside-{submission.step.hash[:16]}-{name}-{os.getpid()}.json"
         job.write(path)
         self._jobs.append(path)
+        locks = [submission.lock_fd] if submission.lock_fd >= 0 else []  # a step's, held while it runs
         with contextlib.suppress(OSError):  # it died meanwhile: its reader says so
-            socket.send_fds(worker.control, [os.fsencode(path)], [])
+            socket.send_fds(worker.control, [os.fsencode(path)], locks)
 
     def close(self, *, now: bool) -> None:
         worker = self._worker
