@@ -93,6 +93,7 @@ class Beside:
         self.wanted = planned(plan, train)
         self.steps = [] if engine.concurrent else built_beside(store, plan, train)
         self.on_event = lambda line: on_event({**line, "beside": True})
+        self.say = say
         self._sent: set[tuple[str, int]] = set()  # (evaluating step, update): one job each
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="bt-beside", daemon=True)
@@ -131,6 +132,7 @@ class Beside:
             )
             # The descriptor travels with the job, so the lock outlives this block (see the docstring).
             self.runner.send(submission, self.on_event)
+        self.say(step.label, "running beside training")
 
     def finish(self, *, trained: bool) -> None:
         """Training ended: `trained`, hand over the checkpoints sealed since the last look (the
