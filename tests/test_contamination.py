@@ -218,3 +218,11 @@ def test_only_a_plan_with_suites_plans_an_ngrams_step_and_training_never_waits_f
     assert kinds.index("train") < kinds.index("ngrams") < kinds.index("eval")  # training starts first
     assert recorded.hash not in train.upstream.values() and recorded.upstream == {}
     assert evaluation.upstream["ngrams:main"] == recorded.hash
+
+
+def test_a_corpus_of_one_huge_document_has_no_digests_and_matches_nothing():
+    """A document over MAX_DOCUMENT is not digested: a data step of one such file declares no
+    digest, and the whole-document overlap with it is empty (it raised IndexError)."""
+    from buildtrain.steps.documents import overlap
+
+    assert overlap(np.zeros(0, dtype=np.uint64), ["one question", "another"]) == []

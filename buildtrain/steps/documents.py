@@ -126,6 +126,8 @@ def read_documents(output: Path) -> np.ndarray | None:
 
 def overlap(trained: np.ndarray, texts: list[str]) -> list[int]:
     """The indices of `texts` whose digest is among `trained` (sorted)."""
+    if not len(trained):  # no document digested (each over MAX_DOCUMENT): nothing to match
+        return []
     wanted = np.array([digest_text(text) for text in texts], dtype=np.uint64)
     at = np.searchsorted(trained, wanted)
     found = (at < len(trained)) & (trained[np.minimum(at, len(trained) - 1)] == wanted)
