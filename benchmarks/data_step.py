@@ -243,6 +243,7 @@ def beside_seconds(records: Path) -> tuple[float, float] | None:
 def end_to_end(space: common.Workspace, corpus: Path, rounds: int) -> None:
     shutil.copyfile(common.REPO / "tests" / "suites" / "arithmetic.jsonl", space.path("arithmetic.jsonl"))
     counter, beside, weights = iter(range(10**6)), [], set()
+    steps: dict[tuple[bool, str], list[float]] = {}  # (with a suite, step kind): durations
 
     def run(suite: bool) -> float:
         index = next(counter)
@@ -252,6 +253,10 @@ def end_to_end(space: common.Workspace, corpus: Path, rounds: int) -> None:
         )
         if suite and (found := beside_seconds(records)) is not None:
             beside.append(found)
+        for event in common.record_events(records):
+            if event.get("event") == "step_finished":
+                kind = str(event["step"]).split(":")[0]
+                steps.setdefault((suite, kind), []).append(float(event["duration_s"]))
         for manifest in store.glob("steps/*/MANIFEST.json"):
             digests = json.loads(manifest.read_text()).get("digests", {})
             weights.add(digests["weights"]) if "state" in digests else None
@@ -282,6 +287,12 @@ def end_to_end(space: common.Workspace, corpus: Path, rounds: int) -> None:
             f"started, which took {common.fmt_seconds(trained)} (medians): "
             + ("hidden behind training" if ready < trained else "training ended first")
         )
+    for kind in ("data", "train", "ngrams", "eval"):
+        found = [
+            common.median(steps[(suite, kind)]) if (suite, kind) in steps else None for suite in (False, True)
+        ]
+        shown = ["-" if f is None else common.fmt_seconds(f) for f in found]
+        common.note(f"  {kind} step as the run saw it (median): without a suite {shown[0]}, with {shown[1]}")
     common.note(f"  train weights digests: {sorted(w[:12] for w in weights)} (one: the suite changes no bit)")
 
 
