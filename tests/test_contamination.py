@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -136,6 +137,11 @@ def test_a_suite_sets_its_n_and_the_ngrams_step_records_a_filter_for_it(bt, tmp_
     found = {name: suite["overlap"] for name, suite in row["suites"].items()}
     assert found["planted"] >= 38 and found["novel"] == 0, found
     assert "overlap 0/40 (0.0%), 8-grams" in built.stderr, built.stderr
+    # Built by the evaluation worker while training ran, so the run's own turn finds it cached.
+    beside = re.search(r"ngrams:main +running beside training", built.stderr)
+    trained = re.search(r"train:main +executed", built.stderr)
+    assert beside and trained and beside.start() < trained.start(), built.stderr
+    assert re.search(r"ngrams:main +cached", built.stderr), built.stderr
     plan = load_plan(Store(store), row["hash"])
     (recorded,) = [s for s in plan.steps if s.kind == "ngrams"]
     assert recorded.config["ngrams"] == [8]
