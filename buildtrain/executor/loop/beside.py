@@ -17,12 +17,12 @@ Only where the train step's process writes into this run's store (the local engi
 sharing its folder, without a remote); a step built in a node's store of its own (a run with a
 remote on a cluster) is evaluated by its eval step, after training.
 
-The local worker also builds, before any checkpoint's job, the steps that the local engine would
-build after training but that need neither it nor torch (`beside_training` kinds: the ngrams
-steps, which evaluation reads): each under its own lock, taken here and handed to the worker
-with the job (the worker holds it while the step runs, as a step process does), so when the run
-reaches it in plan order it is a cache hit, and one another run is building is left alone.
-A concurrent engine needs none of this: it already runs steps that do not wait on each other at once.
+The runner also builds, before any checkpoint's job, the steps after training in plan order that
+need neither it nor torch (`beside_training` kinds: the ngrams steps, which evaluation reads):
+each under its own lock, taken here (held by the local worker, to which it is handed with the
+job, as a step process holds it; on a cluster engine, here until its task ends), so when the run
+reaches it it is a cache hit, and one another run is building is left alone. A checkpoint's job
+is sent only once its step's other inputs are built (the ngrams steps' filters among them).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ KILL_EVAL_AFTER = "BT_TEST_KILL_EVAL_AFTER"
 
 OnEvent = Callable[[dict[str, Any]], None]
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
+Release = Callable[[], None]  # lets go of a step's lock
 
 
 def built_beside(store: Store, plan: Plan, train: Step) -> list[Step]:
@@ -91,7 +92,9 @@ class Beside:
     ) -> None:
         self.store, self.plan, self.train = store, plan, train
         self.wanted = planned(plan, train)
-        self.steps = [] if engine.concurrent else built_beside(store, plan, train)
+        # On a cluster engine only those its evaluation needs (the run may not build them: --target).
+        wanted = self.wanted or not engine.concurrent
+        self.steps = built_beside(store, plan, train) if wanted else []
         self.on_event = lambda line: on_event({**line, "beside": True})
         self.say = say
         self._sent: set[tuple[str, int]] = set()  # (evaluating step, update): one job each
@@ -122,17 +125,27 @@ class Beside:
         return self
 
     def _build(self, step: Step) -> None:
-        """Send `step` to the worker holding its lock, unless it is built or being built."""
-        with self.store.outputs.claim(step.hash, wait=False) as claim:
-            if not isinstance(claim, Fresh):
-                return  # cached meanwhile, or another run holds it: the run's own turn sees to it
-            options = JobOptions()
-            submission = Submission(
-                store=self.store, plan=self.plan, step=step, threads=1, lock_fd=claim.lock_fd, options=options
-            )
-            # The descriptor travels with the job, so the lock outlives this block (see the docstring).
-            self.runner.send(submission, self.on_event)
+        """Send `step` to the runner holding its lock, unless it is built or being built."""
+        held = contextlib.ExitStack()
+        claim = held.enter_context(self.store.outputs.claim(step.hash, wait=False))
+        if not isinstance(claim, Fresh):
+            held.close()
+            return  # cached meanwhile, or another run holds it: the run's own turn sees to it
+        submission = Submission(
+            store=self.store,
+            plan=self.plan,
+            step=step,
+            threads=1,
+            lock_fd=claim.lock_fd,
+            options=JobOptions(),
+        )
+        self.runner.send(submission, self.on_event, release=held.close)
         self.say(step.label, "running beside training")
+
+    def _ready(self, step: Step) -> bool:
+        """Whether a checkpoint's job of `step` can run: its inputs but the checkpoints are built."""
+        checkpoints = kind_of(step.kind).checkpoints_of
+        return all(self.store.outputs.has(h) for name, h in step.upstream.items() if name != checkpoints)
 
     def finish(self, *, trained: bool) -> None:
         """Training ended: `trained`, hand over the checkpoints sealed since the last look (the
@@ -159,6 +172,8 @@ class Beside:
         except OSError:  # not there yet, or removed as the output was published
             return
         for step, updates in self.wanted:
+            if not self._ready(step):
+                continue  # a step built beside training is not yet: a later look sends them
             for update in updates:
                 path = sealed.get(update)
                 if (step.hash, update) in self._sent or path is None or path.is_symlink():
@@ -194,9 +209,11 @@ class LocalWorker:
         self._reader.start()
         on_event({"event": "eval_beside_started", "pid": self._worker.process.pid})
 
-    def send(self, submission: Submission, on_event: OnEvent) -> None:
+    def send(self, submission: Submission, on_event: OnEvent, release: Release = lambda: None) -> None:
+        """Queue a job; `release` (a step's lock) once its descriptor is in the worker's hands."""
         worker = self._worker
         if worker is None or worker.process.poll() is not None:
+            release()
             return
         job = job_of(submission, on_event)
         name = Path(job.options.checkpoint or "").name
@@ -206,6 +223,7 @@ class LocalWorker:
         locks = [submission.lock_fd] if submission.lock_fd >= 0 else []  # a step's, held while it runs
         with contextlib.suppress(OSError):  # it died meanwhile: its reader says so
             socket.send_fds(worker.control, [os.fsencode(path)], locks)
+        release()  # the descriptor in flight, then the worker's, keeps the lock (flock: one description)
 
     def close(self, *, now: bool) -> None:
         worker = self._worker
@@ -253,14 +271,18 @@ class EngineTasks:
     def start(self, on_event: OnEvent) -> None:
         on_event({"event": "eval_beside_started", "engine": self.engine.name})
 
-    def send(self, submission: Submission, on_event: OnEvent) -> None:
+    def send(self, submission: Submission, on_event: OnEvent, release: Release = lambda: None) -> None:
+        """Start a task; `release` (a step's lock) once it has ended."""
         try:
             handle = self.engine.start(submission, on_event)
         except BuildtrainError as exc:  # the cluster refused it: the eval step scores it
+            release()
             self.failed(str(exc))
             return
         self._handles.append(handle)
-        waiter = threading.Thread(target=self._wait, args=(handle,), name="bt-beside-task", daemon=True)
+        waiter = threading.Thread(
+            target=self._wait, args=(handle, release), name="bt-beside-task", daemon=True
+        )
         waiter.start()
         self._waiters.append(waiter)
 
@@ -271,12 +293,14 @@ class EngineTasks:
         for waiter in self._waiters:
             waiter.join()
 
-    def _wait(self, handle: Handle) -> None:
+    def _wait(self, handle: Handle, release: Release) -> None:
         try:
             outcome = handle.wait()
         except Exception as exc:  # a task lost with its node: the eval step scores it
             self.failed(f"{type(exc).__name__}: {exc}")
             return
+        finally:
+            release()
         failed = _ended(outcome.status)
         if failed is not None:
             self.failed(failed)

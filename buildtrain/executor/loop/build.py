@@ -188,6 +188,7 @@ class Builder:
             return None
         from buildtrain.executor.loop.beside import Beside, built_beside, planned
 
+        # A cluster engine runs the ngrams steps at once with training itself: none beside it then.
         alongside = not self.engine.concurrent and built_beside(self.store, self.plan, step)
         if not planned(self.plan, step) and not alongside:
             return None
