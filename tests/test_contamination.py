@@ -1,4 +1,4 @@
-"""N-gram contamination (`steps/ngrams.py`): the C hashing equals its Python reference, the
+"""N-gram contamination (`steps/ngrams/`): the C hashing equals its Python reference, the
 normalisation is lm-eval's, and end to end a suite cut from the training documents is found while
 novel sentences are not, for exact_match, multiple_choice under max_overlap, and lm_eval."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_suites import metrics, suite_preset
 
-from buildtrain.steps import ngrams
+from buildtrain.steps.ngrams import bloom as ngrams
 
 VOCABULARY = [f"{a}{b}{c}" for a in "bdfgklmnprst" for b in "aeiou" for c in "nrstl"]
 FILES = '[data]\nsource = "files"\nfiles = ["corpus.jsonl"]\nformat = "jsonl"\n'
@@ -112,10 +113,10 @@ def test_planted_halves_are_found_novel_sentences_are_not_and_lm_eval_reports_it
     assert f"overlap {found['harness']}/40" in shown["harness"] and "acc_norm" in shown["harness"]
 
 
-def test_a_suite_sets_its_n_and_the_data_steps_record_a_filter_for_it(bt, tmp_path, store):
-    """`ngram = 8` in a suite: the data steps its weights were trained on record 8-grams too
-    (`ngrams-8.bloom`, their config saying so); planted halves are found with 8-grams, novel
-    sentences are not."""
+def test_a_suite_sets_its_n_and_the_ngrams_step_records_a_filter_for_it(bt, tmp_path, store):
+    """`ngram = 8` in a suite: the ngrams steps of the stages its weights were trained on record
+    8-grams (`ngrams-8.bloom`, their config saying so), and only those; planted halves are found
+    with 8-grams, novel sentences are not."""
     from buildtrain.plan.stored import load_plan
     from buildtrain.store.store import Store
 
@@ -136,31 +137,98 @@ def test_a_suite_sets_its_n_and_the_data_steps_record_a_filter_for_it(bt, tmp_pa
     found = {name: suite["overlap"] for name, suite in row["suites"].items()}
     assert found["planted"] >= 38 and found["novel"] == 0, found
     assert "overlap 0/40 (0.0%), 8-grams" in built.stderr, built.stderr
+    # Built by the evaluation worker while training ran, so the run's own turn finds it cached.
+    beside = re.search(r"ngrams:main +running beside training", built.stderr)
+    trained = re.search(r"train:main +executed", built.stderr)
+    assert beside and trained and beside.start() < trained.start(), built.stderr
+    assert re.search(r"ngrams:main +cached", built.stderr), built.stderr
     plan = load_plan(Store(store), row["hash"])
-    (data,) = [s for s in plan.steps if s.kind == "data"]
-    assert data.config["ngrams"] == [8]
-    output = Store(store).outputs.path(data.hash)
-    assert (output / "ngrams.bloom").is_file() and ngrams.read_filter(output, 8).n == 8
+    (recorded,) = [s for s in plan.steps if s.kind == "ngrams"]
+    assert recorded.config["ngrams"] == [8]
+    output = Store(store).outputs.path(recorded.hash)
+    assert not (output / "ngrams.bloom").exists() and ngrams.read_filter(output, 8).n == 8
     assert bt("fsck").returncode == 0  # the second filter's declared digest re-derives
 
 
-def test_only_a_suite_with_another_n_changes_the_data_step(bt, tmp_path, store):
-    """A plan whose suites all count 13-grams plans the data step a plan without suites plans."""
+def test_suites_never_change_the_data_step_and_their_n_reaches_the_ngrams_step(bt, tmp_path, store):
+    """Whatever n its suites count, a plan plans the data step a plan without suites plans; the
+    ngrams step records each n they count (none without suites)."""
     from conftest import MICRO, plan_hash
 
     from buildtrain.plan.stored import load_plan
     from buildtrain.store.store import Store
 
-    def data_step(preset: Path) -> dict:
+    def steps(preset: Path) -> tuple[dict, list]:
         plan = load_plan(Store(store), plan_hash(bt("plan", str(preset))))
         (data,) = [s for s in plan.steps if s.kind == "data"]
-        return {"hash": data.hash, "config": data.config}
+        recorded = [s.config["ngrams"] for s in plan.steps if s.kind == "ngrams"]
+        return {"hash": data.hash, "config": data.config}, recorded
 
-    plain = data_step(MICRO)
+    plain, none = steps(MICRO)
+    assert none == []
     arith = '{ name = "arith", file = "arithmetic.jsonl"'
-    assert data_step(suite_preset(tmp_path, arith + " }", "a.toml")) == plain
-    assert data_step(suite_preset(tmp_path, arith + ", ngram = 13 }", "b.toml")) == plain
-    eight = data_step(suite_preset(tmp_path, arith + ", ngram = 8 }", "c.toml"))
-    assert eight["config"] == {**plain["config"], "ngrams": [8]}
+    assert steps(suite_preset(tmp_path, arith + " }", "a.toml")) == (plain, [[13]])
+    assert steps(suite_preset(tmp_path, arith + ", ngram = 13 }", "b.toml")) == (plain, [[13]])
+    assert steps(suite_preset(tmp_path, arith + ", ngram = 8 }", "c.toml")) == (plain, [[8]])
+    both = arith + ' }, { name = "other", file = "arithmetic.jsonl", ngram = 8 }'
+    assert steps(suite_preset(tmp_path, both, "e.toml")) == (plain, [[8, 13]])
     refused = bt("plan", str(suite_preset(tmp_path, arith + ", ngram = 0 }", "d.toml")))
     assert refused.returncode == 2 and "eval.suites[0].ngram: must be >= 1" in refused.stderr
+
+
+# What the data step's inline recorder wrote for this text before the filter moved into the ngrams
+# step (computed on main at 6226546, `Recorder(extra=(8,))` over the synthetic corpus below): the
+# ngrams step must write the same bytes, so old eval results keep their cache keys.
+INLINE_DIGESTS = {
+    "ngrams.bloom": "f542d904e2a1d674db1cc090b0f4f4b915981715a8aa967ba2a5f6a42e2d94d3",
+    "ngrams-8.bloom": "0d126cfb63e1526008b945cd153ec5b68c4efbe3239de35335d776f1dbd30528",
+}
+
+
+def test_the_ngrams_step_writes_the_filters_the_data_step_wrote_inline(tmp_path):
+    from buildtrain.config.steps import NgramsStep, SyntheticConfig, TextSettings
+    from buildtrain.steps.ngrams.step import record
+
+    text = TextSettings(
+        source="synthetic",
+        synthetic=SyntheticConfig(documents=300, lines=16, seed=0),
+        split_block=1024,
+        heldout_fraction=0.05,
+        split_seed=0,
+    )
+
+    class Log:
+        def info(self, *_, **__):
+            pass
+
+    digests = record(NgramsStep(text=text, ngrams=(8, 13)), [], tmp_path, Log())
+    assert {k: v for k, v in digests.items() if k != "ngrams"} == INLINE_DIGESTS
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(INLINE_DIGESTS)
+
+
+def test_only_a_plan_with_suites_plans_an_ngrams_step_and_training_never_waits_for_it(bt, tmp_path, store):
+    from conftest import MICRO, plan_hash
+
+    from buildtrain.plan.stored import load_plan
+    from buildtrain.store.store import Store
+
+    def plan_of(preset: Path):
+        return load_plan(Store(store), plan_hash(bt("plan", str(preset))))
+
+    assert [s for s in plan_of(MICRO).steps if s.kind == "ngrams"] == []
+    plan = plan_of(suite_preset(tmp_path, '{ name = "arith", file = "arithmetic.jsonl" }'))
+    kinds = [s.kind for s in plan.steps]
+    (recorded,) = [s for s in plan.steps if s.kind == "ngrams"]
+    (train,) = [s for s in plan.steps if s.kind == "train"]
+    (evaluation,) = [s for s in plan.steps if s.kind == "eval"]
+    assert kinds.index("train") < kinds.index("ngrams") < kinds.index("eval")  # training starts first
+    assert recorded.hash not in train.upstream.values() and recorded.upstream == {}
+    assert evaluation.upstream["ngrams:main"] == recorded.hash
+
+
+def test_a_corpus_of_one_huge_document_has_no_digests_and_matches_nothing():
+    """A document over MAX_DOCUMENT is not digested: a data step of one such file declares no
+    digest, and the whole-document overlap with it is empty (it raised IndexError)."""
+    from buildtrain.steps.data.documents import overlap
+
+    assert overlap(np.zeros(0, dtype=np.uint64), ["one question", "another"]) == []

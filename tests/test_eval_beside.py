@@ -97,7 +97,9 @@ def test_a_killed_evaluation_worker_leaves_no_duplicate_and_no_missing_result(tm
     assert len(list((store / "evals").iterdir())) == 1 + 2 + len(BESIDE)  # held-out, final suites, curves
 
     null = run_bt("run", planned, store=store)
-    assert null.returncode == 0 and "4 cached" in null.stderr, null.stderr
+    assert null.returncode == 0 and "5 cached" in null.stderr, (
+        null.stderr
+    )  # data, train, ngrams, eval, export
     assert len(scored(tmp_path / "experiments")) == len(every)
 
 

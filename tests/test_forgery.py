@@ -169,19 +169,24 @@ def test_forged_tokens_are_refused_at_pull(tmp_path: Path, url: str, micro_built
     assert not Store(b).outputs.has(data)
 
 
-def test_a_forged_ngram_filter_is_refused_at_pull(tmp_path: Path, url: str, micro_built: Reference) -> None:
-    """The contamination check's filter emptied: every question would read as clean."""
-    store, plan, _ = micro_built
+def test_a_forged_ngram_filter_is_refused_at_pull(tmp_path: Path, url: str) -> None:
+    """The contamination check's filter (an ngrams step's) emptied: every question would read as clean."""
+    from test_suites import suite_preset
+
+    store = tmp_path / "a" / ".bt"
+    preset = suite_preset(tmp_path, '{ name = "arith", file = "arithmetic.jsonl" }')
+    plan = plan_hash(bt_at(store, "plan", str(preset)))
+    assert bt_at(store, "run", plan).returncode == 0
     assert bt_at(store, "push", plan, "--remote", url).returncode == 0
-    data = steps_of(micro_built)["data:main"]
-    honest = blob_of(url, data, "ngrams.bloom")
+    (recorded,) = [s.hash for s in load_plan(Store(store), plan).steps if s.kind == "ngrams"]
+    honest = blob_of(url, recorded, "ngrams.bloom")
     header = 8 * 4 + 16 * int.from_bytes(honest[24:32], "little")  # format, n, hashes, count, sizes
-    forge_output(url, data, {"ngrams.bloom": honest[:header] + bytes(len(honest) - header)})
+    forge_output(url, recorded, {"ngrams.bloom": honest[:header] + bytes(len(honest) - header)})
     b = tmp_path / "b" / ".bt"
     pull = bt_at(b, "pull", plan, "--remote", url)
     assert pull.returncode == 5, pull.stderr
-    assert "data:main" in pull.stderr and "ngrams.bloom: gives ngrams.bloom" in pull.stderr, pull.stderr
-    assert not Store(b).outputs.has(data)
+    assert "ngrams:main" in pull.stderr and "ngrams.bloom: gives ngrams.bloom" in pull.stderr, pull.stderr
+    assert not Store(b).outputs.has(recorded)
 
 
 def plant_entry(url: str, forged: dict) -> str:

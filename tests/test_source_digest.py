@@ -27,6 +27,7 @@ from buildtrain.store.store import Store
 REPO = Path(__file__).resolve().parent.parent
 MICRO_STAGES = REPO / "tests" / "presets" / "micro_stages.toml"
 WITH_BPE = ['data.tokenizer={ kind = "bpe", vocab_size = 300 }']
+WITH_SUITE = f'eval.suites=[{{ name = "arith", file = "{REPO / "tests" / "suites" / "arithmetic.jsonl"}" }}]'
 PRESENTATION = (
     "buildtrain.cli",
     "buildtrain.views.text",
@@ -166,7 +167,7 @@ def test_a_computing_edit_changes_the_steps_it_computes(
     """With a trained BPE (every kind but import_hf), then from a checkpoint (import_hf, with a
     given tokenizer file)."""
     store = Store(tmp_path / "store")
-    overrides = checkpoint if pretrained else WITH_BPE
+    overrides = [*(checkpoint if pretrained else WITH_BPE), WITH_SUITE]  # a suite: ngrams steps too
     plan = compiled(package, store, overrides)
     before = {step.label: step.hash for step in plan.steps}
     kinds = {step.kind for step in plan.steps}

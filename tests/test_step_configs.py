@@ -13,6 +13,7 @@ from buildtrain.config.steps import (
     DataSettings,
     DataStep,
     EvalStep,
+    NgramsStep,
     TextSettings,
     TokenizerSettings,
     TokenizerStep,
@@ -34,6 +35,8 @@ def test_every_step_config_reads_back_as_it_was_written(config: Config) -> None:
             assert TokenizerStep.from_config(step.to_config()).to_config() == step.to_config()
         train = TrainStep(model=config.model, train=stage.train, eval=config.eval)
         assert TrainStep.from_config(train.to_config()) == train
+        recorded = NgramsStep(text=TextSettings.of(stage.data), ngrams=(8, 13))
+        assert NgramsStep.from_config(recorded.to_config()).to_config() == recorded.to_config()
     evaluation = EvalStep(eval=config.eval, model=config.model, version=1)
     assert EvalStep.from_config(evaluation.to_config()).to_config() == evaluation.to_config()
 

@@ -488,8 +488,8 @@ class SuiteConfig:
     )
     ngram: int | None = setting(
         None,
-        "words per n-gram of the overlap check (none: 13, lm-eval's and GPT-3's); the data steps the "
-        "weights were trained on record a filter for each n the suites ask for",
+        "words per n-gram of the overlap check (none: 13, lm-eval's and GPT-3's); the ngrams steps of "
+        "the stages the weights were trained on record a filter for each n the suites ask for",
         attrs.validators.optional(attrs.validators.and_(at_least(1), at_most(MAX_NGRAM))),
     )
 

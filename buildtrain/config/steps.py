@@ -201,14 +201,11 @@ class TokenizerStep:
 
 @attrs.frozen(kw_only=True)
 class DataStep:
-    """A data step's config: its data settings, the byte tokenizer's description when no
-    tokenizer step describes the tokens, and `ngrams`, the n-gram sizes other than 13 that the
-    suites checked against its documents ask for (each recorded in a filter of its own; recorded
-    in the config only when there are any, so a plan with only 13-gram suites keeps its hash)."""
+    """A data step's config: its data settings, and the byte tokenizer's description when no
+    tokenizer step describes the tokens."""
 
     data: DataSettings
     tokenizer: TokenizerDescription | None = None
-    ngrams: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DataStep:
@@ -218,9 +215,23 @@ class DataStep:
         config: dict[str, Any] = {"data": self.data.to_config()}
         if self.tokenizer is not None:
             config["tokenizer"] = attrs.asdict(self.tokenizer)
-        if self.ngrams:
-            config["ngrams"] = list(self.ngrams)
         return config
+
+
+@attrs.frozen(kw_only=True)
+class NgramsStep:
+    """An ngrams step's config: how its stage's text is read (as the data step reads it) and the
+    n-gram sizes the plan's suites count, each recorded in a filter of its own."""
+
+    text: TextSettings
+    ngrams: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> NgramsStep:
+        return cls(text=TextSettings.from_config(config["text"]), ngrams=tuple(config["ngrams"]))
+
+    def to_config(self) -> dict[str, Any]:
+        return {"text": self.text.to_config(), "ngrams": list(self.ngrams)}
 
 
 # The eval section's suite settings: recorded (in the plan's config and the eval step's) only where

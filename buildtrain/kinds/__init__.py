@@ -11,7 +11,7 @@ import importlib
 
 from buildtrain.kinds.kind import StepKind
 
-REGISTERED = ("import_hf", "tokenizer", "data", "train", "eval", "export")
+REGISTERED = ("import_hf", "tokenizer", "data", "train", "ngrams", "eval", "export")
 
 KINDS: dict[str, StepKind] = {
     kind.name: kind for kind in (importlib.import_module(f"{__name__}.{name}").KIND for name in REGISTERED)

@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from buildtrain.canonical import digest
-from buildtrain.config.schema import Config, DataConfig, Stage
+from buildtrain.config.schema import DataConfig, Stage
 from buildtrain.config.steps import BYTES, DataSettings, DataStep
-from buildtrain.kinds.eval import lineage
 from buildtrain.kinds.kind import Derived, StepKind
 from buildtrain.plan.plan import Step
 from buildtrain.plan.toolchain import Machine
 from buildtrain.store import objects
-from buildtrain.store.layout import DATA_INDEX, DEFAULT_NGRAM, DOCUMENTS, is_ngram_file
+from buildtrain.store.layout import DATA_INDEX, DOCUMENTS, is_ngram_file
 from buildtrain.store.ngram_file import filter_digest
 from buildtrain.store.tensors import tensor_digest
 
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
 def data_view(data: DataConfig) -> dict[str, Any]:
     """The data section as the plan records it (in every data step and in the plan's config)."""
     return DataSettings.of(data).to_config()
-
-
-def suite_ngrams(config: Config, stage: Stage) -> tuple[int, ...]:
-    """The n-gram sizes other than the default that the eval step's suites check this stage's
-    documents for: a stage whose training made the final weights (`eval.lineage`) records them."""
-    wanted = {s.ngram for s in config.eval.suites if s.ngram not in (None, DEFAULT_NGRAM)}
-    return tuple(sorted(wanted)) if wanted and stage.name in lineage(config) else ()
 
 
 class DataKind(StepKind):
@@ -64,18 +56,15 @@ class DataKind(StepKind):
         inputs: dict[str, Any] = {"sources": planning.sources_input(stage.name)}
         # The tokenizer step's output describes its tokens; the byte tokenizer is described here.
         described = BYTES if tokenizer is None else None
-        config = DataStep(
-            data=DataSettings.of(stage.data), tokenizer=described, ngrams=suite_ngrams(planning.config, stage)
-        ).to_config()
+        config = DataStep(data=DataSettings.of(stage.data), tokenizer=described).to_config()
         if tokenizer is not None:
             inputs["tokenizer"] = tokenizer.hash
         toolchain = self.toolchain(config, planning.config.numerics, machine=planning.machine)
         return Step.create(f"{self.name}:{stage.name}", self.name, config, inputs, toolchain)
 
     def derive_digests(self, output: Path) -> list[Derived]:
-        """Each shard's digest from its tokens, the data digest from them, the documents' and the
-        n-gram filter's digests from their files: what the index and the manifest declare,
-        computed from the bytes."""
+        """Each shard's digest from its tokens, the data digest from them, the documents' digest
+        from its file: what the index and the manifest declare, computed from the bytes."""
         index = json.loads((output / DATA_INDEX).read_bytes())
         listed, found, shards = objects.sealed_files(output), [], {}
         for split, entry in index["splits"].items():
@@ -93,7 +82,8 @@ class DataKind(StepKind):
             count = (output / DOCUMENTS).stat().st_size // 8
             value = digest("documents", {"file": listed[DOCUMENTS], "count": count})
             found.append(Derived(name=DOCUMENTS, value=value, file=DOCUMENTS))
-        for name in sorted(filter(is_ngram_file, listed)):  # the contamination check's filters
+        # An output from before the ngrams kind holds its stage's filters too: still checked.
+        for name in sorted(filter(is_ngram_file, listed)):
             value = filter_digest((output / name).read_bytes())
             found.append(Derived(name=name, value=value, file=name))
         return found

@@ -2,8 +2,8 @@
 benchmark suites. Results are also content-addressed in the store's evaluation cache, keyed by
 what determines them, so weights evaluated once (by any plan) are completed from the cache
 without a process. Only with suites does the step read more: the suites' files (sources, by
-content), the tokenizer step's output, and the document digests of the data steps that trained
-the weights; without them it plans exactly as it did before suites existed."""
+content), the tokenizer step's output, the document digests of the data steps that trained the
+weights and the n-gram filters of the ngrams steps that read the same text; without them it plans exactly as it did before suites existed."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ EVAL_SUITE_VERSIONS = {"heldout": 1}
 
 
 DOCUMENTS = "documents:"  # inputs naming the data steps whose documents a suite is checked against
+NGRAMS = "ngrams:"  # inputs naming the ngrams steps that recorded those documents' n-grams
 
 
 def lineage(config: Config) -> list[str]:
@@ -84,8 +85,9 @@ class EvalKind(StepKind):
             tokenizer = planning.planned("tokenizer", final)
             if tokenizer is not None:
                 inputs["tokenizer"] = tokenizer.hash
-            for name in lineage(config):  # the documents its weights were trained on
+            for name in lineage(config):  # the documents its weights were trained on, their n-grams
                 inputs[f"{DOCUMENTS}{name}"] = planning.required("data", name).hash
+                inputs[f"{NGRAMS}{name}"] = planning.required("ngrams", name).hash
         toolchain = self.toolchain(step_config, config.numerics, machine=planning.machine)
         return Step.create(self.name, self.name, step_config, inputs, toolchain)
 

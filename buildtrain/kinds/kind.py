@@ -67,6 +67,10 @@ class StepKind:
     # `evaluate_checkpoint(ctx, folders, before_scoring)`, and `checkpoints_evaluated(config,
     # kept)` says which updates. None: it waits for its inputs' outputs, as any step does.
     checkpoints_of: ClassVar[str | None] = None
+    # Torch-free, one thread, and after a train step in plan order without reading it: the local
+    # engine builds it beside that train step, on the core evaluation beside training uses, when
+    # its inputs are built by then (`executor/loop/beside.py`); else in plan order, as any step.
+    beside_training: ClassVar[bool] = False
 
     # -- planning -------------------------------------------------------------------------------
 

@@ -105,14 +105,14 @@ DOCUMENTS = "documents.u64"
 TOKENIZER_FILE = "tokenizer.json"  # a tokenizer step output's tokenizer (steps/tokenizer/files.py)
 TOKENIZER_DESCRIPTION = "description.json"  # and what its tokens are
 DATA_INDEX = "data.json"  # a data step output's index: its splits and their shards (steps/data/index.py)
-# In a data step's output: the Bloom filter of its n-grams of words (steps/ngrams.py), named in the
-# manifest as DOCUMENTS is.
+# In an ngrams step's output (and a data step's from before that kind): the Bloom filter of a
+# stage's n-grams of words (steps/ngrams/), named in the manifest as DOCUMENTS is.
 NGRAMS = "ngrams.bloom"
 DEFAULT_NGRAM = 13  # words per n-gram of NGRAMS (GPT-3's and lm-eval's); other n: `ngram_file`
 
 
 def ngram_file(n: int) -> str:
-    """The file of a data step's filter of `n`-grams (a suite's `ngram` asks for one)."""
+    """The file of an ngrams step's filter of `n`-grams (a suite's `ngram` asks for one)."""
     return NGRAMS if n == DEFAULT_NGRAM else f"ngrams-{n}.bloom"
 
 

@@ -1,9 +1,10 @@
-"""What a data step's `ngrams.bloom` declares, read from its header: no numpy, no steps code.
+"""What an ngrams step's `ngrams.bloom` declares, read from its header: no numpy, no steps code.
 
-The file (written by `steps/ngrams.py`) is little-endian 64-bit words: the format word, n, the
+The file (written by `steps/ngrams/bloom.py`) is little-endian 64-bit words: the format word, n, the
 bits set per n-gram, the segment count, then each segment's capacity and item count, then the
 bits. Its declared digest is the file's blake3 with n and the number of n-grams recorded, so a
-pull or fsck re-derives it from the bytes alone (`kinds/data.py`).
+pull or fsck re-derives it from the bytes alone (`kinds/ngrams.py`; `kinds/data.py` for a data
+step's output from before the ngrams kind, which held its filters itself).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def read_header(raw: bytes) -> Header:
 
 
 def filter_digest(raw: bytes) -> str:
-    """The digest a data step declares for these `ngrams.bloom` bytes (ValueError: not such a file)."""
+    """The digest an output declares for these `ngrams.bloom` bytes (ValueError: not such a file)."""
     header = read_header(raw)
     items = sum(items for _, items in header.segments)
     return digest("ngrams", {"file": blake3.blake3(raw).hexdigest(), "n": header.n, "items": items})

@@ -49,17 +49,23 @@ class LocalWorker:
         self._reader.start()
         on_event({"event": "eval_beside_started", "pid": self._worker.process.pid})
 
-    def send(self, submission: Submission, on_event: OnEvent) -> None:
+    def send(
+        self, submission: Submission, on_event: OnEvent, release: Callable[[], None] = lambda: None
+    ) -> None:
+        """Queue a job; `release` (a step's lock) once its descriptor is in the worker's hands."""
         worker = self._worker
         if worker is None or worker.process.poll() is not None:
+            release()
             return
         job = job_of(submission, on_event)
         name = Path(job.options.checkpoint or "").name
         path = self.store.tmp / f"job-beside-{submission.step.hash[:16]}-{name}-{os.getpid()}.json"
         job.write(path)
         self._jobs.append(path)
+        locks = [submission.lock_fd] if submission.lock_fd >= 0 else []  # a step's, held while it runs
         with contextlib.suppress(OSError):  # it died meanwhile: its reader says so
-            socket.send_fds(worker.control, [os.fsencode(path)], [])
+            socket.send_fds(worker.control, [os.fsencode(path)], locks)
+        release()  # the descriptor in flight, then the worker's, keeps the lock (flock: one description)
 
     def close(self, *, now: bool) -> None:
         worker = self._worker

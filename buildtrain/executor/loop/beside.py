@@ -16,10 +16,18 @@ are the same with or without it.
 Only where the train step's process writes into this run's store (the local engine, or a cluster
 sharing its folder, without a remote); a step built in a node's store of its own (a run with a
 remote on a cluster) is evaluated by its eval step, after training.
+
+The runner also builds, before any checkpoint's job, the steps after training in plan order that
+need neither it nor torch (`beside_training` kinds: the ngrams steps, which evaluation reads):
+each under its own lock, taken here (held by the local worker, to which it is handed with the
+job, as a step process holds it; on a cluster engine, here until its task ends), so when the run
+reaches it it is a cache hit, and one another run is building is left alone. A checkpoint's job
+is sent only once its step's other inputs are built (the ngrams steps' filters among them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -33,6 +41,7 @@ from buildtrain.executor.process.job import JobOptions
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
 from buildtrain.store import layout
+from buildtrain.store.claims import Fresh
 from buildtrain.store.store import Store
 
 # How often the train step's checkpoint folder is looked at for a newly sealed checkpoint.
@@ -41,6 +50,20 @@ POLL_S = 0.5
 KILL_EVAL_AFTER = "BT_TEST_KILL_EVAL_AFTER"
 
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
+Release = Callable[[], None]  # lets go of a step's lock
+
+
+def built_beside(store: Store, plan: Plan, train: Step) -> list[Step]:
+    """The steps after `train` in plan order that the local engine builds beside it: of a
+    `beside_training` kind, not built, with every input built (never `train` itself)."""
+    after = plan.steps[plan.steps.index(train) + 1 :]
+    return [
+        step
+        for step in after
+        if kind_of(step.kind).beside_training
+        and not store.outputs.has(step.hash)
+        and all(store.outputs.has(upstream) for upstream in step.upstream.values())
+    ]
 
 
 def planned(plan: Plan, train: Step) -> list[tuple[Step, list[int]]]:
@@ -64,7 +87,11 @@ class Beside:
     ) -> None:
         self.store, self.plan, self.train = store, plan, train
         self.wanted = planned(plan, train)
+        # On a cluster engine only those its evaluation needs (the run may not build them: --target).
+        wanted = self.wanted or not engine.concurrent
+        self.steps = built_beside(store, plan, train) if wanted else []
         self.on_event = lambda line: on_event({**line, "beside": True})
+        self.say = say
         self._sent: set[tuple[str, int]] = set()  # (evaluating step, update): one job each
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="bt-beside", daemon=True)
@@ -84,19 +111,46 @@ class Beside:
     def start(self) -> Beside:
         """Start the runner now (a local worker's `import torch` then overlaps the train
         step's), and the watcher."""
-        if self.wanted:
+        if self.wanted or self.steps:
             self.runner.start(self.on_event)
+        for step in self.steps:
+            self._build(step)
+        if self.wanted:
             self._watcher.start()
         return self
+
+    def _build(self, step: Step) -> None:
+        """Send `step` to the runner holding its lock, unless it is built or being built."""
+        held = contextlib.ExitStack()
+        claim = held.enter_context(self.store.outputs.claim(step.hash, wait=False))
+        if not isinstance(claim, Fresh):
+            held.close()
+            return  # cached meanwhile, or another run holds it: the run's own turn sees to it
+        submission = Submission(
+            store=self.store,
+            plan=self.plan,
+            step=step,
+            threads=1,
+            lock_fd=claim.lock_fd,
+            options=JobOptions(),
+        )
+        self.runner.send(submission, self.on_event, release=held.close)
+        self.say(step.label, "running beside training")
+
+    def _ready(self, step: Step) -> bool:
+        """Whether a checkpoint's job of `step` can run: its inputs but the checkpoints are built."""
+        checkpoints = kind_of(step.kind).checkpoints_of
+        return all(self.store.outputs.has(h) for name, h in step.upstream.items() if name != checkpoints)
 
     def finish(self, *, trained: bool) -> None:
         """Training ended: `trained`, hand over the checkpoints sealed since the last look (the
         output holds them once it is published) and let the jobs finish; else (a failure,
         Ctrl-C) stop them now: what they did not record, a later run scores."""
-        if not self.wanted:
+        if not self.wanted and not self.steps:
             return
         self._stop.set()
-        self._watcher.join()
+        if self.wanted:
+            self._watcher.join()
         if trained:
             self._dispatch(self.store.outputs.checkpoints_dir(self.train.hash))
             self._dispatch(self.store.outputs.path(self.train.hash) / layout.CHECKPOINTS)
@@ -113,6 +167,8 @@ class Beside:
         except OSError:  # not there yet, or removed as the output was published
             return
         for step, updates in self.wanted:
+            if not self._ready(step):
+                continue  # a step built beside training is not yet: a later look sends them
             for update in updates:
                 path = sealed.get(update)
                 if (step.hash, update) in self._sent or path is None or path.is_symlink():
@@ -137,14 +193,18 @@ class EngineTasks:
     def start(self, on_event: OnEvent) -> None:
         on_event({"event": "eval_beside_started", "engine": self.engine.name})
 
-    def send(self, submission: Submission, on_event: OnEvent) -> None:
+    def send(self, submission: Submission, on_event: OnEvent, release: Release = lambda: None) -> None:
+        """Start a task; `release` (a step's lock) once it has ended."""
         try:
             handle = self.engine.start(submission, on_event)
         except BuildtrainError as exc:  # the cluster refused it: the eval step scores it
+            release()
             self.failed(str(exc))
             return
         self._handles.append(handle)
-        waiter = threading.Thread(target=self._wait, args=(handle,), name="bt-beside-task", daemon=True)
+        waiter = threading.Thread(
+            target=self._wait, args=(handle, release), name="bt-beside-task", daemon=True
+        )
         waiter.start()
         self._waiters.append(waiter)
 
@@ -155,12 +215,14 @@ class EngineTasks:
         for waiter in self._waiters:
             waiter.join()
 
-    def _wait(self, handle: Handle) -> None:
+    def _wait(self, handle: Handle, release: Release) -> None:
         try:
             outcome = handle.wait()
         except Exception as exc:  # a task lost with its node: the eval step scores it
             self.failed(f"{type(exc).__name__}: {exc}")
             return
+        finally:
+            release()
         failed = ended(outcome.status)
         if failed is not None:
             self.failed(failed)

@@ -182,12 +182,15 @@ class Builder:
 
     def _beside(self, step: Step, *, shares_store: bool) -> Beside | None:
         """Evaluation beside a train step whose kept checkpoints the plan evaluates, where its
-        process writes them into this store (`beside.py`); None for any other step."""
+        process writes them into this store, and the steps built beside it on the local engine
+        (`beside.py`); None for any other step."""
         if not shares_store or not kind_of(step.kind).resumable:
             return None
-        from buildtrain.executor.loop.beside import Beside, planned
+        from buildtrain.executor.loop.beside import Beside, built_beside, planned
 
-        if not planned(self.plan, step):
+        # A cluster engine runs the ngrams steps at once with training itself: none beside it then.
+        alongside = not self.engine.concurrent and built_beside(self.store, self.plan, step)
+        if not planned(self.plan, step) and not alongside:
             return None
         return Beside(
             self.store, self.plan, step, self.engine, self.record.forward, self.reporter.step

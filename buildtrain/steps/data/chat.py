@@ -196,6 +196,11 @@ def special_texts(tokenizer: Any) -> list[str]:
     return [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content]
 
 
+def record_text(messages: list[Message]) -> str:
+    """A record as the contamination check reads it (documents, n-grams): its turns' contents."""
+    return "".join(str(message["content"]) for message in messages)
+
+
 def build_chat(
     text: TextSettings,
     shard_tokens: int,
@@ -203,10 +208,8 @@ def build_chat(
     tokenizer_dir: Path,
     out: Path,
     log: Any,
-    extra_ngrams: tuple[int, ...] = (),
 ) -> dict[str, str]:
-    """Token and mask shards of every chat record, each record whole in one split (`extra_ngrams`:
-    `DataStep.ngrams`)."""
+    """Token and mask shards of every chat record, each record whole in one split."""
     tokenizer, description = load(tokenizer_dir)
     width = token_width(description["vocab_size"])
     renderer = Renderer(text.chat_template, description["end_of_document_token"])
@@ -214,13 +217,11 @@ def build_chat(
     writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     masks = {s: ShardWriter(out, f"{s}-mask", shard_tokens, 1) for s in ("train", "heldout")}
     runs = split.SplitRuns(text.split_seed, text.heldout_fraction)
-    recorder = Recorder(
-        extra=extra_ngrams
-    )  # each record's turns as one document, for the contamination check
+    recorder = Recorder()  # each record's turns as one document, for the contamination check
     count = 0
     for source in sources:
         for where, messages in records(source):
-            recorder.add_text("".join(str(message["content"]) for message in messages))
+            recorder.add_text(record_text(messages))
             pieces = renderer.segments(messages, where)
             plain = with_special_text(messages, specials, where, "".join(p for p, _ in pieces))
             ids, mask = encoded(tokenizer, pieces, description["end_of_document"], plain)

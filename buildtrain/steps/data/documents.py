@@ -26,7 +26,7 @@ import numpy as np
 
 from buildtrain.canonical import digest
 from buildtrain.sources.durable import write_bytes_durably
-from buildtrain.store.layout import DEFAULT_NGRAM, DOCUMENTS, ngram_file
+from buildtrain.store.layout import DOCUMENTS
 
 # A question is never this long: a longer document is not digested (it cannot equal one), which
 # bounds the cost of a corpus of huge documents. 80 MB of plain text as one document took the byte
@@ -78,16 +78,12 @@ def digest_text(text: str) -> int:
 
 
 class Recorder:
-    """Digests of the documents a data step reads, and the filter of their n-grams
-    (`ngrams.py`; `ngrams=False` leaves it out: benchmarks/data_step.py measures its cost), as it
-    reads them."""
+    """Digests of the documents a data step reads, as it reads them. (Their n-grams are the
+    ngrams step's, `steps/ngrams/`, which reads the same documents again: a filter inline cost
+    the byte data step 4.2x its time, issue 46.)"""
 
-    def __init__(self, *, ngrams: bool = True, extra: tuple[int, ...] = ()) -> None:
-        from buildtrain.steps.ngrams import NgramFilter, NgramStream
-
+    def __init__(self) -> None:
         self.values = array("Q")
-        sizes = dict.fromkeys((DEFAULT_NGRAM, *extra)) if ngrams else {}  # `DataStep.ngrams`: extra
-        self.streams = [(NgramStream(n), NgramFilter(n)) for n in sizes]
 
     def documents(
         self, stream: Iterable[tuple[str, Iterable[bytes]]]
@@ -101,36 +97,23 @@ class Recorder:
         document = DocumentDigest()
         for chunk in chunks:
             document.update(bytes(chunk))
-            for stream, found in self.streams:
-                found.add(stream.update(chunk))
             yield chunk
         value = document.value()
         if value != TOO_LONG:
             self.values.append(value)
-        for stream, found in self.streams:
-            found.add(stream.end())
 
     def add_text(self, text: str) -> None:
         """A document given whole (a chat record: its turns' contents, joined)."""
         self.values.append(digest_text(text))
-        if self.streams:
-            from buildtrain.steps.ngrams import text_ngrams
-
-            for _, found in self.streams:
-                found.add(text_ngrams(text, found.n))
 
     def write(self, out: Path) -> dict[str, str]:
-        """Write `documents.u64` (and `ngrams.bloom`, `ngrams-N.bloom` for other n) into `out`; the
-        digests the output declares for them, by file name."""
+        """Write `documents.u64` into `out`; the digest the output declares for it, by file name."""
         values = np.unique(np.frombuffer(self.values, dtype=np.uint64)).astype("<u8")
         raw = values.tobytes()
         write_bytes_durably(out / DOCUMENTS, raw)
-        digests = {
+        return {
             DOCUMENTS: digest("documents", {"file": blake3.blake3(raw).hexdigest(), "count": len(values)})
         }
-        for _, found in self.streams:
-            digests[ngram_file(found.n)] = found.write(out)
-        return digests
 
 
 def read_documents(output: Path) -> np.ndarray | None:
@@ -143,6 +126,8 @@ def read_documents(output: Path) -> np.ndarray | None:
 
 def overlap(trained: np.ndarray, texts: list[str]) -> list[int]:
     """The indices of `texts` whose digest is among `trained` (sorted)."""
+    if not len(trained):  # no document digested (each over MAX_DOCUMENT): nothing to match
+        return []
     wanted = np.array([digest_text(text) for text in texts], dtype=np.uint64)
     at = np.searchsorted(trained, wanted)
     found = (at < len(trained)) & (trained[np.minimum(at, len(trained) - 1)] == wanted)

@@ -102,18 +102,13 @@ def build_from_plan(
         if settings.format == "chat":
             from buildtrain.steps.data.chat import build_chat  # jinja2
 
-            return build_chat(settings.text, settings.shard_tokens, sources, tokenizer, out, log, step.ngrams)
-        return build_tokenized(
-            settings.text, settings.shard_tokens, sources, tokenizer, out, log, extra_ngrams=step.ngrams
-        )
+            return build_chat(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
+        return build_tokenized(settings.text, settings.shard_tokens, sources, tokenizer, out, log)
     return build(DataStep.from_config(config), sources, out, log)
 
 
-def build(
-    step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any, *, ngrams: bool = True
-) -> dict[str, str]:
-    """Write byte-token shards and `data.json` into `out`; return the logical digests of the output.
-    `ngrams=False` leaves out the n-gram filter (benchmarks/data_step.py measures its cost)."""
+def build(step: DataStep, sources: Sequence[Source | Path], out: Path, log: Any) -> dict[str, str]:
+    """Write byte-token shards and `data.json` into `out`; return the logical digests of the output."""
     settings = step.data
     document_count = 0
     # No helper threads: writing and hashing shards in one and reading ahead in another (both
@@ -122,7 +117,7 @@ def build(
     # 2 shared cores at load 4-6): a thread that holds the GIL when it is preempted stalls all.
     writers = {s: ShardWriter(out, s, settings.shard_tokens) for s in ("train", "heldout")}
     router = BlockRouter(writers, settings.split_block, settings.heldout_fraction, settings.split_seed)
-    recorder = Recorder(ngrams=ngrams, extra=step.ngrams)
+    recorder = Recorder()
     for _, document in recorder.documents(corpus(settings.text, sources)):
         for chunk in document:
             router.add(chunk)

@@ -50,20 +50,16 @@ def build_tokenized(
     tokenizer_dir: Path,
     out: Path,
     log: Any,
-    *,
-    ngrams: bool = True,
-    extra_ngrams: tuple[int, ...] = (),
 ) -> dict[str, str]:
     """Write shards of `shard_tokens` tokens and `data.json` into `out`; return the logical
-    digests of the output (`ngrams=False`: without the n-gram filter, to measure its cost;
-    `extra_ngrams`: the n-gram sizes besides 13 the suites ask for, `DataStep.ngrams`)."""
+    digests of the output."""
     tokenizer, description = load(tokenizer_dir)
     width = token_width(description["vocab_size"])
     dtype = np.uint16 if width == 2 else np.uint32
     end_of_document = description["end_of_document"]
     writers = {s: ShardWriter(out, s, shard_tokens, width) for s in ("train", "heldout")}
     counts = {"documents": 0, "pieces": 0}
-    recorder = Recorder(ngrams=ngrams, extra=extra_ngrams)
+    recorder = Recorder()
 
     def write(batch: list[Piece], encodings: list[Any]) -> None:
         ids: dict[bool, list[int]] = {False: [], True: []}

@@ -63,6 +63,18 @@ def cache_key(step: Step, weights_output: Path, data_output: Path) -> tuple[str,
 
 
 BYTE_TOKENIZER = "bytes"  # the tokenizer of a plan with no tokenizer step (bytes are their ids)
+DATA_INPUT, NGRAMS_INPUT = "documents:", "ngrams:"  # an eval step's inputs per trained-on stage
+
+
+def trained_on(step: Step, inputs: Mapping[str, Path], stage: str, filter_file: str) -> list[str]:
+    """The digests a suite's overlap with one stage's text follows from: its data step's
+    documents and its ngrams step's filter (each only where declared: an output from before
+    either declares none)."""
+    found = []
+    for name, file in ((DATA_INPUT + stage, DOCUMENTS), (NGRAMS_INPUT + stage, filter_file)):
+        if name in step.upstream and file in read_manifest(inputs[name])["digests"]:
+            found.append(_declared(inputs[name], step.inputs[name], file))
+    return found
 
 
 def suite_keys(
@@ -82,17 +94,13 @@ def suite_keys(
     if "tokenizer" in step.inputs:
         tokenizer = _declared(inputs["tokenizer"], step.inputs["tokenizer"], "tokenizer")
     # What the contamination check intersects: each trained-on data step's document digests
-    # and filter of the suite's n-grams (an output from before n-grams declares none).
-    declared = {
-        k: read_manifest(inputs[k])["digests"] for k in sorted(step.upstream) if k.startswith("documents:")
-    }
+    # and its ngrams step's filter of the suite's n-grams, the same values (so the same keys) as
+    # when the data step recorded the filter itself.
+    stages = [k.removeprefix(DATA_INPUT) for k in sorted(step.upstream) if k.startswith(DATA_INPUT)]
     found, sources = [], iter(step.inputs["sources"])
     for suite in suites:
-        names = (DOCUMENTS, ngram_file(suite.get("ngram", DEFAULT_NGRAM)))
-        trained = [
-            [_declared(inputs[k], step.inputs[k], name) for name in names if name in digests]
-            for k, digests in declared.items()
-        ]
+        filter_file = ngram_file(suite.get("ngram", DEFAULT_NGRAM))
+        trained = [trained_on(step, inputs, stage, filter_file) for stage in stages]
         kind = suite_kind(suite["kind"])  # results are cached by its scoring as well as the suite's version
         files = {name: next(sources)["blake3"] for name in kind.sources}
         harness = {"harness": step.toolchain[kind.library]} if kind.library else {}  # its release

@@ -1,6 +1,7 @@
 """What every suite kind's result says beside its score: how many of its questions the weights
-were trained on (`overlap_of`, by n-gram and by whole document, `ngrams.py`, `steps/data/documents.py`),
-and the score withheld where that passes the suite's `max_overlap` (`withheld`). The scoring of
+were trained on (`overlap_of`: by n-gram, in the ngrams steps' filters, `ngrams/bloom.py`, and by
+whole document, in the data steps' digests, `steps/data/documents.py`), and the score withheld where that
+passes the suite's `max_overlap` (`withheld`). The scoring of
 each kind is in its own module (`config/suites/` names it); this is what they share.
 """
 
@@ -30,13 +31,15 @@ def overlap_of(texts: list[str], shown: list[str], inputs: dict[str, Path], n: i
     import numpy as np
 
     from buildtrain.steps.data.documents import overlap, read_documents
-    from buildtrain.steps.ngrams import read_filter, shared
+    from buildtrain.steps.eval.cache import DATA_INPUT, NGRAMS_INPUT
+    from buildtrain.steps.ngrams.bloom import read_filter, shared
 
-    trained_on = [path for name, path in sorted(inputs.items()) if name.startswith("documents:")]
+    trained_on = [path for name, path in sorted(inputs.items()) if name.startswith(DATA_INPUT)]
+    recorded = [path for name, path in sorted(inputs.items()) if name.startswith(NGRAMS_INPUT)]
     arrays = [read_documents(path) for path in trained_on]
     trained = np.unique(np.concatenate([a for a in arrays if a is not None] or [np.zeros(0, np.uint64)]))
     whole = overlap(trained, texts)
-    filters = [f for f in (read_filter(path, n) for path in trained_on) if f is not None]
+    filters = [f for f in (read_filter(path, n) for path in recorded) if f is not None]
     found = sorted(set(shared(filters, texts, n)) | set(whole)) if filters else whole
     examples = [shown[i][:EXAMPLE_CHARACTERS] for i in found[:OVERLAP_EXAMPLES]]
     result = {

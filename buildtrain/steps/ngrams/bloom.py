@@ -9,16 +9,16 @@ N-grams never cross a document's end. A document of fewer than `NGRAM` words (a 
 short training document) is one n-gram of all its words: a short question counts only when it is
 a whole short training document, as the exact tier (`documents.py`) would also find.
 
-Every data step adds its n-grams to a Bloom filter (`ngrams.bloom`; a filter of its own,
-`ngrams-N.bloom`, for each other n its config's `ngrams` lists, which suites ask for), grown in segments as the text
-arrives (a scalable Bloom filter): segment i holds up to `FIRST_ITEMS << i` n-grams in
+The ngrams step (`step.py`) adds a stage's n-grams to a Bloom filter (`ngrams.bloom`; a filter
+of its own, `ngrams-N.bloom`, for each other n its config lists, which suites ask for), grown in
+segments as the text arrives (a scalable Bloom filter): segment i holds up to `FIRST_ITEMS << i` n-grams in
 `BITS_PER_ITEM` bits each, so memory and disk are at most 4 bytes per word read (8 while the
 last segment fills), and the filter's bytes depend on the text alone. Each n-gram sets `HASHES`
 bits in one block of 512 bits (one cache line: one miss per n-gram). A full segment answers
 "present" for an absent n-gram with a chance of about 1e-5 (fill ** HASHES, fill 0.22); the eval
 reports the rate estimated from each segment's real fill, summed over segments.
 
-The hashing is in C (`ngrams.c`, built like `short_blake3.c`: integer arithmetic, the same bits
+The hashing is in C (`bloom.c`, built like `short_blake3.c`: integer arithmetic, the same bits
 on any machine), with the Python below as the fallback and as the reference tests hold it to.
 """
 
@@ -72,7 +72,7 @@ def fresh_state(n: int = NGRAM) -> np.ndarray:
 
 
 def python_ngrams(text: bytes, state: np.ndarray, n: int) -> list[int]:
-    """`ngrams.c`'s `bt_ngrams`, one byte at a time: the fallback and the reference."""
+    """`bloom.c`'s `bt_ngrams`, one byte at a time: the fallback and the reference."""
     word, in_word, words, rolling = (int(v) for v in state[:STATE_WORDS])
     ring, power, out = state[STATE_WORDS:], pow(POLY, n, 1 << 64), []
     for c in text:
@@ -143,14 +143,14 @@ class NgramStream:
 
 
 def text_ngrams(text: str, n: int = NGRAM) -> np.ndarray:
-    """The n-gram hashes of a whole text (a suite question), as a data step records them."""
+    """The n-gram hashes of a whole text (a suite question, a chat record), as the step records them."""
     stream = NgramStream(n)
     first = stream.update(text.encode("utf-8")).copy()
     return np.concatenate([first, stream.end()])
 
 
 def python_add(filter_words: np.ndarray, hashes: np.ndarray) -> None:
-    """`ngrams.c`'s `bt_bloom_add` in numpy."""
+    """`bloom.c`'s `bt_bloom_add` in numpy."""
     blocks = len(filter_words) // BLOCK_WORDS
     block, positions = _positions(hashes, blocks)
     for bit in positions:
@@ -195,7 +195,7 @@ class Segment:
 
 
 class NgramFilter:
-    """The Bloom filter of every n-gram a data step reads, grown a segment at a time."""
+    """The Bloom filter of every n-gram of a stage's text, grown a segment at a time."""
 
     def __init__(self, n: int = NGRAM, *, compiled: bool = True) -> None:
         self.n = n
@@ -229,7 +229,7 @@ class NgramFilter:
 
 
 class LoadedFilter:
-    """A data step's recorded filter, read back for queries."""
+    """An ngrams step's recorded filter, read back for queries."""
 
     def __init__(self, raw: bytes) -> None:
         try:
@@ -268,7 +268,7 @@ class LoadedFilter:
 
 
 def read_filter(output: Path, n: int = NGRAM) -> LoadedFilter | None:
-    """A data step output's filter of `n`-grams, or None for an output that has none."""
+    """An ngrams step output's filter of `n`-grams, or None for an output that has none."""
     path = output / ngram_file(n)
     if not path.is_file():
         return None

@@ -1,12 +1,12 @@
 /* The n-grams of normalised words in a stream of text, and the Bloom filter they are added to
-   (`ngrams.py` says what is hashed and why; its Python functions compute the same bits and are
+   (`bloom.py` says what is hashed and why; its Python functions compute the same bits and are
    the fallback where no compiler builds this). Integer arithmetic only: the same bits on any CPU. */
 #include <stdint.h>
 
 #define FNV_OFFSET 0xcbf29ce484222325ULL
 #define FNV_PRIME 0x100000001b3ULL
 #define POLY 0x9e3779b97f4a7c15ULL
-/* the state of a document read so far, shared with ngrams.py */
+/* the state of a document read so far, shared with bloom.py */
 enum { WORD, IN_WORD, WORDS, ROLLING, RING };
 enum { SPACE = 256, SKIP = 257 }; /* a byte's class beyond its value */
 
