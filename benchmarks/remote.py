@@ -76,7 +76,7 @@ def make_output(store: object, total_mb: int) -> None:
 def raw_download(remote: object, blobs: list[str], into: Path) -> float:
     """The library's own download of every blob into plain files, on the pull's thread count."""
     from buildtrain.store.remote import keys
-    from buildtrain.store.remote.remote import TRANSFERS
+    from buildtrain.store.remote.blobs import TRANSFERS
 
     backend = remote.backend  # type: ignore[attr-defined]
     into.mkdir(parents=True)
