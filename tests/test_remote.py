@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged, UsageError
 from buildtrain.plan.stored import load_plan
-from buildtrain.store import checkpoints, layout, objects, tensors, trace
+from buildtrain.store import checkpoints, durability, layout, objects, tensors, trace
 from buildtrain.store.remote import keyring, keys, leases, signing
 from buildtrain.store.remote.attest import (
     Attestation,
@@ -211,6 +211,8 @@ def test_a_pin_takes_only_that_build_and_a_refusal_leaves_nothing(
     assert_nothing_left(other)
     assert remote.pull_output(other, steps[0], pinned=held, accept=lambda folder: None) is not None
     assert other.read_stamp(steps[0]) is not None and other.check_output(steps[0]) == []
+    # Not fsynced on a local disk: its stamp counts on this boot only (tests/test_durability.py).
+    assert other.read_stamp(steps[0]).get("boot") == durability.unsynced_boot(other.root)
 
 
 def test_a_damaged_manifest_is_named(remote: Remote, built: tuple[Store, list[str]], tmp_path: Path) -> None:

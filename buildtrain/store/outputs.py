@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from buildtrain.canonical import canonical_bytes, digest
-from buildtrain.store import layout, objects
+from buildtrain.store import durability, layout, objects
 from buildtrain.store.claims import Cached, Claim, Fresh, LockedBy, Resume
 from buildtrain.store.folders import Folders
 from buildtrain.store.locks import HeldBy, Locks
@@ -109,24 +109,33 @@ class Outputs:
         if stats is None:
             return self.verify(step_hash) or ["output folder unreadable"]
         stamp = self.read_stamp(step_hash)
-        if stamp is not None and stamp.get("files") == stats:
+        bound = None if stamp is None else stamp.get("boot")
+        if stamp is not None and stamp.get("files") == stats and bound in (None, durability.boot_id()):
             return []
         problems = self.verify(step_hash)
         if not problems:
-            self._stamp(step_hash, stats)
+            # A stamp without a boot says the bytes are on disk: an output pulled unsynced on an
+            # earlier boot is re-hashed once, then made durable here before it says so.
+            if durability.flush_files(self.path(step_hash)):
+                self._stamp(step_hash, stats)
+            elif durability.boot_id() is not None:
+                self._stamp(step_hash, stats, boot=durability.boot_id())
         else:
             self.drop_stamp(step_hash)
         return problems
 
-    def stamp_hashed(self, step_hash: str) -> None:
+    def stamp_hashed(self, step_hash: str, *, boot: str | None = None) -> None:
         """Stamp an output whose every file's bytes the caller hashed as it wrote them and found
-        as the manifest lists (a pull): its first `check` then need not read them again."""
+        as the manifest lists (a pull): its first `check` then need not read them again. `boot`:
+        the files were not fsynced, so the stamp counts only on that boot (`durability.py`)."""
         stats = self._stats(step_hash)
         if stats is not None:
-            self._stamp(step_hash, stats)
+            self._stamp(step_hash, stats, boot=boot)
 
-    def _stamp(self, step_hash: str, stats: dict[str, list[int]]) -> None:
-        body = {"format": STAMP_FORMAT, "step": step_hash, "files": stats}
+    def _stamp(self, step_hash: str, stats: dict[str, list[int]], *, boot: str | None = None) -> None:
+        body: dict[str, Any] = {"format": STAMP_FORMAT, "step": step_hash, "files": stats}
+        if boot is not None:  # only when set: stamps of durable outputs keep their form
+            body["boot"] = boot
         with contextlib.suppress(OSError):  # a read-only store just re-hashes next time
             # A cache, so not fsynced: a stamp lost or torn by a crash is ignored (sealed,
             # checked against the stats), and costs one re-hash of files already durable.
