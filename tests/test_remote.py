@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -756,3 +757,30 @@ def test_a_lease_record_round_trips_and_any_flipped_byte_is_refused(
     at = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
     flipped = raw[:at] + bytes([raw[at] ^ data.draw(st.integers(min_value=1, max_value=255))]) + raw[at + 1 :]
     assert leases._decode(flipped, lease.step, lease.generation) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+def test_the_checkpoint_pusher_yields_the_cpu_to_training_and_nothing_else_does() -> None:
+    """The pusher's thread and the upload threads it starts run at nice 19; the rest of `bt run`
+    (the lease's renewals, the main thread) keeps its priority."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from buildtrain.executor.remote import remote_checkpoints
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict[str, int] = {}
+
+    def pusher() -> None:
+        remote_checkpoints._lower_priority()
+        seen["pusher"] = priority()
+        with ThreadPoolExecutor(2) as pool:
+            seen["upload"] = pool.submit(priority).result()
+
+    before = priority()
+    thread = threading.Thread(target=pusher)
+    thread.start()
+    thread.join()
+    assert seen == {"pusher": remote_checkpoints.PUSHER_NICE, "upload": remote_checkpoints.PUSHER_NICE}
+    assert priority() == before
