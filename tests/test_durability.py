@@ -50,7 +50,7 @@ def test_a_stamp_from_this_boot_spares_the_re_hash(tmp_path: Path) -> None:
     assert store.outputs.check(NAME) == []
 
 
-def test_intact_bytes_under_another_boot_are_re_hashed_once_then_stamped_durable(
+def test_intact_bytes_under_another_boot_are_re_hashed_once_then_stamped_for_any_boot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = published(tmp_path)
@@ -59,8 +59,20 @@ def test_intact_bytes_under_another_boot_are_re_hashed_once_then_stamped_durable
     verify = objects.verify
     monkeypatch.setattr(objects, "verify", lambda root, **kw: reads.append(root.name) or verify(root, **kw))
     assert store.outputs.check(NAME) == [] and reads == [NAME]
-    assert "boot" not in store.outputs.read_stamp(NAME)  # fdatasynced, then stamped for any boot
+    assert "boot" not in store.outputs.read_stamp(NAME)  # read back after a reboot: from disk
     assert store.outputs.check(NAME) == [] and reads == [NAME]
+
+
+def test_a_re_hash_on_the_boot_of_an_unsynced_pull_keeps_its_stamp_bound(tmp_path: Path) -> None:
+    """Its files changed stats (a chmod) on the boot that pulled them unsynced: the re-hash read
+    the page cache, not the disk, so the new stamp stays bound to this boot."""
+    if durability.boot_id() is None:
+        pytest.skip("no boot id on this machine")
+    store = published(tmp_path)
+    store.outputs.stamp_hashed(NAME, boot=durability.boot_id())
+    (store.outputs.path(NAME) / "w.bin").chmod(0o600)  # a new ctime
+    assert store.outputs.check(NAME) == []
+    assert store.outputs.read_stamp(NAME)["boot"] == durability.boot_id()
 
 
 def test_only_a_local_file_system_with_a_boot_id_skips_the_fsync(

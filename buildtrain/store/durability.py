@@ -9,6 +9,11 @@ or still in this kernel's memory; on any other boot it is not trusted and the ou
 (its server can lose data while this machine stays up), as does a machine without a boot id:
 there the caller fsyncs as before. Nothing here ever decides that bytes are right, only whether
 a re-hash may be spared.
+
+A re-hash on the boot of such a stamp keeps the new stamp bound to it (it read the page cache); a
+re-hash on a later boot read the disk, and its stamp counts on every boot. What this cannot see:
+a bound stamp deleted by hand (`rm` in `cache/verified/`) and then a crash on the same boot, with
+a re-hash between them.
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ def unsynced_boot(folder: Path) -> str | None:
 
 
 def flush_files(folder: Path) -> bool:
-    """fdatasync every file under `folder` (nearly free for bytes already on disk): True when
-    all of them are durable now."""
+    """fdatasync every file under `folder` (for a pull whose bound stamp could not be written:
+    unsynced bytes never go without one): True when all of them are durable now."""
     try:
         for path in folder.rglob("*"):
             if path.is_file() and not path.is_symlink():

@@ -139,7 +139,10 @@ class Remote:
         # fsyncing 72 MB took longer than the whole raw download here.
         boot = durability.unsynced_boot(store.root)
         self._assemble(store, raw, step_hash, destination, what=what, key=key, accept=accept, sync=not boot)
-        store.stamp_hashed(step_hash, boot=boot)  # hashed on the way in: not read again on this boot
+        # Hashed on the way in: not read again on this boot. Unsynced bytes never go without a
+        # stamp that binds them to it, which a later re-hash on this boot keeps.
+        if not store.stamp_hashed(step_hash, boot=boot) and boot:
+            durability.flush_files(destination)
         return destination
 
     # -- checkpoints of a step in progress --------------------------------------------------------
