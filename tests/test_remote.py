@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from hypothesis import strategies as st
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged, RemoteUnavailable, UsageError
 from buildtrain.plan.stored import load_plan
-from buildtrain.store import checkpoints, layout, objects, tensors, trace
+from buildtrain.store import checkpoints, durability, layout, objects, tensors, trace
 from buildtrain.store.remote import keyring, keys, leases, signing
 from buildtrain.store.remote.attest import (
     Attestation,
@@ -212,6 +213,8 @@ def test_a_pin_takes_only_that_build_and_a_refusal_leaves_nothing(
     assert_nothing_left(other)
     assert remote.pull_output(other, steps[0], pinned=held, accept=lambda folder: None) is not None
     assert other.outputs.read_stamp(steps[0]) is not None and other.outputs.check(steps[0]) == []
+    # Not fsynced on a local disk: its stamp counts on this boot only (tests/test_durability.py).
+    assert other.outputs.read_stamp(steps[0]).get("boot") == durability.unsynced_boot(other.root)
 
 
 def test_a_damaged_manifest_is_named(remote: Remote, built: tuple[Store, list[str]], tmp_path: Path) -> None:
@@ -757,3 +760,30 @@ def test_a_lease_record_round_trips_and_any_flipped_byte_is_refused(
     at = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
     flipped = raw[:at] + bytes([raw[at] ^ data.draw(st.integers(min_value=1, max_value=255))]) + raw[at + 1 :]
     assert leases._decode(flipped, lease.step, lease.generation) is None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+def test_the_checkpoint_pusher_yields_the_cpu_to_training_and_nothing_else_does() -> None:
+    """The pusher's thread and the upload threads it starts run at nice 19; the rest of `bt run`
+    (the lease's renewals, the main thread) keeps its priority."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from buildtrain.executor.remote import remote_checkpoints
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: dict[str, int] = {}
+
+    def pusher() -> None:
+        remote_checkpoints._lower_priority()
+        seen["pusher"] = priority()
+        with ThreadPoolExecutor(2) as pool:
+            seen["upload"] = pool.submit(priority).result()
+
+    before = priority()
+    thread = threading.Thread(target=pusher)
+    thread.start()
+    thread.join()
+    assert seen == {"pusher": remote_checkpoints.PUSHER_NICE, "upload": remote_checkpoints.PUSHER_NICE}
+    assert priority() == before

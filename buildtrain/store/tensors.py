@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -85,11 +86,23 @@ def tensor_entries(header: dict[str, Any], start: int) -> Iterator[tuple[str, st
 def iter_safetensors(path: Path) -> Iterator[tuple[str, str, list[int], memoryview]]:
     """(name, dtype, shape, bytes) of each tensor in a safetensors file, by name."""
     header, start = read_safetensors_header(path)
-    data = memoryview(path.read_bytes())
+    data = _mapped(path)
     for name, dtype, shape, begin, end in tensor_entries(header, start):
         if not start <= begin <= end <= len(data):
             raise ValueError(f"{path.name}: tensor {name} lies outside the file")
         yield name, dtype, shape, data[begin:end]
+
+
+def _mapped(path: Path) -> memoryview:
+    """A file's bytes, mapped rather than read: no copy and no fresh memory to fault in (a pull's
+    check of 72 MB of checkpoints spent more on `read_bytes` than on hashing). Store files are
+    never truncated in place (they are replaced by rename), so a mapping never loses its pages.
+    The mapping lives as long as the views of it."""
+    with open(path, "rb") as handle:
+        try:
+            return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+        except (ValueError, OSError):  # an empty file, or one that cannot be mapped
+            return memoryview(handle.read())
 
 
 def safetensors_digests(path: Path) -> dict[str, str]:

@@ -8,6 +8,8 @@ pushed; leases, pulls and pushes of outputs stay there.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +26,9 @@ from buildtrain.store.store import Store
 
 # A training step's checkpoint folder is looked at this often for a new checkpoint to push.
 CHECKPOINT_POLL_S = 1.0
+# A push must never slow the training beside it: the pusher's thread, and the upload threads it
+# starts (a new thread inherits its creator's nice value on Linux), yield the CPU to it.
+PUSHER_NICE = 19
 
 
 class SharedCheckpoints:
@@ -119,6 +124,7 @@ class SharedCheckpoints:
         )
 
     def _push_checkpoints(self, folder: Path, step: Step, stop: threading.Event) -> None:
+        _lower_priority()
         pushed = self._pushed.setdefault(step.hash, set())
         while not stop.wait(CHECKPOINT_POLL_S):
             self._push_new(folder, step, pushed)
@@ -135,6 +141,14 @@ class SharedCheckpoints:
                 pushed.add(path.name)
             except (BuildtrainError, OSError, ValueError):
                 continue  # pruned or moved aside meanwhile, or a passing network problem
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority, and no other's: on Linux a nice value belongs to a
+    thread (elsewhere a thread id is no process id, so nothing is changed)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUSHER_NICE)
 
 
 def _newest(folder: Path) -> Path | None:

@@ -30,9 +30,10 @@ class Backend(Protocol):
         """The object's bytes; ObjectMissing when there is none."""
         ...
 
-    def stream(self, key: str) -> Iterator[bytes]:
+    def stream(self, key: str) -> Iterator[bytes | memoryview]:
         """The object's bytes in pieces (for large objects: a download writes and hashes each
-        piece as it arrives); ObjectMissing, raised before the first piece, when there is none."""
+        piece as it arrives); ObjectMissing, raised before the first piece, when there is none.
+        A piece may be a view of a buffer that the next piece reuses: use it before the next."""
         ...
 
     def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:

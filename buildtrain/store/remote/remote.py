@@ -30,7 +30,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
 from buildtrain.sources import durable
-from buildtrain.store import checkpoints, layout, objects
+from buildtrain.store import checkpoints, durability, layout, objects
 from buildtrain.store.remote import blobs, keys, manifests, traces
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing
 from buildtrain.store.remote.connect import open_backend
@@ -136,8 +136,14 @@ class Remote:
                 f"step {step_hash[:12]}", key, f"is not the build this run holds (manifest {pinned[:12]})"
             )
         what = f"step {step_hash[:12]}"
-        self._assemble(store, raw, step_hash, destination, what=what, key=key, accept=accept)
-        store.outputs.stamp_hashed(step_hash)  # hashed on the way in: the store need not read it again
+        # Not fsynced where a stamp bound to this boot can stand for durability (durability.py):
+        # fsyncing 72 MB took longer than the whole raw download here.
+        boot = durability.unsynced_boot(store.root)
+        self._assemble(store, raw, step_hash, destination, what=what, key=key, accept=accept, sync=not boot)
+        # Hashed on the way in: not read again on this boot. Unsynced bytes never go without a
+        # stamp that binds them to it, which a later re-hash on this boot keeps.
+        if not store.outputs.stamp_hashed(step_hash, boot=boot) and boot:
+            durability.flush_files(destination)
         return destination
 
     # -- checkpoints of a step in progress --------------------------------------------------------
@@ -322,18 +328,20 @@ class Remote:
         what: str,
         key: str,
         accept: Accept | None = None,
+        sync: bool = True,
     ) -> None:
         """Build the folder `name` from a manifest's bytes and its blobs under the store's tmp/,
         check it (and `accept` it), and rename it to `destination`; on any problem remove
-        everything and raise."""
+        everything and raise. `sync`: fsync every file and folder first."""
         temporary = store.new_temp(f"pull-{name[:12]}")
         try:
             folder = temporary / name
             folder.mkdir()
             files = self._listed(raw, name, folder, what=what, key=key)
-            self._fetch(files, folder, what)  # each file hashed, written and fsynced
+            self._fetch(files, folder, what, sync)  # each file hashed as written (and fsynced)
             (folder / objects.MANIFEST).write_bytes(raw)
-            blobs.fsync(folder / objects.MANIFEST)
+            if sync:
+                blobs.fsync(folder / objects.MANIFEST)
             # Contents were hashed piece by piece on their way to disk (the same buffers), so
             # the folder is checked for everything else: the manifest, its name, exactly the
             # listed files, their sizes, no links. A full re-hash here, and the store's own
@@ -348,7 +356,7 @@ class Remote:
                     f"remote {self.url}: {what} refused: {problem}; it was not used (nothing of it is "
                     "in the local store): build it locally, and push it again to repair the remote"
                 )
-            for parent in {path.parent for path in folder.rglob("*")} | {folder}:
+            for parent in ({path.parent for path in folder.rglob("*")} | {folder}) if sync else ():
                 durable.fsync_dir(parent)
             objects.commit(folder, destination)
         finally:
@@ -380,8 +388,8 @@ class Remote:
             )
         return files
 
-    def _fetch(self, files: dict[str, tuple[str, int]], folder: Path, what: str) -> None:
-        problems = blobs.fetch(self.backend, files, folder, what)
+    def _fetch(self, files: dict[str, tuple[str, int]], folder: Path, what: str, sync: bool) -> None:
+        problems = blobs.fetch(self.backend, files, folder, what, sync=sync)
         if problems:
             raise RemoteDamaged(
                 f"remote {self.url}: {problems[0]}"
