@@ -10,6 +10,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from conftest import MICRO, REPO, plan_hash, run_bt, step_digests
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,6 +76,34 @@ def test_each_kept_checkpoint_is_scored_beside_training_and_the_bits_do_not_chan
     assert "evaluation beside training stopped (killed by signal 9)" in late.stderr
     assert not [by for _, _, by in scored(late_store.parent / "experiments") if by]
     assert digests[late_store] == digests[beside_store]
+
+
+@pytest.mark.parametrize(
+    "training",
+    [
+        ("--set", 'train.lora={ rank = 4, alpha = 8.0, targets = ["q", "v"] }'),
+        ("--set", "train.micro_batch_size=1", "--set", 'train.sharding="fsdp"'),
+    ],
+    ids=["lora", "fsdp"],
+)
+def test_lora_and_sharded_checkpoints_are_scored_beside_training_too(
+    tmp_path: Path, training: tuple[str, ...]
+) -> None:
+    """A LoRA checkpoint (adapters over a frozen base) and an FSDP one (saved whole from its
+    shards) are scored beside training like any other, with the weights of a run without it."""
+    weights = {}
+    for every in (4, 0):
+        store = tmp_path / f"every{every}" / ".bt"
+        store.parent.mkdir()
+        planned = plan_hash(run_bt("plan", str(preset(store.parent, every)), *training, store=store))
+        result = run_bt("run", planned, store=store)
+        assert result.returncode == 0, result.stderr
+        weights[every] = step_digests(store, planned)["train:main"]["weights"]
+        if every:
+            beside = scored(store.parent / "experiments")
+            assert Counter((s, u) for s, u, by in beside if by) == Counter(BESIDE)
+            assert curves(store, planned) == {"arith": [4, 8, 12], "sums": [4, 8, 12]}
+    assert weights[4] == weights[0]
 
 
 def test_a_killed_evaluation_worker_leaves_no_duplicate_and_no_missing_result(tmp_path: Path) -> None:
