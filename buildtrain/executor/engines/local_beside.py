@@ -25,6 +25,8 @@ from buildtrain.executor.process.processes import JOB_EXIT, Worker, start
 from buildtrain.plan.plan import Plan
 from buildtrain.store.store import Store
 
+Release = Callable[[], None]  # lets go of a step's lock (held by the worker once it has the job)
+
 
 class LocalWorker:
     """The jobs of a local run: one evaluation worker (`worker.py --serve`) on one thread, which
@@ -49,9 +51,7 @@ class LocalWorker:
         self._reader.start()
         on_event({"event": "eval_beside_started", "pid": self._worker.process.pid})
 
-    def send(
-        self, submission: Submission, on_event: OnEvent, release: Callable[[], None] = lambda: None
-    ) -> None:
+    def send(self, submission: Submission, on_event: OnEvent, release: Release = lambda: None) -> None:
         """Queue a job; `release` (a step's lock) once its descriptor is in the worker's hands."""
         worker = self._worker
         if worker is None or worker.process.poll() is not None:

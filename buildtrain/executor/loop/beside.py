@@ -36,7 +36,7 @@ from typing import Any
 
 from buildtrain.errors import BuildtrainError
 from buildtrain.executor.engines.engine import Engine, Handle, OnEvent, Submission
-from buildtrain.executor.engines.local_beside import LocalWorker, ended
+from buildtrain.executor.engines.local_beside import LocalWorker, Release, ended
 from buildtrain.executor.process.job import JobOptions
 from buildtrain.kinds import kind_of
 from buildtrain.plan.plan import Plan, Step
@@ -50,7 +50,6 @@ POLL_S = 0.5
 KILL_EVAL_AFTER = "BT_TEST_KILL_EVAL_AFTER"
 
 Say = Callable[[str, str], None]  # (step label, what happened), as Reporter.step
-Release = Callable[[], None]  # lets go of a step's lock
 
 
 def built_beside(store: Store, plan: Plan, train: Step) -> list[Step]:
