@@ -92,8 +92,10 @@ from common import (  # noqa: E402
     workspace,
 )
 from gpu_parts import (  # noqa: E402
+    architecture_child,
     parts_child,
     profile_child,
+    report_architecture,
     report_parts,
     report_profile,
     report_workspace,
@@ -158,6 +160,8 @@ def build_model(spec: dict[str, Any]) -> Any:
         n_heads=shape["heads"],
         n_kv_heads=shape["heads"],
         ffn_hidden=shape["hidden"],
+        norm=spec.get("norm", "rmsnorm"),  # --architecture swaps these for the reference's
+        mlp=spec.get("mlp", "swiglu"),
     )
     if spec["model"] == "reference":
         return nanogpt(shape["dim"], shape["layers"], shape["heads"], shape["seq"], VOCAB)
@@ -327,6 +331,12 @@ def main() -> int:
         "loop's, bt's loss with torch's defaults, bt's with the step process's settings",
     )
     parser.add_argument(
+        "--architecture",
+        action="store_true",
+        help="instead of the contenders, forward+backward of the reference GPT and of buildtrain's model "
+        "with its norm, MLP or RoPE swapped for the reference's: where the plain loop's distance comes from",
+    )
+    parser.add_argument(
         "--only-compiled",
         action="store_true",
         help="the torch.compile contenders and the eager reference GPT alone (their goal's yardstick)",
@@ -352,6 +362,8 @@ def main() -> int:
             result = workspace_child(spec, build_model)
         elif spec.get("profile"):
             result = profile_child(spec, build_model)
+        elif spec.get("architecture"):
+            result = architecture_child(spec, build_model)
         else:
             result = child(spec)
         if result is not None:  # rank 0's, under torchrun
@@ -378,6 +390,9 @@ def main() -> int:
             return 0
         if args.profile:
             report_profile(__file__, space, base, figures.add)
+            return 0
+        if args.architecture:
+            report_architecture(__file__, space, base, figures.add)
             return 0
         if args.workspace:
             deadline = started + args.budget if args.budget else None

@@ -381,3 +381,87 @@ def report_profile(script: str, space: Workspace, base: dict[str, Any], add: Cal
         raise RuntimeError("the profile child failed (its error is above)")
     for name, ms in json.loads(lines[-1]).items():
         add(f"profile: {name}", 1, ms, unit="ms")
+
+
+def architecture_child(
+    spec: dict[str, Any], build_model: Callable[[dict[str, Any]], Any]
+) -> dict[str, float]:
+    """--architecture: forward+backward (torch's defaults, no determinism, the plain loop's loss)
+    of the reference GPT and of buildtrain's Transformer with one part at a time swapped for the
+    reference's (LayerNorm for RMSNorm, a GELU MLP of 4 x width for SwiGLU, q/k/v as views of the
+    projection with no rotation for RoPE), then all three: which part of the architecture the
+    plain loop's distance to the reference comes from. Alternated, 3 rounds of 5 each; then the
+    kernels that differ most between the reference and buildtrain's model."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, spec["src"])
+    device = torch.device(spec["device"])
+    width = spec["shape"]["dim"]
+    variants = {
+        "reference GPT": {"model": "reference"},
+        "buildtrain": {},
+        "buildtrain, LayerNorm": {"norm": "layernorm"},
+        "buildtrain, GELU MLP": {"mlp": "gelu", "hidden": 4 * width},
+        "buildtrain, no RoPE": {"rope": False},
+        "buildtrain, all three": {"norm": "layernorm", "mlp": "gelu", "hidden": 4 * width, "rope": False},
+    }
+    passes = {}
+    for name, change in variants.items():
+        shape = {**spec["shape"], **{k: v for k, v in change.items() if k == "hidden"}}
+        model = build_model({**spec, "shape": shape, "model": change.get("model", "buildtrain"), **change})
+        if change.get("rope") is False:
+            for block in model.blocks:
+                block.attention.qkv = unrotated_qkv(block.attention)
+        passes[name] = forward_backward_of(model.to(device), spec, device, loss=plain_loss(F))
+    found: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(3):
+        for name, work in passes.items():
+            found[name] += samples(work, device, count=5)
+    times = {name: median(values) for name, values in found.items()}
+    for name, ms in times.items():
+        print(f"   {ms:8.2f} ms  {name}", flush=True)
+    kernels = {
+        name: profiled(name, times[name], passes[name], device) for name in ("reference GPT", "buildtrain")
+    }
+    print_kernel_differences(kernels["reference GPT"], kernels["buildtrain"])
+    return times
+
+
+def unrotated_qkv(attention: Any) -> Callable[..., Any]:
+    """q, k and v as views of the fused projection, as the reference takes them: no RoPE."""
+
+    def qkv(x: Any, cos: Any, sin: Any) -> tuple[Any, Any, Any]:
+        B, T, _ = x.shape
+        projection = attention.wqkv(x).view(B, T, -1, attention.head_dim)
+        nh, qk = attention.n_heads, attention.n_heads + attention.n_kv_heads
+        parts = (projection[:, :, :nh], projection[:, :, nh:qk], projection[:, :, qk:])
+        return tuple(part.transpose(1, 2) for part in parts)
+
+    return qkv
+
+
+def report_architecture(
+    script: str, space: Workspace, base: dict[str, Any], add: Callable[..., None]
+) -> None:
+    """--architecture: the child in a fresh process with torch's defaults, its lines as they come."""
+    note("forward+backward of the reference and of buildtrain's model, one part swapped at a time")
+    done = subprocess.run(
+        [sys.executable, script, "--child", json.dumps({**base, "architecture": True})],
+        env=space.env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), flush=True)
+    if done.returncode != 0 or not lines:
+        raise RuntimeError("the architecture child failed (its error is above)")
+    times = json.loads(lines[-1])
+    for name, ms in times.items():
+        add(f"architecture: {name}", 1, ms, unit="ms")
+    reference = times["reference GPT"]
+    print_table(
+        "forward+backward by architecture (ms, median of 15, torch's defaults, plain loss)",
+        ["model", "ms", "vs reference"],
+        [[name, f"{ms:.2f}", f"{ms / reference:.3f}x"] for name, ms in times.items()],
+    )
