@@ -89,7 +89,49 @@ def test_gpu_py_profiles_the_plain_loop_against_bt(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("option", ["--budget", "--jsonl", "--only-compiled", "--workspace", "--profile"])
+def test_gpu_py_weighs_the_architecture_part_by_part(tmp_path: Path) -> None:
+    """--architecture: the reference and buildtrain's model with each part swapped, each a figure,
+    and the kernels that differ between the reference and buildtrain's model."""
+    figures = tmp_path / "figures.jsonl"
+    command = [
+        sys.executable,
+        "benchmarks/gpu.py",
+        "--architecture",
+        "--device",
+        "cpu",
+        "--jsonl",
+        str(figures),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "-- kernels that differ most" in done.stdout
+    records = [json.loads(line) for line in figures.read_text(encoding="utf-8").splitlines()]
+    assert [record["contender"].removeprefix("architecture: ") for record in records] == [
+        "reference GPT",
+        "buildtrain",
+        "buildtrain, LayerNorm",
+        "buildtrain, GELU MLP",
+        "buildtrain, no RoPE",
+        "buildtrain, all three",
+    ]
+    assert all(record["unit"] == "ms" and record["value"] > 0 for record in records)
+
+
+def test_gpu_check_refuses_a_part_it_does_not_have(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path), "--only", "parts,partz"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "no part named 'partz'" in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "option", ["--budget", "--jsonl", "--only-compiled", "--workspace", "--profile", "--architecture"]
+)
 def test_gpu_py_explains_its_lease_options(option: str) -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/gpu.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
