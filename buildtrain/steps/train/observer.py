@@ -7,7 +7,9 @@ it, which lets verification plug into training without the steps knowing about v
 
 Order within one update (`trainer.train`): forward, loss, backward, clip, optimizer update, zero
 grads, `updated`, record (`recorded`, rank 0, for each line written; see `wants_record`), then a checkpoint if due or `wants_checkpoint`
-(`checkpoint_half_written` in the middle of writing it, `checkpoint_written` after).
+(`checkpoint_half_written` in the middle of writing it, `checkpoint_written` after). The record
+of an update may be made during the next one, after that one's forward and backward are queued
+and before its optimizer update (`arriving.py`); an observer that `wants_record` gets it at once.
 """
 
 from __future__ import annotations

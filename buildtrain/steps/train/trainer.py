@@ -5,27 +5,32 @@ clipping, optimizer update, zero grads, record. Everything random is a pure func
 purpose, counters): the initial weights, the data order and dropout. So the state a checkpoint must
 hold is the weights, the optimizer moments and two integers, and a resume cannot get the
 randomness wrong. Faults and watchers reach the loop only through its observer (`observer.py`).
+
+An update's line (its loss checked, its record, its log) is made while the next update computes,
+once that update's forward and backward are queued (`arriving.py`): a GPU then never waits for
+the host's share of an update. Where something must see the line first (a checkpoint, an
+evaluation, the last update, an observer that reads each line), it is made at once.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import attrs
 import torch
 
-from buildtrain.errors import Interrupted, StepFailed
+from buildtrain.errors import Interrupted
 from buildtrain.steps.data.index import embedding_rows
 from buildtrain.steps.seeds import derive_seed
 from buildtrain.steps.train import checkpoint
+from buildtrain.steps.train.arriving import Arriving, Waiting
 from buildtrain.steps.train.batches import Batches, TokenStream
 from buildtrain.steps.train.controls import TrainControls
 from buildtrain.steps.train.gradient import batch_gradient, seeded
 from buildtrain.steps.train.heldout import evaluate
 from buildtrain.steps.train.lora import add_adapters
-from buildtrain.steps.train.memory import held_bytes, max_rss_mb, newest, out_of_memory_fails
+from buildtrain.steps.train.memory import held_bytes, max_rss_mb, out_of_memory_fails
 from buildtrain.steps.train.model import Transformer
 from buildtrain.steps.train.optimizer import AdamW
 from buildtrain.steps.train.record import RECORD_EVERY, Recorder, recorded_state, update_entry
@@ -75,6 +80,7 @@ class Training:
     trace: checkpoint.Trace = attrs.Factory(lambda self: checkpoint.Trace(self.setup.work), takes_self=True)
     recorder: Recorder = attrs.Factory(lambda self: Recorder.of(self.model), takes_self=True)
     frozen_file: checkpoint.FrozenFile = attrs.Factory(checkpoint.FrozenFile)  # LoRA: linked, not rewritten
+    waiting: Waiting | None = None  # the update done last, its line not made yet (`arriving.py`)
 
     @classmethod
     def start(cls, setup: TrainSetup, log: Any, controls: TrainControls) -> Training:
@@ -190,42 +196,65 @@ class Training:
             self.sharded.reshard()
         return result
 
-    def record(
-        self,
-        loss: float,
-        grad_norm: float,
-        lr: float,
-        started: float,
-        gathered: dict[str, torch.Tensor] | None,
-        evaluated: dict[str, Any] | None,
-    ) -> bool:
+    def may_wait(self, ended: bool) -> bool:
+        """Whether the line of the update just done may wait for the next update's work to be
+        queued: not where something must see it first (a checkpoint, an evaluation, the last
+        update, an observer that reads each line or ends training, a stop), nor with several
+        ranks or shards, whose collectives wait for the device anyway."""
+        at, cfg, controls = self.update, self.setup.train, self.controls
+        observer = controls.observer
+        alone = controls.ranks.world == 1 and self.sharded is None
+        quiet = not ended and controls.stop.signal_name is None and at < cfg.steps
+        due = checkpoint_due(at, cfg) or observer.wants_checkpoint(at) or observer.wants_record(at)
+        looked_at = recorded_state(at, cfg) == "state" or (
+            self.waiting is not None and self.waiting.evaluated
+        )
+        return alone and quiet and not due and not looked_at
+
+    def settle(self, until: float | None = None) -> bool:
+        """The waiting update's line: its loss checked (every rank) and recorded (rank 0); its
+        time ends at `until` (when the next update began), else now. True: the observer says stop."""
+        waiting, self.waiting = self.waiting, None
+        if waiting is None:
+            return False
+        loss, grad_norm = waiting.checked(self.setup.work)
+        if not self.controls.ranks.lead:
+            return False
+        seconds = (until if until is not None else time.perf_counter()) - waiting.started
+        return self.record(waiting, loss, grad_norm, seconds)
+
+    def record(self, done: Waiting, loss: float, grad_norm: float, seconds: float) -> bool:
         """Rank 0's part of an update: record, log, and at a checkpoint, every RECORD_EVERY
         updates or when the observer wants each update, write the trace and observe. True: the
         observer says stop."""
-        setup, at = self.setup, self.update
+        setup, at, gathered = self.setup, done.update, done.gathered
         wanted = recorded_state(at, setup.train)
         whole = self.optimizer if wanted == "state" else None
         tensors = lambda: gathered if gathered is not None else state_tensors(self.model, whole)  # noqa: E731
-        self.recorder.update(update_entry(at, loss, grad_norm, lr, self.cursor), wanted, tensors)
-        if evaluated is not None:
-            self.recorder.evaluated(at, evaluated)
-            self.log.info("eval", step=at, **evaluated)
+        self.recorder.update(update_entry(at, loss, grad_norm, done.lr, done.cursor), wanted, tensors)
+        if done.evaluated is not None:
+            self.recorder.evaluated(at, done.evaluated)
+            self.log.info("eval", step=at, **done.evaluated)
         self.log.info(
             "train_step",
             step=at,
             steps=setup.train.steps,
             loss=round(loss, 6),
-            lr=lr,
+            lr=done.lr,
             grad_norm=round(grad_norm, 6),
-            tokens_per_s=round(
-                setup.train.batch_size * setup.train.seq_len / (time.perf_counter() - started), 1
-            ),
+            tokens_per_s=round(setup.train.batch_size * setup.train.seq_len / seconds, 1),
             max_rss_mb=round(max_rss_mb(), 1),
         )
         observer = self.controls.observer
         if wanted == "state" or observer.wants_record(at) or len(self.recorder) >= RECORD_EVERY:
             return self.flush(gathered)
         return False
+
+    def stopped(self) -> TrainResult:
+        """The observer ended training: rank 0 writes the waiting lines into the trace."""
+        if self.controls.ranks.lead:
+            self.flush()
+        return TrainResult(self.update, self.trace, stopped=True)
 
     def flush(self, gathered: dict[str, torch.Tensor] | None = None) -> bool:
         """Rank 0: the waiting lines into the trace (one copy from the device), each update's
@@ -328,12 +357,10 @@ def _train(setup: TrainSetup, log: Any, controls: TrainControls) -> TrainResult:
                 norm = run.sharded.clip([p for p in model.parameters() if p.grad is not None], max_norm)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            loss, grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # one sync
-            if not math.isfinite(loss):
-                raise StepFailed(
-                    f"loss is {loss} at step {run.update}; nothing was written for this step "
-                    f"(newest checkpoint: {newest(setup.work)}). Lower train.lr or raise train.warmup_steps."
-                )
+            values = Arriving.copy(torch.stack([loss_sum.float(), norm.float()]))
+            if run.settle(until=started):  # the previous update's line, this update's work queued
+                run.update -= 1  # this update's gradient is dropped: the state is the previous one's
+                return run.stopped()
             optimizer.update()
             if not measured:  # once per process: the training state this rank holds, measured
                 log.info("rank_state", world_size=ranks.world, **held_bytes(model, optimizer))
@@ -342,16 +369,18 @@ def _train(setup: TrainSetup, log: Any, controls: TrainControls) -> TrainResult:
         run.cursor += cfg.batch_size
         ended = observer.updated(run.update, model)
         gathered, evaluated = run.gathered(), run.evaluation()
-        if ranks.lead:
-            ended = run.record(loss, grad_norm, lr, started, gathered, evaluated) or ended
+        run.waiting = Waiting(run.update, run.cursor, lr, started, values, gathered, evaluated)
+        if not run.may_wait(ended):
+            ended = run.settle() or ended
         stopping, ended = ranks.any(stop.signal_name is not None, ended)
+        if stopping or ended:  # one rank alone: a signal may have come after `may_wait`
+            ended = run.settle() or ended
         if ended:
-            if ranks.lead:
-                run.flush()
-            return TrainResult(run.update, run.trace, stopped=True)  # a spot check or a divergence
+            return run.stopped()  # a spot check or a divergence
         if checkpoint_due(run.update, cfg) or stopping or observer.wants_checkpoint(run.update):
             run.save()
         if stopping:
             signal_name = stop.signal_name or "a signal to another rank"
             raise Interrupted(f"stopped by {signal_name} after step {run.update}; checkpoint written")
+    run.settle()
     return TrainResult(run.update, run.trace)
