@@ -18,7 +18,13 @@ from typing import Any
 
 from buildtrain.store import objects, trace
 from buildtrain.store.layout import FROZEN, MODEL, OPTIMIZER, SHARDS, STATE_FORMAT, TRACE, TRAIN_STATE
-from buildtrain.store.tensors import combine, iter_safetensors, sharded_tensors, tensor_digest
+from buildtrain.store.tensors import (
+    combine,
+    iter_safetensors,
+    sharded_tensors,
+    streamed_digests,
+    tensor_digest,
+)
 
 # The checkpoint files whose tensors make the training state, and the prefix of their names in the
 # trace's record (`steps/train/state.state_tensors`): weights that train, frozen ones, AdamW moments.
@@ -57,6 +63,10 @@ def state_digest(path: Path) -> str:
     found = {}
     for file, prefix in STATE_FILES:
         if (path / file).is_file():
+            streamed = streamed_digests(path / file, prefix)  # computed as a pull wrote it
+            if streamed is not None:
+                found.update(streamed)
+                continue
             for name, dtype, shape, raw in iter_safetensors(path / file):
                 found[prefix + name] = tensor_digest(prefix + name, dtype, shape, raw)
     return combine(dict(sorted(found.items())))

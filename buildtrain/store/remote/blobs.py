@@ -12,6 +12,7 @@ from pathlib import Path
 
 import blake3
 
+from buildtrain.store import tensors
 from buildtrain.store.remote import keys
 from buildtrain.store.remote.backend import Backend, ObjectMissing
 
@@ -51,9 +52,11 @@ def fetch(
 def fetch_blob(
     backend: Backend, blob: str, size: int, path: Path, what: str, *, sync: bool = True
 ) -> str | None:
-    """Write one blob to `path`, hashing every piece as it arrives; the problem, or None."""
+    """Write one blob to `path`, hashing every piece as it arrives; the problem, or None. A
+    safetensors file's tensor digests are computed from the same pieces and remembered once the
+    file is found whole (`tensors.TensorStream`; the puller forgets them)."""
     key = keys.blob(blob)
-    hasher, written = blake3.blake3(), 0
+    hasher, written, stream = blake3.blake3(), 0, tensors.TensorStream.for_file(path)
     try:
         pieces = backend.stream(key)
     except ObjectMissing:
@@ -66,6 +69,8 @@ def fetch_blob(
                 written += handle.write(piece)
                 if written > size:  # never more than the manifest declares
                     break
+                if stream is not None:
+                    stream.update(piece)
     except OSError as exc:  # the local side: a full disk, a name the file system refuses
         return f"{what}: cannot be written into the store ({exc.strerror or exc})"
     if written != size or hasher.hexdigest() != blob:
@@ -75,6 +80,8 @@ def fetch_blob(
             fsync(path)
     except OSError as exc:
         return f"{what}: cannot be written into the store ({exc.strerror or exc})"
+    if stream is not None:  # only now: its digests count once the bytes are the blob's
+        tensors.remember(path, stream)
     return None
 
 

@@ -30,7 +30,7 @@ import attrs
 from buildtrain.canonical import canonical_bytes, digest
 from buildtrain.errors import CorruptObject, RemoteDamaged
 from buildtrain.sources import durable
-from buildtrain.store import checkpoints, durability, layout, objects
+from buildtrain.store import checkpoints, durability, layout, objects, tensors
 from buildtrain.store.remote import blobs, keys, manifests, traces
 from buildtrain.store.remote.backend import AlreadyExists, Backend, ObjectMissing
 from buildtrain.store.remote.connect import open_backend
@@ -360,6 +360,7 @@ class Remote:
                 durable.fsync_dir(parent)
             objects.commit(folder, destination)
         finally:
+            tensors.forget(temporary)  # digests computed as its files came in
             objects.remove_tree(temporary)
 
     def _listed(
