@@ -369,18 +369,21 @@ def report_profile(script: str, space: Workspace, base: dict[str, Any], add: Cal
     from buildtrain.executor.process import numerics
 
     environment = numerics.environment("native", base["device"], 1)
+    for name, ms in echoed_child(script, {**base, "profile": True}, space.env(**environment)).items():
+        add(f"profile: {name}", 1, ms, unit="ms")
+
+
+def echoed_child(script: str, spec: dict[str, Any], env: dict[str, str]) -> dict[str, float]:
+    """Run `script --child SPEC` in a fresh process, printing its lines as it ends (its error
+    goes to the terminal as it comes); its last line, as JSON."""
     done = subprocess.run(
-        [sys.executable, script, "--child", json.dumps({**base, "profile": True})],
-        env=space.env(**environment),
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, script, "--child", json.dumps(spec)], env=env, stdout=subprocess.PIPE, text=True
     )
     lines = done.stdout.strip().splitlines()
     print("\n".join(lines[:-1]), flush=True)
     if done.returncode != 0 or not lines:
-        raise RuntimeError("the profile child failed (its error is above)")
-    for name, ms in json.loads(lines[-1]).items():
-        add(f"profile: {name}", 1, ms, unit="ms")
+        raise RuntimeError("the child process failed (its error is above)")
+    return json.loads(lines[-1])
 
 
 def architecture_child(
@@ -446,17 +449,7 @@ def report_architecture(
 ) -> None:
     """--architecture: the child in a fresh process with torch's defaults, its lines as they come."""
     note("forward+backward of the reference and of buildtrain's model, one part swapped at a time")
-    done = subprocess.run(
-        [sys.executable, script, "--child", json.dumps({**base, "architecture": True})],
-        env=space.env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines = done.stdout.strip().splitlines()
-    print("\n".join(lines[:-1]), flush=True)
-    if done.returncode != 0 or not lines:
-        raise RuntimeError("the architecture child failed (its error is above)")
-    times = json.loads(lines[-1])
+    times = echoed_child(script, {**base, "architecture": True}, space.env())
     for name, ms in times.items():
         add(f"architecture: {name}", 1, ms, unit="ms")
     reference = times["reference GPT"]
