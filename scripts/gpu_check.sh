@@ -80,7 +80,7 @@ part() {  # part NAME SECONDS COMMAND...: run it, print and keep its output, rem
     python -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
 } 2>&1 | tee "$out/machine.txt"
 
-cuda_tests=(tests/test_cuda.py tests/test_optimizer.py tests/test_fingerprint.py::test_a_gpu_computes_the_sums_of_the_host)
+cuda_tests=(tests/test_cuda.py tests/test_optimizer.py tests/test_arriving.py tests/test_fingerprint.py::test_a_gpu_computes_the_sums_of_the_host)
 part tests 120 python -m pytest -v -n 8 --dist load -p no:cacheprovider --durations=8 -k "not compiled" "${cuda_tests[@]}"
 part parts 55 python benchmarks/gpu.py --parts --device "$device" --jsonl "$figures"
 part architecture 45 python benchmarks/gpu.py --architecture --device "$device" --jsonl "$figures"
