@@ -146,10 +146,10 @@ def _strict() -> Any:
 def load_tasks(config: dict[str, Any], where: str) -> dict[str, Any]:
     """The harness's task objects for `config`, its dataset loaded: a failure names the task
     file and the reason (a dataset that does not load is no disk problem)."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
-    try:
-        return get_task_dict([config], TaskManager(include_defaults=False))
+    try:  # {task name: task}; the harness's `get_task_dict` is deprecated for `load` since 0.4.13
+        return TaskManager(include_defaults=False).load([config])["tasks"]
     except BuildtrainError:
         raise
     except TemplateRefused as exc:
