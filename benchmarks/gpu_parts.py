@@ -411,7 +411,7 @@ def architecture_child(
     }
     passes = {}
     for name, change in variants.items():
-        shape = {**spec["shape"], **{k: v for k, v in change.items() if k == "hidden"}}
+        shape = {**spec["shape"], "hidden": change.get("hidden", spec["shape"]["hidden"])}
         model = build_model({**spec, "shape": shape, "model": change.get("model", "buildtrain"), **change})
         if change.get("rope") is False:
             for block in model.blocks:

@@ -13,8 +13,8 @@ and the store's check before first use; the train output's is what `bt run` does
 checkpoints against the trace, before the folder enters the store), timed from a store that
 already holds the plan and a client already open, as in a run and as the raw side's (opening the
 client and saving the plan durably took about 10 ms of a 100 ms pull, once per run in `bt run`).
-Reports medians, their ratio, and the median of each
-round's own ratio raw time / pull time, the figure (goal: >= 0.8x).
+Reports medians, their ratio, and the figure: the median of each round's own ratio raw time /
+pull time (goal: >= 0.8x).
 
 Then, with `bt` itself against the same SeaweedFS: the wall time of a `bt run` whose every step is
 pulled from the remote (a fresh store) against a local null build of the same plan; and the train

@@ -37,8 +37,7 @@ class Arriving:
     def copy(cls, values: torch.Tensor) -> Arriving:
         if values.device.type != "cuda":
             return cls(values)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
+        host = values.to("cpu", non_blocking=True)  # torch pins a non-blocking copy to the host
         ready = torch.cuda.Event()
         ready.record()
         return cls(host, ready)

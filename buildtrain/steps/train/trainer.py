@@ -198,18 +198,16 @@ class Training:
 
     def may_wait(self, ended: bool) -> bool:
         """Whether the line of the update just done may wait for the next update's work to be
-        queued: not where something must see it first (a checkpoint, an evaluation, the last
-        update, an observer that reads each line or ends training, a stop), nor with several
-        ranks or shards, whose collectives wait for the device anyway."""
+        queued: not where something must see it first (a checkpoint, the last update's included;
+        an evaluation; an observer that reads each line or ends training; a stop), nor with
+        several ranks or shards, whose collectives wait for the device anyway."""
         at, cfg, controls = self.update, self.setup.train, self.controls
         observer = controls.observer
         alone = controls.ranks.world == 1 and self.sharded is None
-        quiet = not ended and controls.stop.signal_name is None and at < cfg.steps
-        due = checkpoint_due(at, cfg) or observer.wants_checkpoint(at) or observer.wants_record(at)
-        looked_at = recorded_state(at, cfg) == "state" or (
-            self.waiting is not None and self.waiting.evaluated
-        )
-        return alone and quiet and not due and not looked_at
+        quiet = not ended and controls.stop.signal_name is None
+        seen = checkpoint_due(at, cfg) or observer.wants_checkpoint(at) or observer.wants_record(at)
+        evaluated = self.waiting is not None and self.waiting.evaluated is not None
+        return alone and quiet and not seen and not evaluated
 
     def settle(self, until: float | None = None) -> bool:
         """The waiting update's line: its loss checked (every rank) and recorded (rank 0); its
